@@ -1,0 +1,43 @@
+// ggml_ssm_conv_tree on the CPU: threads split d_inner.
+
+#include "ggml-ext-cpu.h"
+#include "ggml-cpu-impl.h"
+#include "ggml-impl.h"
+#include "../src/tree-walk.h"
+
+#define GGML_EXT_MAX_CONV 16
+
+void ggml_ext_cpu_ssm_conv_tree(const struct ggml_compute_params * params, struct ggml_tensor * dst) {
+    const struct ggml_tensor * sx     = dst->src[0];
+    const struct ggml_tensor * c      = dst->src[1];
+    const struct ggml_tensor * parent = dst->src[2];
+
+    const int d_conv  = (int) c->ne[0];
+    const int d_inner = (int) c->ne[1];
+    const int n_t     = (int) dst->ne[1];
+    const int n_s     = (int) dst->ne[2];
+    GGML_ASSERT(d_conv <= GGML_EXT_MAX_CONV);
+    GGML_ASSERT(sx->nb[0] == sizeof(float) && c->nb[0] == sizeof(float));
+
+    const int per_thread = (d_inner + params->nth - 1) / params->nth;
+    const int r0 = per_thread * params->ith;
+    const int r1 = MIN(r0 + per_thread, d_inner);
+
+    int cols[GGML_EXT_MAX_CONV];
+    for (int s = 0; s < n_s; ++s) {
+        const int * par = (const int *) ((const char *) parent->data + s * parent->nb[1]);
+        for (int t = 0; t < n_t; ++t) {
+            ggml_ext_conv_tree_window(par, t, d_conv, cols);
+            float * out = (float *) ((char *) dst->data + t * dst->nb[1] + s * dst->nb[2]);
+            for (int r = r0; r < r1; ++r) {
+                const float * x = (const float *) ((const char *) sx->data + r * sx->nb[1] + s * sx->nb[2]);
+                const float * w = (const float *) ((const char *) c->data + r * c->nb[1]);
+                float sum = 0.0f;
+                for (int j = 0; j < d_conv; ++j) {
+                    sum += x[cols[j]] * w[j];
+                }
+                out[r] = sum;
+            }
+        }
+    }
+}

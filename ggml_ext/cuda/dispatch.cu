@@ -1,0 +1,21 @@
+// Routes the ggml_ext ops to their CUDA kernels and says which shapes those kernels take.
+
+#include "ggml-ext-cuda.cuh"
+#include "ggml-ext.h"
+
+void ggml_ext_cuda_compute_forward(ggml_backend_cuda_context & ctx, ggml_tensor * dst) {
+    switch (dst->op) {
+        case GGML_OP_SSM_CONV_TREE: ggml_ext_cuda_ssm_conv_tree(ctx, dst); break;
+        default: GGML_ABORT("ggml_ext: no CUDA kernel for %s", ggml_op_name(dst->op));
+    }
+}
+
+bool ggml_ext_cuda_supports_op(int device, const ggml_tensor * op) {
+    GGML_UNUSED(device);
+    switch (op->op) {
+        case GGML_OP_SSM_CONV_TREE:
+            return op->src[1]->ne[0] == 4 && op->src[0]->nb[0] == sizeof(float);
+        default:
+            return false;
+    }
+}

@@ -1,0 +1,11 @@
+"""pydflash's bindings to its own ggml build (cffi, ABI mode).
+
+Tiers: `_ffi` is the generated 1:1 layer (private), `core` the thin owning layer exported here, and
+`ext` the checked wrappers of pydflash's own ops.
+"""
+from .core import (Allocator, Backend, Buffer, Context, GGMLError, Graph, Op, Tensor, Type, devices, quantize,
+                   row_size, type_of)
+from .ext import ssm_conv_tree
+
+__all__ = ["Allocator", "Backend", "Buffer", "Context", "GGMLError", "Graph", "Op", "Tensor", "Type", "devices",
+           "quantize", "row_size", "type_of", "ssm_conv_tree"]

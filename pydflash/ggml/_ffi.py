@@ -1,0 +1,44 @@
+"""The 1:1 layer: cffi ABI-mode declarations generated at build time, and the loaded libraries.
+
+Private to pydflash.ggml; nothing else imports cffi objects.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import cffi
+
+# Must equal GGML_EXT_ABI_VERSION in ggml_ext/include/ggml-ext.h of the libraries we load.
+EXT_ABI_VERSION = 1
+
+_PKG = Path(__file__).resolve().parent.parent
+LIB_DIR = Path(os.environ.get("PYDFLASH_LIB_DIR", _PKG / "lib"))
+_CDEF = Path(__file__).resolve().parent / "_cdef.h"
+
+
+class BuildMissingError(ImportError):
+    """pydflash's compiled ggml is not where the package expects it."""
+
+
+def _load():
+    lib_path = LIB_DIR / "libpydflash-ggml.so"
+    if not _CDEF.is_file() or not lib_path.is_file():
+        raise BuildMissingError(
+            f"pydflash's ggml build is missing ({_CDEF.name} or {lib_path}). Install the package with "
+            f"`pip install .` (which compiles it) rather than importing it from a source checkout."
+        )
+    ffi = cffi.FFI()
+    ffi.cdef(_CDEF.read_text())
+    # RTLD_LOCAL: our ggml must never be bound in place of llama-cpp-python's (or the reverse); the libraries
+    # also carry unique SONAMEs, so the dynamic linker cannot confuse them.
+    lib = ffi.dlopen(str(lib_path), os.RTLD_NOW | os.RTLD_LOCAL)
+    found = lib.ggml_ext_abi_version()
+    if found != EXT_ABI_VERSION:
+        raise BuildMissingError(
+            f"{lib_path} has ggml_ext ABI {found}, this pydflash expects {EXT_ABI_VERSION}: reinstall pydflash"
+        )
+    return ffi, lib
+
+
+ffi, lib = _load()

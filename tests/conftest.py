@@ -1,0 +1,47 @@
+"""Shared fixtures: every op test runs on the CPU backend in CI and, with `-m cuda`, on CUDA."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from pydflash import ggml
+
+
+@pytest.fixture(scope="session", params=["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def backend(request) -> ggml.Backend:
+    return ggml.Backend(request.param)
+
+
+@pytest.fixture
+def rng(request) -> np.random.Generator:
+    """Fresh random inputs per test, reproducible from the test's name."""
+    return np.random.default_rng(abs(hash(request.node.nodeid)) % (1 << 32))
+
+
+def run_graph(backend: ggml.Backend, build, inputs: dict[str, np.ndarray], n_nodes: int = 64):
+    """Build a graph with `build(ctx, tensors) -> output tensor(s)` over input tensors made from `inputs`
+    (numpy arrays in C order; ggml shape = reversed), compute it on `backend`, return the outputs as numpy."""
+    ctx = ggml.Context(n_tensors=len(inputs) + n_nodes, graph_size=n_nodes)
+    tensors = {name: ctx.new_tensor(arr.dtype, arr.shape[::-1], name=name) for name, arr in inputs.items()}
+    for t in tensors.values():
+        t.mark_input()
+    outputs = build(ctx, tensors)
+    single = isinstance(outputs, ggml.Tensor)
+    graph = ctx.graph(outputs)
+    alloc = ggml.Allocator(backend)
+    alloc.allocate(graph)
+    for name, arr in inputs.items():
+        tensors[name].set(arr)
+    backend.compute(graph)
+    results = [o.numpy() for o in graph.outputs]
+    return results[0] if single else results
+
+
+def rel_err(got: np.ndarray, ref: np.ndarray) -> float:
+    """||got - ref|| / ||ref|| in float64; NaN/inf anywhere counts as total failure."""
+    got = np.asarray(got, dtype=np.float64)
+    ref = np.asarray(ref, dtype=np.float64)
+    assert got.shape == ref.shape, f"shape {got.shape} != reference {ref.shape}"
+    if not np.all(np.isfinite(got)):
+        return float("inf")
+    return float(np.linalg.norm(got - ref) / max(np.linalg.norm(ref), 1e-300))
