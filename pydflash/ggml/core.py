@@ -33,6 +33,13 @@ _TYPE_OF_NUMPY = {np.dtype(v): k for k, v in _NUMPY_OF_TYPE.items()}
 _TENSOR_PTR = ffi.typeof("struct ggml_tensor *")
 _CONTEXT_PTR = ffi.typeof("struct ggml_context *")
 
+# Resolved now, not lazily in __del__: cffi resolves a library symbol under a non-reentrant lock, and a
+# garbage collection that runs a destructor while that lock is held (inside any ffi.new/typeof) deadlocks.
+_FREE_CONTEXT = lib.ggml_free
+_FREE_BACKEND = lib.ggml_backend_free
+_FREE_BUFFER = lib.ggml_backend_buffer_free
+_FREE_GALLOCR = lib.ggml_gallocr_free
+
 
 class GGMLError(RuntimeError):
     """A ggml call failed, or would have aborted the process on the given input."""
@@ -150,7 +157,7 @@ class Backend:
 
     def close(self) -> None:
         if getattr(self, "_ptr", ffi.NULL) != ffi.NULL:
-            lib.ggml_backend_free(self._ptr)
+            _FREE_BACKEND(self._ptr)
             self._ptr = ffi.NULL
 
     __del__ = close
@@ -175,7 +182,7 @@ class Buffer:
 
     def close(self) -> None:
         if getattr(self, "_ptr", ffi.NULL) != ffi.NULL:
-            lib.ggml_backend_buffer_free(self._ptr)
+            _FREE_BUFFER(self._ptr)
             self._ptr = ffi.NULL
 
     __del__ = close
@@ -361,7 +368,7 @@ class Context:
 
     def close(self) -> None:
         if getattr(self, "_ptr", ffi.NULL) != ffi.NULL:
-            lib.ggml_free(self._ptr)
+            _FREE_CONTEXT(self._ptr)
             self._ptr = ffi.NULL
 
     __del__ = close
@@ -410,7 +417,7 @@ class Allocator:
 
     def close(self) -> None:
         if getattr(self, "_ptr", ffi.NULL) != ffi.NULL:
-            lib.ggml_gallocr_free(self._ptr)
+            _FREE_GALLOCR(self._ptr)
             self._ptr = ffi.NULL
 
     __del__ = close

@@ -1,0 +1,111 @@
+"""The thin binding layer: devices, ownership checks, errors raised before ggml could abort, and the ggml_ext
+op hook end to end (patched enum + constructor in ggml-base + kernels in the backends)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from conftest import run_graph
+from pydflash import ggml
+from pydflash.ggml import _ffi
+
+
+def test_library_is_our_build():
+    assert _ffi.lib.ggml_ext_abi_version() == _ffi.EXT_ABI_VERSION
+    assert any(d["kind"] == "cpu" for d in ggml.devices())
+
+
+def test_unknown_or_missing_devices_are_explained():
+    with pytest.raises(ValueError, match="unknown device"):
+        ggml.Backend("tpu")
+    with pytest.raises(ValueError, match="cuda:N"):
+        ggml.Backend("cuda:x")
+    if not any(d["name"].startswith("CUDA") for d in ggml.devices()):
+        with pytest.raises(ValueError, match="built without CUDA"):
+            ggml.Backend("cuda")
+
+
+def test_tensor_io_checks():
+    be = ggml.Backend("cpu", n_threads=1)
+    ctx = ggml.Context(n_tensors=4)
+    t = ctx.new_tensor(np.float32, (8, 2), name="t")
+    with pytest.raises(ggml.GGMLError, match="no device memory"):
+        t.set(np.zeros((2, 8), np.float32))
+    buf = be.alloc_tensors(ctx)
+    assert buf.nbytes >= 64
+    with pytest.raises(TypeError, match="F32"):
+        t.set(np.zeros((2, 8), np.float64))
+    with pytest.raises(ValueError, match="64 bytes"):
+        t.set(np.zeros((3, 8), np.float32))
+    data = np.arange(16, dtype=np.float32).reshape(2, 8)
+    t.set(data)
+    np.testing.assert_array_equal(t.numpy(), data)
+    with pytest.raises(ValueError, match="multiple of 32"):
+        ctx.new_tensor(ggml.Type.Q8_0, (40, 2))
+
+
+def test_graph_must_be_allocated_before_compute():
+    be = ggml.Backend("cpu", n_threads=1)
+    ctx = ggml.Context(n_tensors=4, graph_size=4)
+    a = ctx.new_tensor(np.float32, (4,)).mark_input()
+    g1 = ctx.graph(ctx.scale(a, 2.0))
+    with pytest.raises(ggml.GGMLError, match="not allocated"):
+        be.compute(g1)
+    alloc = ggml.Allocator(be)
+    alloc.allocate(g1)
+    a.set(np.ones(4, np.float32))
+    be.compute(g1)
+    np.testing.assert_array_equal(g1.outputs[0].numpy(), np.full(4, 2.0, np.float32))
+    # allocating another graph on the same allocator invalidates the first
+    ctx2 = ggml.Context(n_tensors=4, graph_size=4)
+    g2 = ctx2.graph(ctx2.scale(ctx2.new_tensor(np.float32, (4,)).mark_input(), 3.0))
+    alloc.allocate(g2)
+    with pytest.raises(ggml.GGMLError, match="another graph"):
+        be.compute(g1)
+
+
+def test_generic_op_dispatch_checks_arity_and_types():
+    ctx = ggml.Context(n_tensors=4, graph_size=4)
+    a = ctx.new_tensor(np.float32, (4, 4))
+    with pytest.raises(TypeError, match="takes 2 arguments"):
+        ctx.mul_mat(a)
+    with pytest.raises(TypeError, match="expected a Tensor"):
+        ctx.mul_mat(a, np.zeros(4))
+    with pytest.raises(AttributeError, match="not a graph op"):
+        ctx.set_input
+    with pytest.raises(AttributeError, match="no op"):
+        ctx.definitely_not_an_op
+
+
+def test_ext_op_is_registered_after_upstream_ops():
+    assert ggml.Op.SSM_CONV_TREE > ggml.Op.GLU
+    ctx = ggml.Context(n_tensors=8)
+    sx = ctx.new_tensor(np.float32, (3 + 5, 16, 1))
+    c = ctx.new_tensor(np.float32, (4, 16))
+    parent = ctx.new_tensor(np.int32, (5, 1))
+    assert ggml.ssm_conv_tree(ctx, sx, c, parent).op == ggml.Op.SSM_CONV_TREE
+
+
+def test_ext_op_chain_equals_upstream_op(backend, rng):
+    """ssm_conv_tree with parent[t] = t-1 runs through the patched dispatch and equals ggml_ssm_conv."""
+    d_conv, d_inner, n_t, n_s = 4, 256, 6, 2
+    sx = rng.standard_normal((n_s, d_inner, d_conv - 1 + n_t)).astype(np.float32)
+    c = rng.standard_normal((d_inner, d_conv)).astype(np.float32)
+    parent = np.tile(np.arange(n_t, dtype=np.int32) - 1, (n_s, 1))
+    tree = run_graph(backend, lambda ctx, t: ggml.ssm_conv_tree(ctx, t["sx"], t["c"], t["p"]),
+                     {"sx": sx, "c": c, "p": parent})
+    chain = run_graph(backend, lambda ctx, t: ctx.ssm_conv(t["sx"], t["c"]), {"sx": sx, "c": c})
+    np.testing.assert_array_equal(tree, chain)
+
+
+def test_ext_wrapper_rejects_bad_input_before_ggml():
+    ctx = ggml.Context(n_tensors=8)
+    sx = ctx.new_tensor(np.float32, (3 + 5, 16, 1))
+    c = ctx.new_tensor(np.float32, (4, 16))
+    with pytest.raises(ValueError, match="parent"):
+        ggml.ssm_conv_tree(ctx, sx, c, ctx.new_tensor(np.int32, (4, 1)))
+    with pytest.raises(TypeError, match="I32"):
+        ggml.ssm_conv_tree(ctx, sx, c, ctx.new_tensor(np.float32, (5, 1)))
+    with pytest.raises(ValueError, match="earlier node"):
+        ggml.ext.check_parents(np.array([-1, 0, 2]))
+    np.testing.assert_array_equal(ggml.ext.check_parents([-1, 0, 0, 1]), [[-1, 0, 0, 1]])
