@@ -64,6 +64,19 @@ def test_graph_must_be_allocated_before_compute():
         be.compute(g1)
 
 
+def test_unsupported_node_is_refused_before_compute():
+    class NoBackend:  # a backend that supports nothing stands in for a GPU lacking an op
+        name = "none"
+        _ptr = ggml.core.ffi.NULL
+
+    ctx = ggml.Context(n_tensors=4, graph_size=4)
+    graph = ctx.graph(ctx.scale(ctx.new_tensor(np.float32, (4,)), 2.0))
+    alloc = ggml.Allocator(ggml.Backend("cpu", n_threads=1))
+    alloc.backend = NoBackend()
+    with pytest.raises(ggml.GGMLError, match="cannot compute node"):
+        alloc.allocate(graph)
+
+
 def test_generic_op_dispatch_checks_arity_and_types():
     ctx = ggml.Context(n_tensors=4, graph_size=4)
     a = ctx.new_tensor(np.float32, (4, 4))

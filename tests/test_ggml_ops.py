@@ -164,7 +164,7 @@ def test_flash_attn_ext_masked_gqa(backend, rng, n_q, n_kv):
 # --- ssm_conv and gated_delta_net -----------------------------------------------------------------------------
 
 def test_ssm_conv(backend, rng):
-    d_conv, d_inner, n_t, n_s = 4, 96, 6, 2
+    d_conv, d_inner, n_t, n_s = 4, 256, 6, 2  # CUDA's kernel takes d_inner in multiples of 128
     sx = rng.standard_normal((n_s, d_inner, d_conv - 1 + n_t)).astype(np.float32)
     c = rng.standard_normal((d_inner, d_conv)).astype(np.float32)
     y = run_graph(backend, lambda ctx, t: ctx.ssm_conv(t["sx"], t["c"]), {"sx": sx, "c": c})

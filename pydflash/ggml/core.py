@@ -406,6 +406,11 @@ class Allocator:
         self._current: Graph | None = None
 
     def allocate(self, graph: Graph) -> None:
+        # ggml would run an op the backend cannot do and abort the process mid-graph; refuse it here instead
+        for node in graph.nodes():
+            if not lib.ggml_backend_supports_op(self.backend._ptr, node._ptr):
+                raise GGMLError(f"{self.backend.name} cannot compute node {node.name or '?'} ({node.op.name}, "
+                                f"{node.type.name} {node.shape}) with these shapes/types")
         if not lib.ggml_gallocr_alloc_graph(self._ptr, graph._ptr):
             raise GGMLError(f"{self.backend.name}: could not allocate the graph's compute buffer")
         graph._allocator = self
