@@ -161,6 +161,22 @@ def test_set_rows_from_f16(backend, rng):
     assert rel_err(tq3.dequantize(raw, 256), tq3.dequantize(expected, 256)) < 1e-2
 
 
+def test_cpy_quantises(backend, rng):
+    x = heavy_tailed_rows(rng, 12, 256).astype(np.float32)
+    src_ctx = ggml.Context(n_tensors=4, graph_size=4)
+    src = src_ctx.new_tensor(np.float32, (256, 12)).mark_input()
+    out = src_ctx.new_tensor(Type.TQ3_0, (256, 12))
+    node = src_ctx.cpy(src, out)
+    graph = src_ctx.graph(node)
+    alloc = ggml.Allocator(backend)
+    alloc.allocate(graph)
+    src.set(x)
+    backend.compute(graph)
+    got = tq3.dequantize(node.numpy().reshape(12, -1), 256)
+    expected = tq3.dequantize(ggml.quantize(Type.TQ3_0, x), 256)
+    assert rel_err(got, expected) < (1e-7 if backend.is_cpu else 1e-2)
+
+
 def test_get_rows_and_cpy_dequantise(backend, rng):
     # (cpy from a quantised type goes to f32 only: upstream's CPU dup has no quantised -> f16 path)
     x = rng.standard_normal((16, 256)).astype(np.float32)
@@ -243,7 +259,8 @@ def _tq3_attention(backend, q, k, v, mask, scale, kv_type=Type.TQ3_0):
     return out, raw_k, raw_v
 
 
-@pytest.mark.parametrize("n_q,n_kv", [(1, 256), (1, 2048), (3, 512), (8, 1024)])
+# On CUDA, up to 32 query rows per KV head (n_q x 4 here) take the TQ3_0 decode kernel, more the f16 path.
+@pytest.mark.parametrize("n_q,n_kv", [(1, 256), (1, 2048), (3, 512), (8, 1024), (16, 512)])
 def test_flash_attention_tq3(backend, rng, n_q, n_kv):
     h, hkv, dim = 8, 2, 256
     q = rng.standard_normal((1, h, n_q, dim))
@@ -286,3 +303,25 @@ def test_fold_unrotation_into_output_projection(rng):
     w_o = rng.standard_normal((64, 512))
     o = rng.standard_normal(512)
     np.testing.assert_allclose(tq3.fold_into_output_proj(w_o) @ rotated(o), w_o @ o, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("n_q,n_kv", [(1, 4096), (2, 1024), (12, 512)])
+def test_cuda_attention_matches_cpu(rng, n_q, n_kv):
+    """The 27B attention shape (24 Q heads, 4 KV heads, head 256): n_q = 1, 2 take the CUDA TQ3_0 decode
+    kernel, n_q = 12 (72 rows per KV head) the f16 prefill path. Bound: the CPU computes in f32 throughout; the
+    decode kernel does too (~1e-6), the prefill path rounds Q, K and V to f16 (2^-11 relative each)."""
+    cuda, cpu = ggml.Backend("cuda"), ggml.Backend("cpu")
+    h, hkv, dim = 24, 4, 256
+    q = rng.standard_normal((1, h, n_q, dim))
+    k = rng.standard_normal((1, hkv, n_kv, dim))
+    v = rng.standard_normal((1, hkv, n_kv, dim))
+    mask = make_mask(rng, n_q, n_kv)
+    scale = 1 / np.sqrt(dim)
+    out_cpu, raw_k_cpu, _ = _tq3_attention(cpu, q, k, v, mask, scale)
+    out_gpu, raw_k_gpu, _ = _tq3_attention(cuda, q, k, v, mask, scale)
+    flips = np.mean(tq3.dequantize(raw_k_cpu, dim) != tq3.dequantize(raw_k_gpu, dim))
+    err = rel_err(out_gpu, out_cpu)
+    print(f"n_q={n_q} n_kv={n_kv}: CUDA vs CPU attention {err:.2e}; K values that differ {flips:.1e}")
+    assert flips < 1e-3
+    assert err < (1e-4 if n_q <= 2 else 5e-3)
