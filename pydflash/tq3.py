@@ -95,7 +95,9 @@ class Rotation:
         return ctx.reshape_4d(y, *x.ne)
 
     def rotate(self, ctx: Context, x: Tensor) -> Tensor:
-        """R applied to every 128-value group of x's rows (the query before attending to a TQ3_0 cache)."""
+        """R applied to every 128-value group of x's rows (the query before attending to a TQ3_0 cache).
+        A non-contiguous x is copied first: rotate Q while it is still contiguous (before the permute that
+        feeds flash attention; its rows are head rows either way) to avoid that copy."""
         return self._apply(ctx, x, self.r)
 
     def unrotate(self, ctx: Context, x: Tensor) -> Tensor:

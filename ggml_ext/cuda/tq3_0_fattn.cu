@@ -97,6 +97,10 @@ k_tq3_0_fattn_decode(const tq3_0_fattn_params p) {
         bool any = false;
 #pragma unroll
         for (int c = 0; c < NC; ++c) {
+            if (!valid[c]) { // uniform across the warp, so skipping the reduction is safe
+                s[c] = -INFINITY;
+                continue;
+            }
             float dot = 0.0f;
 #pragma unroll
             for (int b = 0; b < VPL; ++b) {
@@ -111,7 +115,7 @@ k_tq3_0_fattn_decode(const tq3_0_fattn_params p) {
                                                     (seq % p.mask_ne3)*p.nbm3);
                 dot += __half2float(mrow[key]);
             }
-            s[c] = valid[c] ? dot : -INFINITY;
+            s[c] = dot;
             any |= s[c] != -INFINITY;
         }
         if (!any) {
