@@ -7,7 +7,7 @@ of a previous layer); TQ3_0 includes its query rotation and output un-rotation (
 Caches are filled on the device from random f32 rows. Prints a markdown table of the median time per layer
 after warm-up, plus the cache sizes of the 27B shape at 128K and 256K tokens.
 
-    python bench/tq3_attention.py [--device cuda] [--ctx 4096 32768] [--layers 16] [--iters 50]
+    python bench/tq3_attention.py [--device cuda] [--ctx 4096 32768] [--layers 16] [--iters 50] [--n-q 1]
 """
 from __future__ import annotations
 
@@ -25,8 +25,8 @@ TYPES = [Type.TQ3_0, Type.Q4_0, Type.Q8_0, Type.F16]
 
 
 def time_decode(backend: ggml.Backend, kv_type: Type, n_ctx: int, n_layers: int, iters: int, warmup: int,
-                rng: np.random.Generator) -> float:
-    """Median milliseconds per layer of one decode-step attention over n_ctx cached tokens."""
+                rng: np.random.Generator, n_q: int = 1) -> float:
+    """Median milliseconds per layer of one attention step of n_q query tokens over n_ctx cached tokens."""
     rot = tq3.Rotation(backend)
     cache_ctx = ggml.Context(n_tensors=2 * n_layers)
     caches = [(cache_ctx.new_tensor(kv_type, (HEAD_DIM, n_ctx, N_HEAD_KV)),
@@ -45,8 +45,8 @@ def time_decode(backend: ggml.Backend, kv_type: Type, n_ctx: int, n_layers: int,
     del fill_alloc, fill_graph, fill_ctx
 
     ctx = ggml.Context(n_tensors=16 * n_layers + 8, graph_size=16 * n_layers + 8)
-    q = ctx.new_tensor(Type.F32, (HEAD_DIM, 1, N_HEAD)).mark_input()
-    mask = ctx.new_tensor(Type.F16, (n_ctx, 1)).mark_input()
+    q = ctx.new_tensor(Type.F32, (HEAD_DIM, n_q, N_HEAD)).mark_input()
+    mask = ctx.new_tensor(Type.F16, (n_ctx, n_q)).mark_input()
     scale = 1.0 / np.sqrt(HEAD_DIM)
     outs = []
     for k, v in caches:
@@ -57,8 +57,8 @@ def time_decode(backend: ggml.Backend, kv_type: Type, n_ctx: int, n_layers: int,
     graph = ctx.graph(outs)
     alloc = ggml.Allocator(backend)
     alloc.allocate(graph)
-    q.set(rng.standard_normal((N_HEAD, 1, HEAD_DIM), dtype=np.float32))
-    mask.set(np.zeros((1, n_ctx), np.float16))
+    q.set(rng.standard_normal((N_HEAD, n_q, HEAD_DIM), dtype=np.float32))
+    mask.set(np.zeros((n_q, n_ctx), np.float16))
 
     times = []
     for i in range(warmup + iters):
@@ -82,17 +82,18 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=N_ATTN_LAYERS)
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--warmup", type=int, default=10)
+    ap.add_argument("--n-q", type=int, default=1, help="query tokens per step (1: decode; ~22: a tree verify)")
     args = ap.parse_args()
 
     backend = ggml.Backend(args.device)
     rng = np.random.default_rng(0)
-    print(f"device: {backend.name}; decode attention, {N_HEAD} Q heads, {N_HEAD_KV} KV heads, head {HEAD_DIM}; "
+    print(f"device: {backend.name}; attention of {args.n_q} query token(s), {N_HEAD} Q heads, {N_HEAD_KV} KV heads, head {HEAD_DIM}; "
           f"median of {args.iters} after {args.warmup} warm-up, per layer ({args.layers} layers per graph)\n")
     print("| K/V type | bits/value | " + " | ".join(f"{_ctx_label(n)} ctx (ms)" for n in args.ctx) + " |")
     print("|---|---|" + "---|" * len(args.ctx))
     for t in TYPES:
         bits = ggml.row_size(t, HEAD_DIM) * 8 / HEAD_DIM
-        cells = [f"{time_decode(backend, t, n, args.layers, args.iters, args.warmup, rng):.4f}" for n in args.ctx]
+        cells = [f"{time_decode(backend, t, n, args.layers, args.iters, args.warmup, rng, args.n_q):.4f}" for n in args.ctx]
         print(f"| {t.name} | {bits:g} | " + " | ".join(cells) + " |")
 
     print(f"\nKV cache of the 27B shape ({N_ATTN_LAYERS} attention layers x (K, V) x {N_HEAD_KV} heads x {HEAD_DIM}):\n")
