@@ -338,7 +338,10 @@ def test_cuda_attention_matches_cpu(rng, n_q, n_kv):
     scale = 1 / np.sqrt(dim)
     out_cpu, raw_k_cpu, _ = _tq3_attention(cpu, q, k, v, mask, scale)
     out_gpu, raw_k_gpu, _ = _tq3_attention(cuda, q, k, v, mask, scale)
-    flips = np.mean(tq3.dequantize(raw_k_cpu, dim) != tq3.dequantize(raw_k_gpu, dim))
+    # the two quantisers sum in different orders: a scale may round to the neighbouring f16 (2^-10 relative)
+    # and a value right at a level midpoint may flip; anything larger is a real difference
+    k_cpu, k_gpu = tq3.dequantize(raw_k_cpu, dim), tq3.dequantize(raw_k_gpu, dim)
+    flips = np.mean(np.abs(k_cpu - k_gpu) > 2e-3 * np.abs(k_cpu).max())
     err = rel_err(out_gpu, out_cpu)
     print(f"n_q={n_q} n_kv={n_kv}: CUDA vs CPU attention {err:.2e}; K values that differ {flips:.1e}")
     assert flips < 1e-3
