@@ -231,8 +231,11 @@ bool ggml_ext_cuda_fattn_tq3_0_applies(const ggml_tensor * dst) {
     if (K->type != GGML_TYPE_TQ3_0 || V->type != GGML_TYPE_TQ3_0 || Q->type != GGML_TYPE_F32) {
         return false;
     }
-    if (K->ne[0] != V->ne[0] || (K->ne[0] != 128 && K->ne[0] != 256)) {
+    if (K->ne[0] != V->ne[0] || Q->ne[0] != K->ne[0] || (K->ne[0] != 128 && K->ne[0] != 256)) {
         return false;
+    }
+    if (K->nb[0] != ggml_type_size(K->type) || V->nb[0] != ggml_type_size(V->type)) {
+        return false; // rows are read whole
     }
     float max_bias = 0.0f;
     memcpy(&max_bias, (const float *) dst->op_params + 1, sizeof(float));
