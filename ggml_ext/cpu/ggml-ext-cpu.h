@@ -17,6 +17,12 @@ size_t ggml_ext_cpu_work_size(const struct ggml_tensor * node, int n_tasks);
 // one function per op
 void ggml_ext_cpu_ssm_conv_tree(const struct ggml_compute_params * params, struct ggml_tensor * dst);
 
+// CPU type traits of GGML_TYPE_TQ3_0 (vec_dot_type F32: the rotated query stays in full precision)
+void ggml_ext_cpu_quantize_row_tq3_0(const float * GGML_RESTRICT x, void * GGML_RESTRICT y, int64_t k);
+void ggml_ext_cpu_vec_dot_tq3_0_f32(int n, float * GGML_RESTRICT s, size_t bs, const void * GGML_RESTRICT vx,
+                                    size_t bx, const void * GGML_RESTRICT vy, size_t by, int nrc);
+void ggml_ext_cpu_dequantize_row_tq3_0(const void * GGML_RESTRICT x, float * GGML_RESTRICT y, int64_t k);
+
 #ifdef __cplusplus
 }
 #endif

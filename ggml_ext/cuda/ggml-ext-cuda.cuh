@@ -9,3 +9,21 @@ bool ggml_ext_cuda_supports_op(int device, const ggml_tensor * op);
 
 // one function per op
 void ggml_ext_cuda_ssm_conv_tree(ggml_backend_cuda_context & ctx, ggml_tensor * dst);
+
+// GGML_TYPE_TQ3_0 (tq3_0.cu): called from upstream's set_rows, get_rows, cpy, converters and supports_op
+bool ggml_ext_cuda_tq3_0_supports_op(const ggml_tensor * op); // SET_ROWS, GET_ROWS, CPY with a TQ3_0 side
+void ggml_ext_cuda_tq3_0_set_rows(ggml_backend_cuda_context & ctx, const ggml_tensor * src0, const ggml_tensor * src1,
+                                  ggml_tensor * dst);
+void ggml_ext_cuda_tq3_0_get_rows(ggml_backend_cuda_context & ctx, const ggml_tensor * src0, const ggml_tensor * src1,
+                                  ggml_tensor * dst);
+void ggml_ext_cuda_tq3_0_cpy(ggml_backend_cuda_context & ctx, const ggml_tensor * src0, ggml_tensor * src1);
+void ggml_ext_cuda_tq3_0_to_fp32(const void * x, float * y, int64_t k, cudaStream_t stream);
+void ggml_ext_cuda_tq3_0_to_fp16(const void * x, half * y, int64_t k, cudaStream_t stream);
+void ggml_ext_cuda_tq3_0_to_fp32_nc(const void * x, float * y, int64_t ne00, int64_t ne01, int64_t ne02,
+                                    int64_t ne03, int64_t s01, int64_t s02, int64_t s03, cudaStream_t stream);
+void ggml_ext_cuda_tq3_0_to_fp16_nc(const void * x, half * y, int64_t ne00, int64_t ne01, int64_t ne02,
+                                    int64_t ne03, int64_t s01, int64_t s02, int64_t s03, cudaStream_t stream);
+
+// decode flash attention over TQ3_0 K and V (tq3_0_fattn.cu); fattn.cu uses it where it applies
+bool ggml_ext_cuda_fattn_tq3_0_applies(const ggml_tensor * dst);
+void ggml_ext_cuda_fattn_tq3_0(ggml_backend_cuda_context & ctx, ggml_tensor * dst);

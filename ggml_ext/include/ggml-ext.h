@@ -1,6 +1,6 @@
 #pragma once
 
-// pydflash's additions to ggml: tree-aware recurrent ops and (later) the TQ3_0 cache type.
+// pydflash's additions to ggml: tree-aware recurrent ops and the TQ3_0 cache type.
 // Compiled into the ggml libraries of the fork; see vendor/patches for how they are wired in.
 
 #include "ggml.h"
@@ -34,6 +34,62 @@ GGML_API struct ggml_tensor * ggml_ssm_conv_tree(
         struct ggml_tensor  * sx,
         struct ggml_tensor  * c,
         struct ggml_tensor  * parent);
+
+
+// --- TQ3_0: the 3.5-bit KV-cache type (GGML_TYPE_TQ3_0; DESIGN.md §7) ------------------------------------------
+//
+// Format. A row is cut into groups of 128 values (one K/V head row of 128, or two of a 256-wide head). Rows
+// whose length is not a multiple of 128 are refused (the ggml block size is 128, so ggml_row_size and the
+// Python layer reject them; the quantiser asserts it). Each group is stored as 4 sub-blocks of 32 values, each
+// 14 bytes (block_tq3_0: f16 scale d, 8 bytes qs of low 2-bit indices, 4 bytes qh of high bits), so one ggml
+// block is 56 bytes for 128 values: exactly 3.5 bits per value.
+//   index of value j (0..31) of a sub-block:  ((qs[j % 8] >> (2*(j / 8))) & 3) | (((qh[j / 8] >> (j % 8)) & 1) << 2)
+//   value:                                    d * TQ3_0_LEVELS[index]
+//
+// Rotation. Before quantising, each group x is rotated: y = D2 * H * D1 * x / sqrt(128), with H the 128-point
+// Sylvester Walsh-Hadamard matrix (natural order) and D1, D2 fixed diagonal sign matrices (bit i of the words
+// TQ3_0_SIGNS1/2 set: entry i is -1). The rotation is orthogonal (its inverse is D1 * H * D2 / sqrt(128)), so
+// rotated K gives the same Q.K when Q is rotated the same way, and attention over rotated V gives the rotated
+// output. Dequantisation returns values in the rotated domain: get_rows, cpy to f32/f16 and attention all see
+// rotated values; pydflash/tq3.py rotates Q and un-rotates the attention output in the graph.
+//
+// Codebook. After the rotation the coordinates are close to N(0, |x|^2/128). A sub-block's values are divided
+// by their RMS and each is mapped to the nearest of the 8 Lloyd-Max levels for N(0,1) (TQ3_0_LEVELS; their
+// mean squared error on N(0,1) is 0.0345477607885). The scale is then d = |y_b| / |levels_b| so that the
+// sub-block keeps its norm exactly before d is rounded to f16; the dequantised group's norm therefore equals
+// the input's within the f16 rounding of d: relative error <= 2^-11 (for d in f16's normal range).
+//
+// The levels were derived offline in float64 by iterating Lloyd's algorithm on N(0,1) (thresholds at the
+// midpoints, levels at the conditional means (phi(a)-phi(b))/(Phi(b)-Phi(a))) until the levels moved < 1e-15.
+// The sign words are the first eight 32-bit halves of splitmix64 seeded with 0x7133.
+
+#define TQ3_0_GROUP 128   // values rotated together; the ggml block size of GGML_TYPE_TQ3_0
+#define TQ3_0_QK    32    // values per 14-byte sub-block
+
+#define TQ3_0_L0 0.24509417894422190f
+#define TQ3_0_L1 0.75600528120587830f
+#define TQ3_0_L2 1.34390927850500140f
+#define TQ3_0_L3 2.15194570453698700f
+// level by 3-bit index, ascending
+#define TQ3_0_LEVELS_INIT { -TQ3_0_L3, -TQ3_0_L2, -TQ3_0_L1, -TQ3_0_L0, TQ3_0_L0, TQ3_0_L1, TQ3_0_L2, TQ3_0_L3 }
+
+#define TQ3_0_SIGNS1_INIT { 0xbf2f9891u, 0x1360fd4cu, 0xfe8a6fedu, 0x6e38569eu }
+#define TQ3_0_SIGNS2_INIT { 0x392534e1u, 0xf76855b9u, 0x7d67d027u, 0xa2f891e8u }
+
+typedef struct {
+    ggml_fp16_t d;       // scale
+    uint8_t     qs[8];   // low 2 bits of the 32 indices
+    uint8_t     qh[4];   // high bit of the 32 indices
+} block_tq3_0;
+
+// Rotate (inverse = false) or un-rotate (inverse = true) n values, n a multiple of 128, group by group.
+GGML_API void ggml_ext_tq3_0_rotate(const float * x, float * y, int64_t n, bool inverse);
+
+// Type traits of GGML_TYPE_TQ3_0 (ggml-base): k and n_per_row are multiples of 128.
+GGML_API void   ggml_ext_quantize_row_tq3_0_ref(const float * x, void * y, int64_t k);
+GGML_API void   ggml_ext_dequantize_row_tq3_0(const void * x, float * y, int64_t k);
+GGML_API size_t ggml_ext_quantize_tq3_0(const float * src, void * dst, int64_t nrows, int64_t n_per_row,
+                                        const float * imatrix);
 
 #ifdef __cplusplus
 }

@@ -242,6 +242,10 @@ class Tensor:
         return self
 
     @property
+    def is_contiguous(self) -> bool:
+        return bool(lib.ggml_is_contiguous(self._ptr))
+
+    @property
     def is_allocated(self) -> bool:
         return self._ptr.buffer != ffi.NULL or self._ptr.data != ffi.NULL
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ._ffi import lib
+from ._ffi import ffi, lib
 from .core import Context, Tensor, Type
 
 
@@ -44,3 +44,14 @@ def ssm_conv_tree(ctx: Context, sx: Tensor, c: Tensor, parent: Tensor) -> Tensor
     if d_conv > 16:
         raise ValueError(f"conv kernel size {d_conv} > 16 is not supported")
     return Tensor(lib.ggml_ssm_conv_tree(ctx._ptr, sx._ptr, c._ptr, parent._ptr), ctx)
+
+
+def tq3_0_rotate(x: np.ndarray, inverse: bool = False) -> np.ndarray:
+    """TQ3_0's rotation R (or R^T with inverse=True) of every 128-value group of the last axis, float32,
+    computed by the library itself (ggml_ext_tq3_0_rotate)."""
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    if x.shape[-1] % 128:
+        raise ValueError(f"TQ3_0 rows must be a multiple of 128 values, not {x.shape[-1]}")
+    y = np.empty_like(x)
+    lib.ggml_ext_tq3_0_rotate(ffi.from_buffer("float[]", x), ffi.from_buffer("float[]", y), x.size, inverse)
+    return y

@@ -1,0 +1,108 @@
+#!/usr/bin/env python3
+"""Decode attention timings for TQ3_0, Q4_0, Q8_0 and F16 K/V caches at the 27B attention shape.
+
+One query token, 24 query heads, 4 KV heads, head size 256 (Qwen3.5-27B). Each timed graph holds one
+flash-attention op per attention layer (16, each over its own cache, so nothing is served from the L2 cache
+of a previous layer); TQ3_0 includes its query rotation and output un-rotation (pydflash.tq3.flash_attn).
+Caches are filled on the device from random f32 rows. Prints a markdown table of the median time per layer
+after warm-up, plus the cache sizes of the 27B shape at 128K and 256K tokens.
+
+    python bench/tq3_attention.py [--device cuda] [--ctx 4096 32768] [--layers 16] [--iters 50] [--n-q 1]
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import numpy as np
+
+from pydflash import ggml, tq3
+from pydflash.ggml import Type
+
+N_HEAD, N_HEAD_KV, HEAD_DIM, N_ATTN_LAYERS = 24, 4, 256, 16
+TYPES = [Type.TQ3_0, Type.Q4_0, Type.Q8_0, Type.F16]
+
+
+def time_decode(backend: ggml.Backend, kv_type: Type, n_ctx: int, n_layers: int, iters: int, warmup: int,
+                rng: np.random.Generator, n_q: int = 1) -> float:
+    """Median milliseconds per layer of one attention step of n_q query tokens over n_ctx cached tokens."""
+    rot = tq3.Rotation(backend)
+    cache_ctx = ggml.Context(n_tensors=2 * n_layers)
+    caches = [(cache_ctx.new_tensor(kv_type, (HEAD_DIM, n_ctx, N_HEAD_KV)),
+               cache_ctx.new_tensor(kv_type, (HEAD_DIM, n_ctx, N_HEAD_KV))) for _ in range(n_layers)]
+    cache_buf = backend.alloc_tensors(cache_ctx)
+
+    # fill every cache on the device from one random f32 source (cpy quantises)
+    fill_ctx = ggml.Context(n_tensors=4 * n_layers + 4, graph_size=4 * n_layers + 4)
+    src = fill_ctx.new_tensor(Type.F32, (HEAD_DIM, n_ctx, N_HEAD_KV)).mark_input()
+    fills = [fill_ctx.cpy(src, t) for pair in caches for t in pair]
+    fill_graph = fill_ctx.graph(fills)
+    fill_alloc = ggml.Allocator(backend)
+    fill_alloc.allocate(fill_graph)
+    src.set(rng.standard_normal((N_HEAD_KV, n_ctx, HEAD_DIM), dtype=np.float32))
+    backend.compute(fill_graph)
+    del fill_alloc, fill_graph, fill_ctx
+
+    ctx = ggml.Context(n_tensors=16 * n_layers + 8, graph_size=16 * n_layers + 8)
+    q = ctx.new_tensor(Type.F32, (HEAD_DIM, n_q, N_HEAD)).mark_input()
+    mask = ctx.new_tensor(Type.F16, (n_ctx, n_q)).mark_input()
+    scale = 1.0 / np.sqrt(HEAD_DIM)
+    outs = []
+    for k, v in caches:
+        if kv_type == Type.TQ3_0:
+            outs.append(tq3.flash_attn(ctx, rot, q, k, v, mask, scale))
+        else:
+            outs.append(ctx.flash_attn_ext(q, k, v, mask, scale, 0.0, 0.0))
+    graph = ctx.graph(outs)
+    alloc = ggml.Allocator(backend)
+    alloc.allocate(graph)
+    q.set(rng.standard_normal((N_HEAD, n_q, HEAD_DIM), dtype=np.float32))
+    mask.set(np.zeros((n_q, n_ctx), np.float16))
+
+    times = []
+    for i in range(warmup + iters):
+        t0 = time.perf_counter()
+        backend.compute(graph)  # returns when the device is done
+        if i >= warmup:
+            times.append(time.perf_counter() - t0)
+    rot.close()
+    del cache_buf
+    return statistics.median(times) * 1e3 / n_layers
+
+
+def _ctx_label(n: int) -> str:
+    return f"{n // 1024}K" if n % 1024 == 0 else str(n)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--ctx", type=int, nargs="+", default=[4096, 32768])
+    ap.add_argument("--layers", type=int, default=N_ATTN_LAYERS)
+    ap.add_argument("--iters", type=int, default=50)
+    ap.add_argument("--warmup", type=int, default=10)
+    ap.add_argument("--n-q", type=int, default=1, help="query tokens per step (1: decode; ~22: a tree verify)")
+    args = ap.parse_args()
+
+    backend = ggml.Backend(args.device)
+    rng = np.random.default_rng(0)
+    print(f"device: {backend.name}; attention of {args.n_q} query token(s), {N_HEAD} Q heads, {N_HEAD_KV} KV heads, head {HEAD_DIM}; "
+          f"median of {args.iters} after {args.warmup} warm-up, per layer ({args.layers} layers per graph)\n")
+    print("| K/V type | bits/value | " + " | ".join(f"{_ctx_label(n)} ctx (ms)" for n in args.ctx) + " |")
+    print("|---|---|" + "---|" * len(args.ctx))
+    for t in TYPES:
+        bits = ggml.row_size(t, HEAD_DIM) * 8 / HEAD_DIM
+        cells = [f"{time_decode(backend, t, n, args.layers, args.iters, args.warmup, rng, args.n_q):.4f}" for n in args.ctx]
+        print(f"| {t.name} | {bits:g} | " + " | ".join(cells) + " |")
+
+    print(f"\nKV cache of the 27B shape ({N_ATTN_LAYERS} attention layers x (K, V) x {N_HEAD_KV} heads x {HEAD_DIM}):\n")
+    print("| K/V type | 128K ctx (GiB) | 256K ctx (GiB) |")
+    print("|---|---|---|")
+    for t in TYPES:
+        sizes = [tq3.kv_cache_bytes(n, N_ATTN_LAYERS, N_HEAD_KV, HEAD_DIM, t) / 2**30 for n in (131072, 262144)]
+        print(f"| {t.name} | {sizes[0]:.3f} | {sizes[1]:.3f} |")
+
+
+if __name__ == "__main__":
+    main()
