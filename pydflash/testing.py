@@ -117,6 +117,7 @@ class Qwen35Config:
     rms_eps: float = 1e-6
     weight_type: str = "F32"
     seed: int = 0
+    depth_scale_layers: int | None = None  # depth used to scale residual-branch outputs (default n_layer)
     name: str = "pydflash-synthetic-qwen35"
     extra: dict = field(default_factory=dict)
 
@@ -157,7 +158,7 @@ def _tensor_specs(cfg: Qwen35Config, n_vocab: int) -> list[_TensorSpec]:
     E, L = cfg.n_embd, cfg.n_layer
     # Weights are scaled so the residual stream stays O(1) for any depth: inputs ~ 1/sqrt(fan_in), outputs of
     # each residual branch further by 1/sqrt(2 L).
-    out_scale = 1.0 / np.sqrt(2.0 * L)
+    out_scale = 1.0 / np.sqrt(2.0 * (cfg.depth_scale_layers or L))
 
     def gauss(shape, std):
         return lambda rng: (rng.standard_normal(shape, dtype=np.float32) * np.float32(std))
@@ -265,11 +266,16 @@ def _write_tensor_data(writer, spec: _TensorSpec, type_name: str, seed: int, poo
         rows = pool_rng.standard_normal((_POOL_ROWS, n_in), dtype=np.float32) * np.float32(std)
         pools[key] = _encode(rows, type_name).reshape(_POOL_ROWS, -1)
     pool = pools[key]
+    # the writer's own bookkeeping for this tensor, as write_tensor_data does it, then the rows in pieces
+    info = writer.tensors[0].pop(spec.name)
+    assert info.nbytes == pool.shape[1] * n_rows
+    fout = writer.fout[0]
+    writer.write_padding(fout, fout.tell())
     chunk = max(1, (256 << 20) // pool.shape[1])   # write ~256 MB at a time
     for start in range(0, n_rows, chunk):
         idx = rng.integers(0, _POOL_ROWS, min(chunk, n_rows - start))
-        pool[idx].tofile(writer.fout[0])
-    writer.write_padding(writer.fout[0], pool.shape[1] * n_rows)
+        pool[idx].tofile(fout)
+    writer.write_padding(fout, info.nbytes)
 
 
 def write_qwen35_gguf(path, config: Qwen35Config | None = None, *, progress: bool = False, **overrides) -> Qwen35Config:

@@ -192,7 +192,7 @@ class Qwen35Target:
         self.cache.reset()
         self._last = None
 
-    def prefill(self, tokens) -> np.ndarray:
+    def prefill(self, tokens, return_logits: bool = True) -> np.ndarray | None:
         """Run the prompt in micro-batches of n_ubatch; returns the logits of its last token (f32 [n_vocab])."""
         tokens = np.asarray(tokens, dtype=np.int32).reshape(-1)
         if tokens.size == 0:
@@ -200,7 +200,7 @@ class Qwen35Target:
         self._check_room(tokens.size)
         for start in range(0, tokens.size, self.n_ubatch):
             self._forward(tokens[start: start + self.n_ubatch])
-        return self.logits()
+        return self.logits() if return_logits else None
 
     def decode(self, token: int) -> np.ndarray:
         """Run one token; returns its logits (f32 [n_vocab])."""
