@@ -248,7 +248,7 @@ def _seed_of(seed: int, name: str) -> int:
 
 # Matrices larger than this are built from rows drawn out of a pool of pre-encoded random rows, so the
 # 27B preset writes in minutes instead of spending an hour in the quantiser; the values are still random.
-_POOL_THRESHOLD = 64 << 20   # elements
+_POOL_THRESHOLD = 4 << 20    # elements
 _POOL_ROWS = 4096
 
 
