@@ -361,3 +361,16 @@ def test_cuda_greedy_tokens_per_kv_type(models, kv):
     close = np.nonzero(top2[:, 1] - top2[:, 0] <= 2 * CUDA_LOGIT_ATOL)[0]
     n_check = int(close[0]) + 1 if close.size else 64
     assert result.tokens[:n_check] == ref_tokens[:n_check]
+
+
+def test_64_layers_stay_finite_and_match(tmp_path):
+    """The writer's weight scaling keeps a 64-layer model (the 27B depth, narrow) finite and well-conditioned."""
+    path = tmp_path / "deep.gguf"
+    write_qwen35_gguf(path, weight_type="F32", n_layer=64, n_embd=64, n_ff=96, seed=9)
+    target = Qwen35Target(path, "cpu", n_ctx=N_CTX)
+    assert sum(target.hp.recurrent) == 48
+    prompt = _prompt(seed=8, n=20)
+    ref, tokens = llama_greedy(path, prompt, 4)
+    got = np.stack([target.prefill(prompt)] + [target.decode(t) for t in tokens])
+    assert 0.5 < got.std() < 20
+    assert_logits_close(got, ref, "F32")

@@ -311,6 +311,10 @@ class Qwen35Target:
         fg.logits = ctx.mul_mat(w["output.weight"], out).named("out.logits")  # [n_vocab, 1]
         fg.argmax = ctx.argmax(fg.logits).named("out.argmax")
         fg.graph = ctx.graph(side_effects + [fg.logits, fg.argmax])
+        for node in fg.graph.nodes():    # fail here, by name, rather than abort inside the backend
+            if not self.backend.supports(node):
+                raise ggml.GGMLError(f"{self.backend.name} cannot run {node.op.name} ({node.name or '?'}, "
+                                     f"{node.type.name} {node.ne})")
         return fg
 
     def _norm(self, ctx, x, weight, name):
