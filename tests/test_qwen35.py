@@ -374,3 +374,15 @@ def test_64_layers_stay_finite_and_match(tmp_path):
     got = np.stack([target.prefill(prompt)] + [target.decode(t) for t in tokens])
     assert 0.5 < got.std() < 20
     assert_logits_close(got, ref, "F32")
+
+
+def test_prefill_reports_each_micro_batch_and_rejects_bad_tokens(models):
+    target = Qwen35Target(models[("A", "Q8_0")], "cpu", n_ctx=N_CTX, n_ubatch=16, capture_layers=(2,))
+    seen = []
+    target.prefill(_prompt(n=40), on_ubatch=lambda first, n: seen.append((first, n, target.captured_features()
+                                                                           .shape)))
+    assert seen == [(0, 16, (16, 1, 64)), (16, 16, (16, 1, 64)), (32, 8, (8, 1, 64))]
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        target.decode(target.hp.n_vocab)
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        target.prefill([1, -2])

@@ -23,6 +23,7 @@ ARCH = "qwen35"
 ROPE_TYPE_IMROPE = 40
 KV_BUCKET = 256            # the attended KV length is padded to this, so one graph serves 256 positions
 GRAPH_NODES = 16384
+MAX_GRAPHS = 32            # built graphs kept for reuse (LRU): decode buckets plus recent prefill shapes
 
 
 @dataclass(frozen=True)
@@ -192,31 +193,37 @@ class Qwen35Target:
         self.cache.reset()
         self._last = None
 
-    def prefill(self, tokens, return_logits: bool = True) -> np.ndarray | None:
-        """Run the prompt in micro-batches of n_ubatch; returns the logits of its last token (f32 [n_vocab])."""
-        tokens = np.asarray(tokens, dtype=np.int32).reshape(-1)
+    def prefill(self, tokens, return_logits: bool = True, on_ubatch=None) -> np.ndarray | None:
+        """Run the prompt in micro-batches of n_ubatch; returns the logits of its last token (f32 [n_vocab]).
+
+        on_ubatch(first_position, n_tokens), if given, runs after each micro-batch, while `captured` holds that
+        micro-batch's layer outputs (a consumer such as the draft's context cache copies them from there)."""
+        tokens = self._tokens(tokens)
         if tokens.size == 0:
             raise ValueError("prefill needs at least one token")
         self._check_room(tokens.size)
         for start in range(0, tokens.size, self.n_ubatch):
+            first = self.cache.n_past
             self._forward(tokens[start: start + self.n_ubatch])
+            if on_ubatch is not None:
+                on_ubatch(first, self._last_n_captured)
         return self.logits() if return_logits else None
 
     def decode(self, token: int) -> np.ndarray:
         """Run one token; returns its logits (f32 [n_vocab])."""
         self._check_room(1)
-        self._forward(np.array([token], dtype=np.int32))
+        self._forward(self._tokens([token]))
         return self.logits()
 
     def step(self, token: int) -> int:
         """Run one token and return the greedy next token; only 4 bytes come back to the host."""
         self._check_room(1)
-        self._forward(np.array([token], dtype=np.int32))
+        self._forward(self._tokens([token]))
         return self.argmax()
 
     def forward(self, tokens) -> None:
         """Run up to n_ubatch tokens at the current position (results stay on the device)."""
-        tokens = np.asarray(tokens, dtype=np.int32).reshape(-1)
+        tokens = self._tokens(tokens)
         if not 1 <= tokens.size <= self.n_ubatch:
             raise ValueError(f"forward takes 1..{self.n_ubatch} tokens, got {tokens.size}")
         self._check_room(tokens.size)
@@ -247,6 +254,13 @@ class Qwen35Target:
 
     # --- forward ---
 
+    def _tokens(self, tokens) -> np.ndarray:
+        tokens = np.asarray(tokens, dtype=np.int64).reshape(-1)
+        if tokens.size and (tokens.min() < 0 or tokens.max() >= self.hp.n_vocab):
+            bad = tokens[(tokens < 0) | (tokens >= self.hp.n_vocab)][0]
+            raise ValueError(f"token id {bad} outside the vocabulary (0..{self.hp.n_vocab - 1})")
+        return tokens.astype(np.int32)
+
     def _check_room(self, n: int) -> None:
         if self.cache.n_past + n > self.n_ctx:
             raise ValueError(f"context overflow: {self.cache.n_past} positions used + {n} new > n_ctx {self.n_ctx}")
@@ -254,9 +268,12 @@ class Qwen35Target:
     def _forward(self, tokens: np.ndarray) -> None:
         n, n_past = tokens.size, self.cache.n_past
         n_kv = min(self.n_ctx, -(-(n_past + n) // KV_BUCKET) * KV_BUCKET)
-        fg = self._graphs.get((n, n_kv))
+        fg = self._graphs.pop((n, n_kv), None)
         if fg is None:
-            fg = self._graphs[(n, n_kv)] = self._build(n, n_kv)
+            fg = self._build(n, n_kv)
+            while len(self._graphs) >= MAX_GRAPHS:        # drop the least recently used
+                self._graphs.pop(next(iter(self._graphs)))
+        self._graphs[(n, n_kv)] = fg                      # (re)insert as the most recently used
         if self._allocator._current is not fg.graph:
             self._allocator.allocate(fg.graph)
         pos = np.arange(n_past, n_past + n, dtype=np.int32)
