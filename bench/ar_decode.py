@@ -17,7 +17,10 @@ import subprocess
 import sys
 import time
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+try:
+    import pydflash  # noqa: F401  (the installed package)
+except ImportError:      # running from a source checkout without installing
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 
 def bench_pydflash(args) -> dict:

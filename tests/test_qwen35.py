@@ -386,3 +386,15 @@ def test_prefill_reports_each_micro_batch_and_rejects_bad_tokens(models):
         target.decode(target.hp.n_vocab)
     with pytest.raises(ValueError, match="outside the vocabulary"):
         target.prefill([1, -2])
+
+
+def test_ar_decode_bench_script_runs(models):
+    import subprocess
+    import sys
+    from pathlib import Path
+    script = Path(__file__).resolve().parents[1] / "bench" / "ar_decode.py"
+    out = subprocess.run([sys.executable, str(script), str(models[("A", "Q8_0")]), "--device", "cpu",
+                          "--n-gen", "16", "--reps", "1", "--n-ctx", "64"], capture_output=True, text=True,
+                         check=True).stdout
+    row = next(line for line in out.splitlines() if line.startswith("| pydflash"))
+    assert float(row.split("|")[5].split("±")[0]) > 0
