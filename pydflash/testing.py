@@ -13,7 +13,7 @@ import argparse
 import hashlib
 import sys
 from collections import Counter
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Callable
 
 import numpy as np
@@ -112,14 +112,14 @@ class Qwen35Config:
     ssm_d_conv: int = 4
     full_attention_interval: int = 4
     recurrent_layers: tuple | None = None  # explicit bools per layer; overrides the interval
-    n_merges: int = 200
+    n_merges: int = 200                # BPE merges learnt: the vocabulary has 256 + n_merges + 3 special tokens
+    n_vocab: int | None = None         # pad the vocabulary to this many tokens with placeholders <|extra_N|>
     n_ctx_train: int = 4096
     rms_eps: float = 1e-6
     weight_type: str = "F32"
     seed: int = 0
     depth_scale_layers: int | None = None  # depth used to scale residual-branch outputs (default n_layer)
     name: str = "pydflash-synthetic-qwen35"
-    extra: dict = field(default_factory=dict)
 
     def is_recurrent(self, il: int) -> bool:
         if self.recurrent_layers is not None:
@@ -136,7 +136,7 @@ def preset_27b(**overrides) -> Qwen35Config:
     cfg = Qwen35Config(n_layer=64, n_embd=5120, n_ff=17408, n_head=24, n_head_kv=4, head_dim=256, n_rot=64,
                        rope_sections=(11, 11, 10, 0), ssm_d_state=128, ssm_n_group=16, ssm_dt_rank=48,
                        ssm_d_conv=4, full_attention_interval=4, n_ctx_train=262144, weight_type="Q4_K_M",
-                       extra={"n_vocab": 248320})
+                       n_vocab=248320)
     return replace(cfg, **overrides)
 
 
@@ -281,8 +281,8 @@ def _write_tensor_data(writer, spec: _TensorSpec, type_name: str, seed: int, poo
 def write_qwen35_gguf(path, config: Qwen35Config | None = None, *, progress: bool = False, **overrides) -> Qwen35Config:
     """Write a random-weight qwen35 GGUF to `path`; sizes come from `config` (default: tiny) and `overrides`.
 
-    Returns the configuration used. The vocabulary is the tiny byte-level BPE plus ChatML specials, unless the
-    config's `extra['n_vocab']` asks for more rows (the extra tokens are placeholders `<|extra_N|>`).
+    Returns the configuration used. The vocabulary is the tiny byte-level BPE plus ChatML specials, padded to
+    `n_vocab` with placeholder control tokens `<|extra_N|>` when that is larger.
     """
     import gguf
 
@@ -297,7 +297,7 @@ def write_qwen35_gguf(path, config: Qwen35Config | None = None, *, progress: boo
     tokens, merges = tiny_bpe_vocab(cfg.n_merges)
     n_normal = len(tokens)
     tokens = tokens + list(SPECIAL_TOKENS)
-    n_vocab = max(len(tokens), int(cfg.extra.get("n_vocab", 0)))
+    n_vocab = max(len(tokens), int(cfg.n_vocab or 0))
     tokens += [f"<|extra_{i}|>" for i in range(n_vocab - len(tokens))]
     token_types = [1] * n_normal + [3] * (n_vocab - n_normal)   # NORMAL, then CONTROL
     tok_id = {t: i for i, t in enumerate(tokens)}
@@ -371,7 +371,8 @@ def main(argv=None) -> int:
     wq.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
     wq.add_argument("--type", dest="weight_type", choices=WEIGHT_TYPES)
     for name in ("n_layer", "n_embd", "n_ff", "n_head", "n_head_kv", "head_dim", "n_rot", "ssm_d_state",
-                 "ssm_n_group", "ssm_dt_rank", "ssm_d_conv", "full_attention_interval", "seed"):
+                 "ssm_n_group", "ssm_dt_rank", "ssm_d_conv", "full_attention_interval", "n_merges", "n_vocab",
+                 "seed"):
         wq.add_argument("--" + name.replace("_", "-"), dest=name, type=int)
     wq.add_argument("--rope-sections", type=lambda s: tuple(int(x) for x in s.split(",")))
     wq.add_argument("--recurrent-layers", type=lambda s: tuple(c == "1" for c in s),

@@ -1,7 +1,8 @@
 """The qwen35 target against llama.cpp (llama-cpp-python on the same synthetic GGUF).
 
 Two tiny shapes: A uses the default interval pattern (layers 0-2 Gated DeltaNet, 3 attention) with 2 k-heads
-and 4 v-heads in the GDN; B has an explicit recurrent-layer list (1,0,0,1,1), one KV head and 3 v-heads.
+and 4 v-heads in the GDN, head size 64; B has an explicit recurrent-layer list (1,0,0,1,1), one KV head of size
+128 with other rope sections, 3 v-heads, a conv kernel of 3 and a vocabulary padded to 600.
 """
 from __future__ import annotations
 
@@ -18,38 +19,41 @@ llama_cpp = pytest.importorskip("llama_cpp")
 
 SHAPES = {
     "A": dict(),
-    "B": dict(n_layer=5, n_embd=96, n_ff=160, n_head=2, n_head_kv=1, head_dim=64, ssm_d_state=32, ssm_n_group=1,
-              ssm_dt_rank=3, recurrent_layers=(1, 0, 0, 1, 1), seed=3),
+    "B": dict(n_layer=5, n_embd=96, n_ff=160, n_head=2, n_head_kv=1, head_dim=128, n_rot=32,
+              rope_sections=(6, 5, 5, 0), ssm_d_state=32, ssm_n_group=1, ssm_dt_rank=3, ssm_d_conv=3,
+              recurrent_layers=(1, 0, 0, 1, 1), n_vocab=600, seed=3),
 }
 N_CTX = 256
 PROMPT_LEN = 45
 N_DECODE = 32
 
-# Logit tolerances, absolute, on logits of magnitude ~5-10. Our ggml is the same commit as llama-cpp-python's but
-# built for the host CPU (AVX-512), the oracle wheel for a generic x86-64 (GGML_NATIVE=OFF): f32 sums run in a
-# different order, and those last-bit differences pass through every layer.
-#  F32 weights: observed <= 2.2e-4; 1e-3 is ~5x that and ~1e-4 of the logit scale.
-#  Q8_0 weights: activations are quantised to 8 bits per block of 32 before each matmul, so the computation is
-#  exact (observed 0 at nearly every step) until a last-bit difference flips one rounding; one flip in the LM
-#  head's input moves a logit by |w| * amax/127 ~ 1e-2 (observed 9.7e-3 at one of 33 steps). 2e-2 allows one
-#  such flip, and the median step must still be within the F32 bound.
-#  F16 weights: activations are rounded to f16 before each matmul, where a flip moves a logit by ~|w||x| 2^-11;
-#  observed <= 1.9e-3: bound 5e-3.
-#  Q4_K weights: like Q8_0 (activations to 8-bit q8_K blocks), observed exact-or-one-flip.
-LOGIT_ATOL = {"F32": 1e-3, "Q8_0": 2e-2, "F16": 5e-3, "Q4_K": 2e-2}
-# The median step is tighter: flips are rare, so most steps must agree to the f32 level.
-MEDIAN_ATOL = {"F32": 1e-3, "Q8_0": 1e-3, "F16": 2e-3, "Q4_K": 1e-3}
+# Logit tolerances, absolute, on logits of magnitude ~5-10 (std ~2). Our ggml is the same commit as
+# llama-cpp-python's, but CI builds it for the host CPU (AVX-512) while the oracle wheel is generic x86-64
+# (GGML_NATIVE=OFF): f32 sums (matmul accumulations, norms) run in a different order and differ in the last bits.
+#  F32 weights: those differences pass through the layers as they are. Observed <= 3.9e-4 (2.8e-4 against a
+#  non-native build of ours, so part of it is the matmul kernels of the two builds). Bound 1e-3, ~5e-4 relative.
+#  Q8_0 / Q4_K weights: activations are re-quantised to 8 bits (blocks of 32 / 256) before every matmul, so a
+#  last-bit difference that crosses a rounding boundary moves that activation by a whole quantisation step
+#  (~amax/127): the f32 noise comes out as up to 0.096 (shape B, n_embd 96) and 0.064-0.1 at n_embd 1024-5120.
+#  With our ggml built like the oracle (CMAKE_ARGS=-DGGML_NATIVE=OFF) these models are bit-identical to
+#  llama.cpp (0.0 at every step, tiny shapes and a 12-layer 27B-shaped Q4_K_M slice alike), which shows the
+#  graph is the same and the difference is only this amplified rounding noise. Bound 0.15 (~1.5% of the logit
+#  range), with the median step below 0.08 and argmax equality wherever llama.cpp's top-2 margin exceeds 0.3.
+#  F16 weights: activations rounded to f16 before each matmul; observed <= 1.9e-3, bound 5e-3.
+LOGIT_ATOL = {"F32": 1e-3, "F16": 5e-3, "Q8_0": 0.15, "Q4_K": 0.15}
+MEDIAN_ATOL = {"F32": 1e-3, "F16": 2e-3, "Q8_0": 0.08, "Q4_K": 0.08}
 
 
-def assert_logits_close(got, ref, wtype, atol=None):
-    """Per-step max |dlogit| within the bound, median step within the f32 bound, and the same argmax wherever
-    llama.cpp's own top-2 margin is wider than the bound (a closer race may go either way)."""
+def assert_logits_close(got, ref, wtype, atol=None, median_atol=None):
+    """Per-step max |dlogit| within the bound, the median step within the tighter median bound, and the same
+    argmax wherever llama.cpp's own top-2 margin is wider than twice the bound (a closer race may go either way)."""
     atol = LOGIT_ATOL[wtype] if atol is None else atol
+    median_atol = MEDIAN_ATOL[wtype] if median_atol is None else median_atol
     got, ref = np.atleast_2d(got), np.atleast_2d(ref)
     assert np.all(np.isfinite(got))
     err = np.abs(got - ref).max(axis=1)
     assert err.max() <= atol, f"max |dlogit| per step: {err}"
-    assert np.median(err) <= min(atol, MEDIAN_ATOL[wtype]), f"max |dlogit| per step: {err}"
+    assert np.median(err) <= median_atol, f"max |dlogit| per step: {err}"
     top2 = np.sort(ref, axis=1)[:, -2:]
     clear = (top2[:, 1] - top2[:, 0]) > 2 * atol
     assert np.array_equal(got.argmax(axis=1)[clear], ref.argmax(axis=1)[clear])
@@ -327,42 +331,6 @@ def test_pooled_streaming_writer_matches(tmp_path, monkeypatch):
     assert_logits_close(got, ref, "Q8_0")
 
 
-# --- CUDA (run on the GPU machine with `pytest -m cuda tests/test_qwen35.py`) ---------------------------------
-
-# CUDA computes in a different order and, for quantised weights, with its own dot-product kernels (activations
-# quantised to q8_1), against the CPU oracle: the bound is looser, and argmax is checked where llama.cpp's top-2
-# margin exceeds it.
-CUDA_LOGIT_ATOL = 3e-2
-
-
-@pytest.mark.cuda
-@pytest.mark.parametrize("wtype", ["F32", "Q8_0"])
-@pytest.mark.parametrize("shape", sorted(SHAPES))
-def test_cuda_logits_match_llama_cpp(models, shape, wtype):
-    path = models[(shape, wtype)]
-    prompt = _prompt()
-    ref, tokens = llama_greedy(path, prompt, N_DECODE)
-    target = Qwen35Target(path, "cuda", n_ctx=N_CTX, n_ubatch=64)
-    got = np.stack([target.prefill(prompt)] + [target.decode(t) for t in tokens])
-    err = np.abs(got - ref).max(axis=1)
-    print(f"cuda {shape} {wtype}: max |dlogit| prefill {err[0]:.2e}, decode {err[1:].max():.2e}")
-    assert_logits_close(got, ref, wtype, atol=CUDA_LOGIT_ATOL)
-
-
-@pytest.mark.cuda
-@pytest.mark.parametrize("kv", ["f16", "q8_0", "q4_0"])
-def test_cuda_greedy_tokens_per_kv_type(models, kv):
-    path = models[("A", "Q8_0")]
-    prompt = _prompt(seed=1)
-    ref_logits, ref_tokens = llama_greedy(path, prompt, 64, kv=kv)
-    result = generate_greedy(Qwen35Target(path, "cuda", n_ctx=N_CTX, kv_type=kv), prompt, 64)
-    # equal up to the first step where llama.cpp's own top-2 margin is within the CUDA tolerance
-    top2 = np.sort(ref_logits[:64], axis=1)[:, -2:]
-    close = np.nonzero(top2[:, 1] - top2[:, 0] <= 2 * CUDA_LOGIT_ATOL)[0]
-    n_check = int(close[0]) + 1 if close.size else 64
-    assert result.tokens[:n_check] == ref_tokens[:n_check]
-
-
 def test_64_layers_stay_finite_and_match(tmp_path):
     """The writer's weight scaling keeps a 64-layer model (the 27B depth, narrow) finite and well-conditioned."""
     path = tmp_path / "deep.gguf"
@@ -398,3 +366,35 @@ def test_ar_decode_bench_script_runs(models):
                          check=True).stdout
     row = next(line for line in out.splitlines() if line.startswith("| pydflash"))
     assert float(row.split("|")[5].split("±")[0]) > 0
+
+
+# --- CUDA (run on the GPU machine with `pytest -m cuda tests/test_qwen35.py`) ---------------------------------
+
+# CUDA against the CPU oracle: cuBLAS / MMVQ kernels sum in their own order and quantise activations to q8_1
+# (not q8_0) for quantised weights, so the f32 noise is larger and, for Q8_0, amplified as explained above.
+# Bounds (not yet measured on a GPU when written: the GPU run records the observed values in docs/benchmarks.md):
+CUDA_LOGIT_ATOL = {"F32": 1e-2, "Q8_0": 0.25}
+CUDA_MEDIAN_ATOL = {"F32": 5e-3, "Q8_0": 0.15}
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("wtype", ["F32", "Q8_0"])
+@pytest.mark.parametrize("shape", sorted(SHAPES))
+def test_cuda_logits_match_llama_cpp(models, shape, wtype):
+    path = models[(shape, wtype)]
+    prompt = _prompt()
+    ref, tokens = llama_greedy(path, prompt, N_DECODE)
+    target = Qwen35Target(path, "cuda", n_ctx=N_CTX, n_ubatch=64)
+    got = np.stack([target.prefill(prompt)] + [target.decode(t) for t in tokens])
+    err = np.abs(got - ref).max(axis=1)
+    print(f"cuda {shape} {wtype}: max |dlogit| prefill {err[0]:.2e}, decode {err[1:].max():.2e}")
+    assert_logits_close(got, ref, wtype, atol=CUDA_LOGIT_ATOL[wtype], median_atol=CUDA_MEDIAN_ATOL[wtype])
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("kv", ["f16", "q8_0", "q4_0"])
+def test_cuda_greedy_tokens_per_kv_type(models, kv):
+    path = models[("A", "F32")]
+    prompt, ref_tokens = clear_prompt(path, kv, 64, min_margin=2 * CUDA_LOGIT_ATOL["F32"])
+    result = generate_greedy(Qwen35Target(path, "cuda", n_ctx=N_CTX, kv_type=kv), prompt, 64)
+    assert result.tokens == ref_tokens
