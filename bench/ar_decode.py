@@ -59,6 +59,33 @@ def bench_llama(args) -> dict:
     return {"tok_s": runs[0]["avg_ts"], "tok_s_std": runs[0].get("stddev_ts", 0.0), "cmd": " ".join(cmd)}
 
 
+def bench_llama_cpp_python(args) -> dict:
+    """llama.cpp through llama-cpp-python in this process (its CPU wheel): the same tg test, token by token."""
+    import numpy as np
+    import llama_cpp
+    types = {"f16": 1, "q8_0": 8, "q4_0": 2}
+    llm = llama_cpp.Llama(args.model, n_ctx=args.n_ctx, n_batch=args.n_ubatch, n_threads=os.cpu_count(),
+                          flash_attn=True, type_k=types[args.kv], type_v=types[args.kv], verbose=False)
+    n_vocab = llm.n_vocab()
+    rates = []
+    for rep in range(args.reps + 1):
+        llm.reset()
+        llm._ctx.kv_cache_clear() if hasattr(llm._ctx, "kv_cache_clear") else None
+        token = 1
+        if args.n_depth:
+            llm.eval(list(range(1, args.n_depth + 1)))
+        t = time.perf_counter()
+        for _ in range(args.n_gen):
+            llm.eval([token])
+            logits = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(llm._ctx.ctx, -1), shape=(n_vocab,))
+            token = int(logits.argmax())
+        dt = time.perf_counter() - t
+        if rep:
+            rates.append(args.n_gen / dt)
+    return {"tok_s": statistics.mean(rates), "tok_s_std": statistics.stdev(rates) if len(rates) > 1 else 0.0,
+            "cmd": "llama-cpp-python Llama.eval per token (CPU wheel)"}
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("model")
@@ -70,12 +97,14 @@ def main(argv=None) -> int:
     p.add_argument("--n-ctx", type=int, default=1024)
     p.add_argument("--n-ubatch", type=int, default=512)
     p.add_argument("--llama-bench", help="path to llama-bench built from the same pinned llama.cpp")
+    p.add_argument("--llama-cpp-python", action="store_true",
+                   help="compare with llama.cpp via llama-cpp-python in-process instead (CPU runs)")
     args = p.parse_args(argv)
     if args.n_depth + args.n_gen > args.n_ctx:
         p.error("--n-depth + --n-gen must fit in --n-ctx")
 
     ours = bench_pydflash(args)
-    ref = bench_llama(args) if args.llama_bench else None
+    ref = bench_llama(args) if args.llama_bench else bench_llama_cpp_python(args) if args.llama_cpp_python else None
     name = os.path.basename(args.model)
     print(f"\n| engine | model | device | test | tok/s | ratio |\n|---|---|---|---|---|---|")
     test = f"tg{args.n_gen}" + (f" @ d{args.n_depth}" if args.n_depth else "") + f" kv {args.kv}"
@@ -83,9 +112,10 @@ def main(argv=None) -> int:
     print(f"| pydflash | {name} | {ours['device']} | {test} | {ours['tok_s']:.2f} ± {ours['tok_s_std']:.2f} "
           f"| {ratio} |")
     if ref:
-        print(f"| llama.cpp (llama-bench) | {name} | {ours['device']} | {test} | {ref['tok_s']:.2f} ± "
+        engine = "llama.cpp (llama-bench)" if args.llama_bench else "llama.cpp (llama-cpp-python)"
+        print(f"| {engine} | {name} | {ours['device']} | {test} | {ref['tok_s']:.2f} ± "
               f"{ref['tok_s_std']:.2f} | 1.000 |")
-        print(f"\nllama-bench command: `{ref['cmd']}`")
+        print(f"\nreference: `{ref['cmd']}`")
     print(f"\npydflash: load {ours['load_s']:.1f} s, {ours['n_graphs']} graphs built")
     return 0
 
