@@ -120,6 +120,7 @@ class Qwen35Config:
     seed: int = 0
     depth_scale_layers: int | None = None  # depth used to scale residual-branch outputs (default n_layer)
     name: str = "pydflash-synthetic-qwen35"
+    chat_template: str = CHATML_TEMPLATE
 
     def is_recurrent(self, il: int) -> bool:
         if self.recurrent_layers is not None:
@@ -337,7 +338,7 @@ def write_qwen35_gguf(path, config: Qwen35Config | None = None, *, progress: boo
     w.add_eos_token_id(tok_id["<|im_end|>"])
     w.add_pad_token_id(tok_id["<|endoftext|>"])
     w.add_add_bos_token(False)
-    w.add_chat_template(CHATML_TEMPLATE)
+    w.add_chat_template(cfg.chat_template)
 
     specs = _tensor_specs(cfg, n_vocab)
     from .ggml import Type, row_size

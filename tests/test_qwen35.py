@@ -368,6 +368,31 @@ def test_ar_decode_bench_script_runs(models):
     assert float(row.split("|")[5].split("±")[0]) > 0
 
 
+def test_writer_command_line(tmp_path):
+    from pydflash.gguf_io import GGUFFile
+    from pydflash.testing import main
+    out = tmp_path / "cli.gguf"
+    assert main(["write-qwen35", str(out), "--n-layer", "3", "--n-embd", "32", "--recurrent-layers", "101",
+                 "--type", "Q8_0", "--n-vocab", "512"]) == 0
+    gf = GGUFFile(out)
+    assert gf.get("qwen35.attention.recurrent_layers") == [True, False, True]
+    assert gf.tensors["token_embd.weight"].ne == (32, 512)
+    assert gf.tensors["blk.1.attn_q.weight"].type == ggml.Type.Q8_0
+    target = Qwen35Target(out, "cpu", n_ctx=32)
+    assert target.hp.recurrent == (True, False, True)
+    assert np.all(np.isfinite(target.prefill([1, 2, 3])))
+
+
+def test_chat_template_is_sandboxed(tmp_path):
+    """A GGUF's template is untrusted: reaching Python internals from it fails instead of running."""
+    import jinja2.exceptions
+    from pydflash.tokenizer import Tokenizer
+    path = tmp_path / "evil.gguf"
+    write_qwen35_gguf(path, n_layer=1, chat_template="{{ ''.__class__.__mro__[1].__subclasses__() }}")
+    with pytest.raises(jinja2.exceptions.SecurityError):
+        Tokenizer(path).apply_chat_template([{"role": "user", "content": "hi"}])
+
+
 # --- CUDA (run on the GPU machine with `pytest -m cuda tests/test_qwen35.py`) ---------------------------------
 
 # CUDA against the CPU oracle: cuBLAS / MMVQ kernels sum in their own order and quantise activations to q8_1

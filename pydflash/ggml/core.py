@@ -433,6 +433,11 @@ class Allocator:
         self._current = graph
 
     @property
+    def current(self) -> Graph | None:
+        """The graph allocated last (the only one whose tensors are valid now)."""
+        return self._current
+
+    @property
     def nbytes(self) -> int:
         return lib.ggml_gallocr_get_buffer_size(self._ptr, 0)
 

@@ -274,7 +274,7 @@ class Qwen35Target:
             while len(self._graphs) >= MAX_GRAPHS:        # drop the least recently used
                 self._graphs.pop(next(iter(self._graphs)))
         self._graphs[(n, n_kv)] = fg                      # (re)insert as the most recently used
-        if self._allocator._current is not fg.graph:
+        if self._allocator.current is not fg.graph:
             self._allocator.allocate(fg.graph)
         pos = np.arange(n_past, n_past + n, dtype=np.int32)
         fg.tokens.set(tokens)
