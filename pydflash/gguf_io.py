@@ -141,6 +141,8 @@ class GGUFFile:
                 raise GGUFError(f"{self.path}: tensor {name}: {e}") from None
             if any(n < 1 for n in ne):
                 raise GGUFError(f"{self.path}: tensor {name} has an empty dimension {ne}")
+            if offset % alignment:
+                raise GGUFError(f"{self.path}: tensor {name} data offset {offset} is not {alignment}-aligned")
             start = data_start + offset
             if start + nbytes > self.size:
                 raise GGUFError(f"{self.path}: truncated: tensor {name} needs bytes up to {start + nbytes}, "

@@ -82,7 +82,7 @@ class Qwen35HParams:
         if emb is None:
             raise GGUFError(f"{gf.path}: missing tensor 'token_embd.weight'")
         n_v_heads = int(k("ssm.time_step_rank"))
-        return cls(
+        hp = cls(
             n_layer=n_layer, n_embd=n_embd, n_ff=int(k("feed_forward_length")), n_vocab=int(emb.ne[1]),
             n_head=n_head, n_head_kv=int(k("attention.head_count_kv")), head_dim=head_dim,
             n_rot=int(gf.get(f"{ARCH}.rope.dimension_count", head_dim)), rope_sections=sections,
@@ -90,8 +90,32 @@ class Qwen35HParams:
             rms_eps=float(k("attention.layer_norm_rms_epsilon")),
             ssm_d_conv=int(k("ssm.conv_kernel")), ssm_d_k=int(k("ssm.state_size")),
             ssm_n_k_heads=int(k("ssm.group_count")), ssm_n_v_heads=n_v_heads,
-            ssm_d_v=int(k("ssm.inner_size")) // n_v_heads, recurrent=recurrent,
+            ssm_d_v=int(k("ssm.inner_size")) // max(n_v_heads, 1), recurrent=recurrent,
             n_ctx_train=int(gf.get(f"{ARCH}.context_length", 0)))
+        hp._validate(gf.path, int(k("ssm.inner_size")))
+        return hp
+
+    def _validate(self, path: str, ssm_inner: int) -> None:
+        """Header numbers are untrusted: reject the ones the graph cannot be built from."""
+        sizes = {"block_count": self.n_layer, "embedding_length": self.n_embd, "feed_forward_length": self.n_ff,
+                 "attention.head_count": self.n_head, "attention.head_count_kv": self.n_head_kv,
+                 "attention.key_length": self.head_dim, "ssm.conv_kernel": self.ssm_d_conv,
+                 "ssm.state_size": self.ssm_d_k, "ssm.group_count": self.ssm_n_k_heads,
+                 "ssm.time_step_rank": self.ssm_n_v_heads}
+        for key, value in sizes.items():
+            if not 1 <= value <= 1 << 20:
+                raise GGUFError(f"{path}: {ARCH}.{key} = {value} is out of range")
+        problems = []
+        if self.n_head % self.n_head_kv:
+            problems.append(f"head_count {self.n_head} is not a multiple of head_count_kv {self.n_head_kv}")
+        if ssm_inner != self.ssm_d_v * self.ssm_n_v_heads or self.ssm_d_v != self.ssm_d_k:
+            problems.append(f"ssm.inner_size {ssm_inner} is not state_size x time_step_rank")
+        if self.ssm_n_v_heads % self.ssm_n_k_heads:
+            problems.append("ssm.time_step_rank is not a multiple of ssm.group_count")
+        if not 0 < self.n_rot <= self.head_dim or self.n_rot % 2:
+            problems.append(f"rope.dimension_count {self.n_rot} does not fit head size {self.head_dim}")
+        if problems:
+            raise GGUFError(f"{path}: " + "; ".join(problems))
 
     def tensor_shapes(self) -> dict[str, tuple]:
         """Every tensor the model reads, name -> ne (ggml order), as llama.cpp's loader expects them."""
