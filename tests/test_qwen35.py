@@ -423,3 +423,19 @@ def test_cuda_greedy_tokens_per_kv_type(models, kv):
     prompt, ref_tokens = clear_prompt(path, kv, 64, min_margin=2 * CUDA_LOGIT_ATOL["F32"])
     result = generate_greedy(Qwen35Target(path, "cuda", n_ctx=N_CTX, kv_type=kv), prompt, 64)
     assert result.tokens == ref_tokens
+
+
+@pytest.mark.cuda
+def test_cuda_captured_features_and_graph_reuse(models):
+    path = models[("B", "F32")]
+    prompt = _prompt(seed=4, n=40)
+    cpu = Qwen35Target(path, "cpu", n_ctx=N_CTX, n_ubatch=16, capture_layers=(0, 3))
+    gpu = Qwen35Target(path, "cuda", n_ctx=N_CTX, n_ubatch=16, capture_layers=(0, 3))
+    for t in (cpu, gpu):
+        t.prefill(prompt)
+    a, b = cpu.captured_features(), gpu.captured_features()
+    assert np.abs(a - b).max() <= 1e-3 * np.abs(a).max()
+    token = gpu.argmax()
+    for _ in range(20):
+        token = gpu.step(token)
+    assert gpu.n_graphs == 3          # prefill 16, prefill 8, decode: one KV bucket
