@@ -327,7 +327,8 @@ def write_qwen35_gguf(path, config: Qwen35Config | None = None, *, progress: boo
         w.add_array(f"{arch}.attention.recurrent_layers", [bool(x) for x in cfg.recurrent_layers])
     else:
         w.add_uint32(f"{arch}.full_attention_interval", cfg.full_attention_interval)
-    w.add_file_type(0 if cfg.weight_type == "F32" else 1)
+    # llama_ftype: ALL_F32 0, MOSTLY_F16 1, MOSTLY_Q8_0 7, MOSTLY_Q4_K_S 14, MOSTLY_Q4_K_M 15
+    w.add_file_type({"F32": 0, "F16": 1, "Q8_0": 7, "Q4_K": 14, "Q4_K_M": 15}[cfg.weight_type])
 
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("qwen2")
