@@ -195,7 +195,9 @@ class Qwen35Target:
             if not 0 <= il < hp.n_layer:
                 raise ValueError(f"capture layer {il} outside 0..{hp.n_layer - 1}")
         self.weights = Qwen35Weights(self.gguf, hp, self.backend, progress)
-        self.cache = HybridCache(self.backend, hp, n_ctx, kv_type)
+        # cells rounded up to the bucket, so every attended window is a multiple of 256 (what the GPU flash
+        # attention kernels want); positions past n_ctx are never written
+        self.cache = HybridCache(self.backend, hp, -(-n_ctx // KV_BUCKET) * KV_BUCKET, kv_type)
         self._capture_ctx = ggml.Context(n_tensors=1)
         self.captured = None
         if self.capture_layers:
@@ -291,7 +293,7 @@ class Qwen35Target:
 
     def _forward(self, tokens: np.ndarray) -> None:
         n, n_past = tokens.size, self.cache.n_past
-        n_kv = min(self.n_ctx, -(-(n_past + n) // KV_BUCKET) * KV_BUCKET)
+        n_kv = -(-(n_past + n) // KV_BUCKET) * KV_BUCKET          # attended cells: a multiple of the bucket
         fg = self._graphs.pop((n, n_kv), None)
         if fg is None:
             fg = self._build(n, n_kv)
