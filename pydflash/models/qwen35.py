@@ -22,7 +22,7 @@ from ..kv import HybridCache
 ARCH = "qwen35"
 ROPE_TYPE_IMROPE = 40
 KV_BUCKET = 256            # the attended KV length is padded to this, so one graph serves 256 positions
-GRAPH_NODES = 16384
+GRAPH_TENSORS_PER_LAYER = 64   # ~45 used (GDN or attention + FFN, views included), ~55 with rotated KV
 MAX_GRAPHS = 32            # built graphs kept for reuse (LRU): decode buckets plus recent prefill shapes
 
 
@@ -166,9 +166,9 @@ class Qwen35Weights:
 class _ForwardGraph:
     """One built graph and its input/output tensors, reused for every forward of the same shape."""
 
-    def __init__(self, n_tokens: int, n_kv: int):
+    def __init__(self, n_tokens: int, n_kv: int, size: int):
         self.n_tokens, self.n_kv = n_tokens, n_kv
-        self.ctx = ggml.Context(n_tensors=GRAPH_NODES, graph_size=GRAPH_NODES)
+        self.ctx = ggml.Context(n_tensors=size, graph_size=size)
         self.graph = None
         self.tokens = self.pos = self.mask = self.rows = None
         self.logits = self.argmax = None
@@ -320,7 +320,7 @@ class Qwen35Target:
 
     def _build(self, n: int, n_kv: int) -> _ForwardGraph:
         hp, w, cache = self.hp, self.weights, self.cache
-        fg = _ForwardGraph(n, n_kv)
+        fg = _ForwardGraph(n, n_kv, GRAPH_TENSORS_PER_LAYER * hp.n_layer + 256)
         ctx = fg.ctx
         fg.tokens = ctx.new_tensor(ggml.Type.I32, (n,), name="inp.tokens").mark_input()
         fg.pos = ctx.new_tensor(ggml.Type.I32, (4 * n,), name="inp.pos").mark_input()
@@ -435,7 +435,7 @@ class Qwen35Target:
 
         ssm = cache.ssm[il]
         state = ctx.reshape_4d(ssm, d_v, d_v, h_v, 1)
-        res = ctx.gated_delta_net(q, k, v, g, beta, state, 1)        # [d_v h_v, n + d_v h_v... ] o then S
+        res = ctx.gated_delta_net(q, k, v, g, beta, state, 1)        # [d_v h_v, n + d_v]: o for n tokens, then S
         o = ctx.view_4d(res, d_v, h_v, n, 1, d_v * 4, d_v * h_v * 4, d_v * h_v * n * 4, 0)
         new_state = ctx.view_1d(res, d_v * d_v * h_v, d_v * h_v * n * 4)
         side_effects.append(ctx.cpy(new_state, ssm).named(f"l{il}.gdn.state_out"))
