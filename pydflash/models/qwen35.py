@@ -304,8 +304,8 @@ class Qwen35Target:
             self._allocator.allocate(fg.graph)
         pos = np.arange(n_past, n_past + n, dtype=np.int32)
         fg.tokens.set(tokens)
-        fg.pos.set(np.concatenate([pos, pos, pos, np.zeros(n, np.int32)]))  # IMROPE: axis-major (p, p, p, 0)
-        if fg.rows is not None:
+        if fg.pos is not None:
+            fg.pos.set(np.concatenate([pos, pos, pos, np.zeros(n, np.int32)]))  # IMROPE: axis-major (p,p,p,0)
             fg.rows.set(pos.astype(np.int64))
             # causal mask over the KV window: token i (position n_past+i) sees cells 0..n_past+i
             cells = np.arange(n_kv)[None, :]
@@ -323,8 +323,8 @@ class Qwen35Target:
         fg = _ForwardGraph(n, n_kv, GRAPH_TENSORS_PER_LAYER * hp.n_layer + 256)
         ctx = fg.ctx
         fg.tokens = ctx.new_tensor(ggml.Type.I32, (n,), name="inp.tokens").mark_input()
-        fg.pos = ctx.new_tensor(ggml.Type.I32, (4 * n,), name="inp.pos").mark_input()
-        if cache.k:
+        if cache.k:   # positions, rows and mask only matter to attention layers
+            fg.pos = ctx.new_tensor(ggml.Type.I32, (4 * n,), name="inp.pos").mark_input()
             fg.rows = ctx.new_tensor(ggml.Type.I64, (n,), name="inp.kv_rows").mark_input()
             fg.mask = ctx.new_tensor(ggml.Type.F16, (n_kv, n), name="inp.kq_mask").mark_input()
         side_effects = []   # cache writes: graph outputs so they are computed
