@@ -265,6 +265,10 @@ def test_bad_files_give_errors_that_name_file_and_problem(tmp_path, models):
             Qwen35Target(path, "cpu", n_ctx=32)
         assert str(path) in str(info.value), case
         assert expected[case] in str(info.value), (case, str(info.value))
+    from pydflash.models import load_target
+    with pytest.raises(GGUFError, match="architecture 'llama' is not supported"):
+        load_target(cases["arch"], "cpu")
+    assert isinstance(load_target(good, "cpu", n_ctx=32), Qwen35Target)
 
 
 def test_tokenizer_and_chat_template(models):
