@@ -269,6 +269,27 @@ class Tensor:
         self._check_io(arr.nbytes, "set")
         lib.ggml_backend_tensor_set(self._ptr, ffi.from_buffer(arr), 0, arr.nbytes)
 
+    def set_bytes(self, data, offset: int = 0) -> None:
+        """Copy raw bytes into the tensor's memory at a byte offset (chunked uploads, partial row writes)."""
+        buf = memoryview(data).cast("B")
+        if self._ptr.buffer == ffi.NULL:
+            raise GGMLError(f"tensor {self.name or '?'} has no device memory yet (allocate it first)")
+        if offset < 0 or offset + buf.nbytes > self.nbytes:
+            raise ValueError(f"tensor {self.name or '?'}: bytes [{offset}, {offset + buf.nbytes}) outside its "
+                             f"{self.nbytes} bytes")
+        lib.ggml_backend_tensor_set(self._ptr, ffi.from_buffer(buf), offset, buf.nbytes)
+
+    def accumulate_f32(self) -> "Tensor":
+        """Ask the op that makes this tensor (mul_mat, flash_attn_ext) to accumulate in f32."""
+        if not lib.ggml_prec_set_acc(self._ptr, lib.GGML_PREC_F32):
+            raise GGMLError(f"{self.op.name} cannot be set to accumulate in f32")
+        return self
+
+    def hint_src0_hadamard(self) -> "Tensor":
+        """Tell a mul_mat that its first operand is a Walsh-Hadamard matrix (backends may use a fast transform)."""
+        lib.ggml_mul_mat_set_hint(self._ptr, lib.GGML_HINT_SRC0_IS_HADAMARD)
+        return self
+
     def numpy(self) -> np.ndarray:
         """Copy out to a new array shaped ne[::-1] (C order); raw uint8 rows for quantised types."""
         self._check_io(self.nbytes, "numpy")
@@ -419,6 +440,11 @@ class Allocator:
             raise GGMLError(f"{self.backend.name}: could not allocate the graph's compute buffer")
         graph._allocator = self
         self._current = graph
+
+    @property
+    def current(self) -> Graph | None:
+        """The graph allocated last (the only one whose tensors are valid now)."""
+        return self._current
 
     @property
     def nbytes(self) -> int:

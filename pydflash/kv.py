@@ -1,0 +1,81 @@
+"""Model state on the device: the attention KV cache and the Gated DeltaNet recurrent and conv states.
+
+All of it lives in one device buffer, allocated once for `n_ctx` positions. Graphs write into it with
+`set_rows` (KV) and `cpy` (recurrent state); the host only tracks how many positions are filled.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from . import ggml
+
+KV_TYPES = {"f16": ggml.Type.F16, "q8_0": ggml.Type.Q8_0, "q4_0": ggml.Type.Q4_0}
+
+
+def kv_type_of(name) -> ggml.Type:
+    if isinstance(name, ggml.Type):
+        return name
+    try:
+        return KV_TYPES[str(name).lower()]
+    except KeyError:
+        raise ValueError(f"kv type {name!r}: expected one of {sorted(KV_TYPES)}") from None
+
+
+def hadamard(n: int) -> np.ndarray:
+    """The orthonormal n x n Walsh-Hadamard matrix (Sylvester order, symmetric, its own inverse)."""
+    h = np.ones((1, 1), dtype=np.float64)
+    while h.shape[0] < n:
+        h = np.block([[h, h], [h, -h]])
+    return (h / np.sqrt(n)).astype(np.float32)
+
+
+class HybridCache:
+    """KV rows for the attention layers and (conv, S) states for the GDN layers of one sequence.
+
+    k[il], v[il]: [head_dim * n_head_kv, n_ctx] of `kv_type` (one row per position).
+    conv[il]:     f32 [(d_conv - 1) * conv_dim]   the last d_conv-1 inputs of the causal conv, channel-major.
+    ssm[il]:      f32 [d_v * d_v * n_v_heads]     the delta-rule state S per v head.
+    With a quantised KV type, K and V rows are stored rotated by a Walsh-Hadamard matrix, as llama.cpp does
+    (it spreads outliers across the block before quantising): k_rot / v_rot hold those matrices.
+    """
+
+    def __init__(self, backend: ggml.Backend, hp, n_ctx: int, kv_type="f16"):
+        self.n_ctx = n_ctx
+        self.kv_type = kv_type_of(kv_type)
+        self.n_past = 0
+        n_attn = sum(1 for r in hp.recurrent if not r)
+        n_rec = hp.n_layer - n_attn
+        self._ctx = ggml.Context(n_tensors=2 * n_attn + 2 * n_rec + 2)
+        kv_row = hp.head_dim * hp.n_head_kv
+        self.k, self.v, self.conv, self.ssm = {}, {}, {}, {}
+        for il in range(hp.n_layer):
+            if hp.recurrent[il]:
+                self.conv[il] = self._ctx.new_tensor(ggml.Type.F32, ((hp.ssm_d_conv - 1) * hp.conv_dim,),
+                                                     name=f"cache.l{il}.conv")
+                self.ssm[il] = self._ctx.new_tensor(ggml.Type.F32, (hp.ssm_d_v * hp.ssm_d_v * hp.ssm_n_v_heads,),
+                                                    name=f"cache.l{il}.ssm")
+            else:
+                self.k[il] = self._ctx.new_tensor(self.kv_type, (kv_row, n_ctx), name=f"cache.l{il}.k")
+                self.v[il] = self._ctx.new_tensor(self.kv_type, (kv_row, n_ctx), name=f"cache.l{il}.v")
+        self.k_rot = self.v_rot = None
+        quantised = self.kv_type != ggml.Type.F16
+        if quantised and hp.head_dim % 64 == 0:
+            n_k = 64   # the largest power of two (>= 64) dividing the head size, like llama.cpp
+            while hp.head_dim % (2 * n_k) == 0:
+                n_k *= 2
+            self.k_rot = self._ctx.new_tensor(ggml.Type.F32, (n_k, n_k), name="cache.k_rot")
+            self.v_rot = self._ctx.new_tensor(ggml.Type.F32, (64, 64), name="cache.v_rot")
+        self.buffer = backend.alloc_tensors(self._ctx)
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget the sequence: zero the states (KV rows past n_past are masked, but zeroed too)."""
+        self.buffer.clear(0)
+        if self.k_rot is not None:
+            self.k_rot.set(hadamard(self.k_rot.ne[0]))
+            self.v_rot.set(hadamard(64))
+        self.n_past = 0
+
+    @property
+    def nbytes(self) -> int:
+        return self.buffer.nbytes

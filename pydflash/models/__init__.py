@@ -1,0 +1,18 @@
+"""Target model families, one module each, chosen by the GGUF's `general.architecture`."""
+from __future__ import annotations
+
+from ..gguf_io import GGUFError, GGUFFile
+
+
+def _targets() -> dict:
+    from .qwen35 import ARCH as QWEN35, Qwen35Target
+    return {QWEN35: Qwen35Target}
+
+
+def load_target(path, backend="auto", **options):
+    """Load the target model of a GGUF with the class for its architecture (options go to that class)."""
+    arch = GGUFFile(path).architecture
+    targets = _targets()
+    if arch not in targets:
+        raise GGUFError(f"{path}: architecture {arch!r} is not supported (supported: {sorted(targets)})")
+    return targets[arch](path, backend, **options)

@@ -1,0 +1,461 @@
+"""The `qwen35` target (Qwen3.5 / Qwen3.6 dense): hyperparameters, weights and the hybrid forward graphs.
+
+Layers are either full attention (gated Q, per-head Q/K RMS norm, IMROPE, flash attention over the KV cache)
+or Gated DeltaNet (causal depthwise conv + the fused delta-rule op); every layer ends with a SwiGLU FFN.
+Formulas, keys and tensor names follow llama.cpp's implementation, which is the oracle in the tests.
+
+A forward over n tokens at position n_past builds (or reuses) a graph keyed by (n, KV-length bucket), writes
+K/V rows and recurrent state into the cache, and leaves on the device: the last token's logits and their
+argmax, and the outputs of the captured layers for all n tokens.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from .. import ggml
+from ..gguf_io import GGUFError, GGUFFile, upload
+from ..kv import HybridCache
+
+ARCH = "qwen35"
+ROPE_TYPE_IMROPE = 40
+KV_BUCKET = 256            # the attended KV length is padded to this, so one graph serves 256 positions
+GRAPH_TENSORS_PER_LAYER = 64   # ~45 used (GDN or attention + FFN, views included), ~55 with rotated KV
+MAX_GRAPHS = 32            # built graphs kept for reuse (LRU): decode buckets plus recent prefill shapes
+
+
+@dataclass(frozen=True)
+class Qwen35HParams:
+    n_layer: int
+    n_embd: int
+    n_ff: int
+    n_vocab: int
+    n_head: int
+    n_head_kv: int
+    head_dim: int
+    n_rot: int
+    rope_sections: tuple
+    rope_base: float
+    rms_eps: float
+    ssm_d_conv: int
+    ssm_d_k: int          # GDN key head size (ssm.state_size)
+    ssm_n_k_heads: int    # ssm.group_count
+    ssm_n_v_heads: int    # ssm.time_step_rank
+    ssm_d_v: int          # ssm.inner_size / n_v_heads
+    recurrent: tuple      # per layer: True = Gated DeltaNet, False = full attention
+    n_ctx_train: int
+
+    @property
+    def key_dim(self) -> int:
+        return self.ssm_d_k * self.ssm_n_k_heads
+
+    @property
+    def value_dim(self) -> int:
+        return self.ssm_d_v * self.ssm_n_v_heads
+
+    @property
+    def conv_dim(self) -> int:
+        return 2 * self.key_dim + self.value_dim
+
+    @classmethod
+    def from_gguf(cls, gf: GGUFFile) -> "Qwen35HParams":
+        gf.expect_architecture(ARCH)
+        k = lambda name: gf.require(f"{ARCH}.{name}")  # noqa: E731
+        n_layer, n_embd, n_head = int(k("block_count")), int(k("embedding_length")), int(k("attention.head_count"))
+        head_dim = int(gf.get(f"{ARCH}.attention.key_length", n_embd // n_head))
+        if int(gf.get(f"{ARCH}.attention.value_length", head_dim)) != head_dim:
+            raise GGUFError(f"{gf.path}: qwen35 needs key_length == value_length")
+        recurrent = gf.get(f"{ARCH}.attention.recurrent_layers")
+        if recurrent is not None:
+            if len(recurrent) < n_layer:
+                raise GGUFError(f"{gf.path}: attention.recurrent_layers has {len(recurrent)} entries, "
+                                f"expected {n_layer}")
+            recurrent = tuple(bool(x) for x in recurrent[:n_layer])
+        else:
+            interval = int(gf.get(f"{ARCH}.full_attention_interval", 4))
+            recurrent = tuple((i + 1) % interval != 0 for i in range(n_layer))
+        sections = gf.require(f"{ARCH}.rope.dimension_sections")
+        sections = tuple(int(s) for s in (list(sections) + [0, 0, 0, 0])[:4])
+        emb = gf.tensors.get("token_embd.weight")
+        if emb is None:
+            raise GGUFError(f"{gf.path}: missing tensor 'token_embd.weight'")
+        n_v_heads = int(k("ssm.time_step_rank"))
+        hp = cls(
+            n_layer=n_layer, n_embd=n_embd, n_ff=int(k("feed_forward_length")), n_vocab=int(emb.ne[1]),
+            n_head=n_head, n_head_kv=int(k("attention.head_count_kv")), head_dim=head_dim,
+            n_rot=int(gf.get(f"{ARCH}.rope.dimension_count", head_dim)), rope_sections=sections,
+            rope_base=float(gf.get(f"{ARCH}.rope.freq_base", 10000.0)),
+            rms_eps=float(k("attention.layer_norm_rms_epsilon")),
+            ssm_d_conv=int(k("ssm.conv_kernel")), ssm_d_k=int(k("ssm.state_size")),
+            ssm_n_k_heads=int(k("ssm.group_count")), ssm_n_v_heads=n_v_heads,
+            ssm_d_v=int(k("ssm.inner_size")) // max(n_v_heads, 1), recurrent=recurrent,
+            n_ctx_train=int(gf.get(f"{ARCH}.context_length", 0)))
+        hp._validate(gf.path, int(k("ssm.inner_size")))
+        return hp
+
+    def _validate(self, path: str, ssm_inner: int) -> None:
+        """Header numbers are untrusted: reject the ones the graph cannot be built from."""
+        sizes = {"block_count": self.n_layer, "embedding_length": self.n_embd, "feed_forward_length": self.n_ff,
+                 "attention.head_count": self.n_head, "attention.head_count_kv": self.n_head_kv,
+                 "attention.key_length": self.head_dim, "ssm.conv_kernel": self.ssm_d_conv,
+                 "ssm.state_size": self.ssm_d_k, "ssm.group_count": self.ssm_n_k_heads,
+                 "ssm.time_step_rank": self.ssm_n_v_heads}
+        for key, value in sizes.items():
+            if not 1 <= value <= 1 << 20:
+                raise GGUFError(f"{path}: {ARCH}.{key} = {value} is out of range")
+        problems = []
+        if self.n_head % self.n_head_kv:
+            problems.append(f"head_count {self.n_head} is not a multiple of head_count_kv {self.n_head_kv}")
+        if ssm_inner != self.ssm_d_v * self.ssm_n_v_heads or self.ssm_d_v != self.ssm_d_k:
+            problems.append(f"ssm.inner_size {ssm_inner} is not state_size x time_step_rank")
+        if self.ssm_n_v_heads % self.ssm_n_k_heads:
+            problems.append("ssm.time_step_rank is not a multiple of ssm.group_count")
+        if not 0 < self.n_rot <= self.head_dim or self.n_rot % 2:
+            problems.append(f"rope.dimension_count {self.n_rot} does not fit head size {self.head_dim}")
+        if problems:
+            raise GGUFError(f"{path}: " + "; ".join(problems))
+
+    def tensor_shapes(self) -> dict[str, tuple]:
+        """Every tensor the model reads, name -> ne (ggml order), as llama.cpp's loader expects them."""
+        E, hd = self.n_embd, self.head_dim
+        shapes = {"token_embd.weight": (E, self.n_vocab), "output_norm.weight": (E,),
+                  "output.weight": (E, self.n_vocab)}
+        for il in range(self.n_layer):
+            p = f"blk.{il}."
+            shapes[p + "attn_norm.weight"] = (E,)
+            shapes[p + "post_attention_norm.weight"] = (E,)
+            if self.recurrent[il]:
+                shapes.update({p + "attn_qkv.weight": (E, self.conv_dim), p + "attn_gate.weight": (E, self.value_dim),
+                               p + "ssm_conv1d.weight": (self.ssm_d_conv, self.conv_dim),
+                               p + "ssm_dt.bias": (self.ssm_n_v_heads,), p + "ssm_a": (self.ssm_n_v_heads,),
+                               p + "ssm_beta.weight": (E, self.ssm_n_v_heads),
+                               p + "ssm_alpha.weight": (E, self.ssm_n_v_heads),
+                               p + "ssm_norm.weight": (self.ssm_d_v,), p + "ssm_out.weight": (self.value_dim, E)})
+            else:
+                shapes.update({p + "attn_q.weight": (E, 2 * hd * self.n_head),
+                               p + "attn_k.weight": (E, hd * self.n_head_kv),
+                               p + "attn_v.weight": (E, hd * self.n_head_kv),
+                               p + "attn_output.weight": (hd * self.n_head, E),
+                               p + "attn_q_norm.weight": (hd,), p + "attn_k_norm.weight": (hd,)})
+            shapes.update({p + "ffn_gate.weight": (E, self.n_ff), p + "ffn_up.weight": (E, self.n_ff),
+                           p + "ffn_down.weight": (self.n_ff, E)})
+        return shapes
+
+
+class Qwen35Weights:
+    """All weights of a qwen35 GGUF in one device buffer, by GGUF tensor name."""
+
+    def __init__(self, gf: GGUFFile, hp: Qwen35HParams, backend: ggml.Backend, progress: bool | None = None):
+        shapes = hp.tensor_shapes()
+        if "output.weight" not in gf.tensors:   # tied embeddings: the LM head is the embedding matrix
+            shapes.pop("output.weight")
+        infos = [gf.check_tensor(name, ne) for name, ne in shapes.items()]
+        self._ctx = ggml.Context(n_tensors=len(infos))
+        self.t = {info.name: self._ctx.new_tensor(info.type, info.ne, name=info.name[:63]) for info in infos}
+        self.buffer = backend.alloc_tensors(self._ctx)
+        upload(gf, [(info, self.t[info.name]) for info in infos], progress=progress)
+        if "output.weight" not in self.t:
+            self.t["output.weight"] = self.t["token_embd.weight"]
+
+    def __getitem__(self, name: str) -> ggml.Tensor:
+        return self.t[name]
+
+
+class _ForwardGraph:
+    """One built graph and its input/output tensors, reused for every forward of the same shape."""
+
+    def __init__(self, n_tokens: int, n_kv: int, size: int):
+        self.n_tokens, self.n_kv = n_tokens, n_kv
+        self.ctx = ggml.Context(n_tensors=size, graph_size=size)
+        self.graph = None
+        self.tokens = self.pos = self.mask = self.rows = None
+        self.logits = self.argmax = None
+
+
+class Qwen35Target:
+    """A loaded qwen35 model with its cache: `prefill`, `decode`, `reset`, captured hidden states.
+
+    n_ctx: positions of the KV cache. kv_type: 'f16', 'q8_0' or 'q4_0'. n_ubatch: tokens per prefill
+    micro-batch. capture_layers: 0-based layer ids whose outputs (the residual stream after the layer) are kept
+    on the device for every token of the last forward, in `captured` ([n_embd * n_capture, n_ubatch]).
+    """
+
+    def __init__(self, path, backend: ggml.Backend | str = "cpu", *, n_ctx: int = 4096, kv_type="f16",
+                 n_ubatch: int = 512, capture_layers=(), progress: bool | None = None):
+        self.backend = backend if isinstance(backend, ggml.Backend) else ggml.Backend(backend)
+        self.gguf = GGUFFile(path)
+        self.hp = hp = Qwen35HParams.from_gguf(self.gguf)
+        if n_ctx < 1 or n_ubatch < 1:
+            raise ValueError("n_ctx and n_ubatch must be positive")
+        self.n_ctx, self.n_ubatch = n_ctx, n_ubatch
+        self.capture_layers = tuple(int(i) for i in capture_layers)
+        for il in self.capture_layers:
+            if not 0 <= il < hp.n_layer:
+                raise ValueError(f"capture layer {il} outside 0..{hp.n_layer - 1}")
+        self.weights = Qwen35Weights(self.gguf, hp, self.backend, progress)
+        # cells rounded up to the bucket, so every attended window is a multiple of 256 (what the GPU flash
+        # attention kernels want); positions past n_ctx are never written
+        self.cache = HybridCache(self.backend, hp, -(-n_ctx // KV_BUCKET) * KV_BUCKET, kv_type)
+        self._capture_ctx = ggml.Context(n_tensors=1)
+        self.captured = None
+        if self.capture_layers:
+            self.captured = self._capture_ctx.new_tensor(
+                ggml.Type.F32, (hp.n_embd * len(self.capture_layers), n_ubatch), name="captured")
+            self._capture_buffer = self.backend.alloc_tensors(self._capture_ctx)
+        self._graphs: dict[tuple, _ForwardGraph] = {}
+        self._allocator = ggml.Allocator(self.backend)
+        self._last: _ForwardGraph | None = None
+        self._last_n_captured = 0
+
+    # --- public API ---
+
+    @property
+    def n_past(self) -> int:
+        return self.cache.n_past
+
+    def reset(self) -> None:
+        self.cache.reset()
+        self._last = None
+
+    def prefill(self, tokens, return_logits: bool = True, on_ubatch=None) -> np.ndarray | None:
+        """Run the prompt in micro-batches of n_ubatch; returns the logits of its last token (f32 [n_vocab]).
+
+        on_ubatch(first_position, n_tokens), if given, runs after each micro-batch, while `captured` holds that
+        micro-batch's layer outputs (a consumer such as the draft's context cache copies them from there)."""
+        tokens = self._tokens(tokens)
+        if tokens.size == 0:
+            raise ValueError("prefill needs at least one token")
+        self._check_room(tokens.size)
+        for start in range(0, tokens.size, self.n_ubatch):
+            first = self.cache.n_past
+            self._forward(tokens[start: start + self.n_ubatch])
+            if on_ubatch is not None:
+                on_ubatch(first, self._last_n_captured)
+        return self.logits() if return_logits else None
+
+    def decode(self, token: int) -> np.ndarray:
+        """Run one token; returns its logits (f32 [n_vocab])."""
+        self._check_room(1)
+        self._forward(self._tokens([token]))
+        return self.logits()
+
+    def step(self, token: int) -> int:
+        """Run one token and return the greedy next token; only 4 bytes come back to the host."""
+        self._check_room(1)
+        self._forward(self._tokens([token]))
+        return self.argmax()
+
+    def forward(self, tokens) -> None:
+        """Run up to n_ubatch tokens at the current position (results stay on the device)."""
+        tokens = self._tokens(tokens)
+        if not 1 <= tokens.size <= self.n_ubatch:
+            raise ValueError(f"forward takes 1..{self.n_ubatch} tokens, got {tokens.size}")
+        self._check_room(tokens.size)
+        self._forward(tokens)
+
+    def logits(self) -> np.ndarray:
+        """The last forward's logits for its last token."""
+        if self._last is None:
+            raise RuntimeError("no forward has run yet")
+        return self._last.logits.numpy().reshape(-1)
+
+    def argmax(self) -> int:
+        if self._last is None:
+            raise RuntimeError("no forward has run yet")
+        return int(self._last.argmax.numpy().reshape(-1)[0])
+
+    def captured_features(self) -> np.ndarray:
+        """The captured layers' outputs for the tokens of the last forward: f32 [n_tokens, n_capture, n_embd]."""
+        if self.captured is None:
+            raise RuntimeError("no capture_layers were given")
+        n = self._last_n_captured
+        full = self.captured.numpy()   # [n_ubatch, n_capture * n_embd]
+        return full[:n].reshape(n, len(self.capture_layers), self.hp.n_embd)
+
+    @property
+    def n_graphs(self) -> int:
+        return len(self._graphs)
+
+    # --- forward ---
+
+    def _tokens(self, tokens) -> np.ndarray:
+        tokens = np.asarray(tokens, dtype=np.int64).reshape(-1)
+        if tokens.size and (tokens.min() < 0 or tokens.max() >= self.hp.n_vocab):
+            bad = tokens[(tokens < 0) | (tokens >= self.hp.n_vocab)][0]
+            raise ValueError(f"token id {bad} outside the vocabulary (0..{self.hp.n_vocab - 1})")
+        return tokens.astype(np.int32)
+
+    def _check_room(self, n: int) -> None:
+        if self.cache.n_past + n > self.n_ctx:
+            raise ValueError(f"context overflow: {self.cache.n_past} positions used + {n} new > n_ctx {self.n_ctx}")
+
+    def _forward(self, tokens: np.ndarray) -> None:
+        n, n_past = tokens.size, self.cache.n_past
+        n_kv = -(-(n_past + n) // KV_BUCKET) * KV_BUCKET          # attended cells: a multiple of the bucket
+        fg = self._graphs.pop((n, n_kv), None)
+        if fg is None:
+            fg = self._build(n, n_kv)
+            while len(self._graphs) >= MAX_GRAPHS:        # drop the least recently used
+                self._graphs.pop(next(iter(self._graphs)))
+        self._graphs[(n, n_kv)] = fg                      # (re)insert as the most recently used
+        if self._allocator.current is not fg.graph:
+            self._allocator.allocate(fg.graph)
+        pos = np.arange(n_past, n_past + n, dtype=np.int32)
+        fg.tokens.set(tokens)
+        if fg.pos is not None:
+            fg.pos.set(np.concatenate([pos, pos, pos, np.zeros(n, np.int32)]))  # IMROPE: axis-major (p,p,p,0)
+            fg.rows.set(pos.astype(np.int64))
+            # causal mask over the KV window: token i (position n_past+i) sees cells 0..n_past+i
+            cells = np.arange(n_kv)[None, :]
+            mask = np.where(cells <= pos[:, None], 0.0, -np.inf).astype(np.float16)
+            fg.mask.set(mask)
+        self.backend.compute(fg.graph)
+        self.cache.n_past = n_past + n
+        self._last = fg
+        self._last_n_captured = n
+
+    # --- graph construction ---
+
+    def _build(self, n: int, n_kv: int) -> _ForwardGraph:
+        hp, w, cache = self.hp, self.weights, self.cache
+        fg = _ForwardGraph(n, n_kv, GRAPH_TENSORS_PER_LAYER * hp.n_layer + 256)
+        ctx = fg.ctx
+        fg.tokens = ctx.new_tensor(ggml.Type.I32, (n,), name="inp.tokens").mark_input()
+        if cache.k:   # positions, rows and mask only matter to attention layers
+            fg.pos = ctx.new_tensor(ggml.Type.I32, (4 * n,), name="inp.pos").mark_input()
+            fg.rows = ctx.new_tensor(ggml.Type.I64, (n,), name="inp.kv_rows").mark_input()
+            fg.mask = ctx.new_tensor(ggml.Type.F16, (n_kv, n), name="inp.kq_mask").mark_input()
+        side_effects = []   # cache writes: graph outputs so they are computed
+
+        h = ctx.get_rows(w["token_embd.weight"], fg.tokens).named("inp.embd")   # [n_embd, n]
+        for il in range(hp.n_layer):
+            p = f"blk.{il}."
+            x = self._norm(ctx, h, w[p + "attn_norm.weight"], f"l{il}.attn_norm")
+            if hp.recurrent[il]:
+                mix = self._gdn(ctx, x, il, n, side_effects)
+            else:
+                mix = self._attention(ctx, x, il, fg, side_effects)
+            h = ctx.add(mix, h).named(f"l{il}.attn_res")
+            x = self._norm(ctx, h, w[p + "post_attention_norm.weight"], f"l{il}.ffn_norm")
+            gate = ctx.mul_mat(w[p + "ffn_gate.weight"], x)
+            up = ctx.mul_mat(w[p + "ffn_up.weight"], x)
+            ffn = ctx.mul_mat(w[p + "ffn_down.weight"], ctx.swiglu_split(gate, up)).named(f"l{il}.ffn_out")
+            h = ctx.add(ffn, h).named(f"l{il}.out")
+            if il in self.capture_layers:
+                j = self.capture_layers.index(il)
+                cap = self.captured
+                dst = ctx.view_2d(cap, hp.n_embd, n, cap.nb[1], j * hp.n_embd * 4)
+                side_effects.append(ctx.cpy(h, dst).named(f"l{il}.capture"))
+
+        last = ctx.view_2d(h, hp.n_embd, 1, h.nb[1], (n - 1) * h.nb[1])    # only the last token's logits
+        out = self._norm(ctx, last, w["output_norm.weight"], "out.norm")
+        fg.logits = ctx.mul_mat(w["output.weight"], out).named("out.logits")  # [n_vocab, 1]
+        fg.argmax = ctx.argmax(fg.logits).named("out.argmax")
+        fg.graph = ctx.graph(side_effects + [fg.logits, fg.argmax])
+        for node in fg.graph.nodes():    # fail here, by name, rather than abort inside the backend
+            if not self.backend.supports(node):
+                raise ggml.GGMLError(f"{self.backend.name} cannot run {node.op.name} ({node.name or '?'}, "
+                                     f"{node.type.name} {node.ne})")
+        return fg
+
+    def _norm(self, ctx, x, weight, name):
+        return ctx.mul(ctx.rms_norm(x, self.hp.rms_eps), weight).named(name)
+
+    def _attention(self, ctx, x, il, fg: _ForwardGraph, side_effects):
+        hp, w, cache = self.hp, self.weights, self.cache
+        p, hd, n, n_kv = f"blk.{il}.", hp.head_dim, fg.n_tokens, fg.n_kv
+        q_full = ctx.mul_mat(w[p + "attn_q.weight"], x)              # [2 hd n_head, n], per head [Q | gate]
+        q = ctx.view_3d(q_full, hd, hp.n_head, n, 2 * hd * 4, 2 * hd * hp.n_head * 4, 0)
+        q = self._norm(ctx, q, w[p + "attn_q_norm.weight"], f"l{il}.q_norm")      # [hd, n_head, n]
+        gate = ctx.view_3d(q_full, hd, hp.n_head, n, 2 * hd * 4, 2 * hd * hp.n_head * 4, hd * 4)
+        gate = ctx.cont_2d(gate, hd * hp.n_head, n)
+        k = ctx.reshape_3d(ctx.mul_mat(w[p + "attn_k.weight"], x), hd, hp.n_head_kv, n)
+        k = self._norm(ctx, k, w[p + "attn_k_norm.weight"], f"l{il}.k_norm")
+        v = ctx.reshape_3d(ctx.mul_mat(w[p + "attn_v.weight"], x), hd, hp.n_head_kv, n)
+        rope = (hp.n_rot, list(hp.rope_sections), ROPE_TYPE_IMROPE, hp.n_ctx_train, hp.rope_base, 1.0, 0.0, 1.0,
+                32.0, 1.0)
+        q = ctx.rope_multi(q, fg.pos, None, *rope).named(f"l{il}.q")
+        k = ctx.rope_multi(k, fg.pos, None, *rope).named(f"l{il}.k")
+        if cache.k_rot is not None:   # quantised KV: rotate Q, K and V like llama.cpp before quantising
+            q = self._rotate(ctx, q, cache.k_rot)
+            k = self._rotate(ctx, k, cache.k_rot)
+            v = self._rotate(ctx, v, cache.v_rot)
+        kv_row = hd * hp.n_head_kv
+        k_cache, v_cache = cache.k[il], cache.v[il]
+        # write this batch's rows, then read the first n_kv cells through views of the writes (so the reads
+        # depend on them)
+        k_written = ctx.set_rows(k_cache, ctx.view_2d(k, kv_row, n, k.nb[2], 0), fg.rows)
+        v_written = ctx.set_rows(v_cache, ctx.view_2d(v, kv_row, n, v.nb[2], 0), fg.rows)
+        kt = ctx.view_3d(k_written, hd, hp.n_head_kv, n_kv, ggml.row_size(cache.kv_type, hd), k_cache.nb[1], 0)
+        vt = ctx.view_3d(v_written, hd, hp.n_head_kv, n_kv, ggml.row_size(cache.kv_type, hd), v_cache.nb[1], 0)
+        out = ctx.flash_attn_ext(ctx.permute(q, 0, 2, 1, 3), ctx.permute(kt, 0, 2, 1, 3),
+                                 ctx.permute(vt, 0, 2, 1, 3), fg.mask, 1.0 / math.sqrt(hd), 0.0, 0.0)
+        out.accumulate_f32()
+        out = ctx.reshape_2d(out, hd * hp.n_head, n)                 # [hd n_head, n]
+        if cache.v_rot is not None:
+            out = self._rotate(ctx, out, cache.v_rot)
+        out = ctx.mul(out, ctx.sigmoid(gate)).named(f"l{il}.attn_gated")
+        return ctx.mul_mat(w[p + "attn_output.weight"], out).named(f"l{il}.attn_out")
+
+    @staticmethod
+    def _rotate(ctx, x, rot):
+        """x @ H per group of H's size along ne[0] (H symmetric and orthonormal)."""
+        m = rot.ne[0]
+        n_elem = int(np.prod(x.ne))
+        flat = ctx.reshape_2d(x if _is_contiguous(x) else ctx.cont(x), m, n_elem // m)
+        y = ctx.mul_mat(rot, flat).hint_src0_hadamard()
+        return ctx.reshape_4d(y, *x.ne)
+
+    def _gdn(self, ctx, x, il, n, side_effects):
+        hp, w, cache = self.hp, self.weights, self.cache
+        p = f"blk.{il}."
+        d_k, h_k, d_v, h_v = hp.ssm_d_k, hp.ssm_n_k_heads, hp.ssm_d_v, hp.ssm_n_v_heads
+        qkv = ctx.mul_mat(w[p + "attn_qkv.weight"], x)               # [conv_dim, n]
+        z = ctx.mul_mat(w[p + "attn_gate.weight"], x)                # [value_dim, n]
+        beta = ctx.sigmoid(ctx.reshape_4d(ctx.mul_mat(w[p + "ssm_beta.weight"], x), 1, h_v, n, 1))
+        alpha = ctx.reshape_3d(ctx.mul_mat(w[p + "ssm_alpha.weight"], x), h_v, n, 1)
+        g = ctx.mul(ctx.softplus(ctx.add(alpha, w[p + "ssm_dt.bias"])), w[p + "ssm_a"])  # log-decay, <= 0
+        g = ctx.reshape_4d(g, 1, h_v, n, 1).named(f"l{il}.gdn.g")
+
+        # causal depthwise conv over (last d_conv-1 inputs ‖ this batch), then keep the newest d_conv-1 inputs
+        conv_state = cache.conv[il]
+        state_3d = ctx.reshape_3d(conv_state, hp.ssm_d_conv - 1, hp.conv_dim, 1)
+        conv_in = ctx.concat(state_3d, ctx.transpose(ctx.reshape_3d(qkv, hp.conv_dim, n, 1)), 0)
+        tail = ctx.view_3d(conv_in, hp.ssm_d_conv - 1, hp.conv_dim, 1, conv_in.nb[1], conv_in.nb[2], n * 4)
+        side_effects.append(ctx.cpy(tail, state_3d).named(f"l{il}.gdn.conv_state_out"))
+        conv = ctx.silu(ctx.ssm_conv(conv_in, w[p + "ssm_conv1d.weight"])).named(f"l{il}.gdn.conv")  # [conv_dim, n, 1]
+
+        row = hp.conv_dim * 4
+        q = ctx.view_4d(conv, d_k, h_k, n, 1, d_k * 4, row, row * n, 0)
+        k = ctx.view_4d(conv, d_k, h_k, n, 1, d_k * 4, row, row * n, hp.key_dim * 4)
+        v = ctx.view_4d(conv, d_v, h_v, n, 1, d_v * 4, row, row * n, 2 * hp.key_dim * 4)
+        q, k = self._l2_norm(ctx, q), self._l2_norm(ctx, k)
+
+        ssm = cache.ssm[il]
+        state = ctx.reshape_4d(ssm, d_v, d_v, h_v, 1)
+        res = ctx.gated_delta_net(q, k, v, g, beta, state, 1)        # [d_v h_v, n + d_v]: o for n tokens, then S
+        o = ctx.view_4d(res, d_v, h_v, n, 1, d_v * 4, d_v * h_v * 4, d_v * h_v * n * 4, 0)
+        new_state = ctx.view_1d(res, d_v * d_v * h_v, d_v * h_v * n * 4)
+        side_effects.append(ctx.cpy(new_state, ssm).named(f"l{il}.gdn.state_out"))
+
+        zg = ctx.reshape_4d(z, d_v, h_v, n, 1)
+        o = ctx.mul(self._norm(ctx, o, w[p + "ssm_norm.weight"], f"l{il}.gdn.norm"), ctx.silu(zg))
+        o = ctx.reshape_2d(o, hp.value_dim, n)
+        return ctx.mul_mat(w[p + "ssm_out.weight"], o).named(f"l{il}.gdn.out")
+
+    def _l2_norm(self, ctx, x):
+        # llama.cpp's form: rms_norm with eps/d, scaled by 1/sqrt(d)  ==  x / sqrt(sum x^2 + eps)
+        d = x.ne[0]
+        return ctx.scale(ctx.rms_norm(x, self.hp.rms_eps / d), 1.0 / math.sqrt(d))
+
+
+def _is_contiguous(t: ggml.Tensor) -> bool:
+    expected = ggml.row_size(t.type, t.ne[0])
+    if t.nb[1] != expected:
+        return False
+    for i in range(2, 4):
+        if t.ne[i - 1] > 1 and t.nb[i] != t.nb[i - 1] * t.ne[i - 1]:
+            return False
+    return True
