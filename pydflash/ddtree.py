@@ -1,0 +1,153 @@
+"""DDTree: the draft tree of one speculative step, built from the draft's per-position top-K, and its walk.
+
+The draft proposes, for each depth d = 1..D (D = block size - 1), its K best tokens with their log-probs; the
+positions are independent, so a prefix (r_1, .., r_d) of ranks scores sum_i logp[i, r_i]. The tree holds the
+N most probable prefixes (best first, DESIGN §8). Everything here is host-side numpy over at most a few dozen
+nodes: the verify and commit run on the device from the arrays this module produces.
+
+Slot layout of a verify: slot 0 is the root (the last committed token, not yet run through the target), slots
+1..N are the tree nodes in the order they were added (a parent always before its children); `parents[s]` is
+the parent slot of slot s (-1 for the root).
+"""
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass
+class Tree:
+    tokens: np.ndarray    # i32 [N]: the node tokens, slot s+1 holds tokens[s]
+    parents: np.ndarray   # i32 [N+1]: parent slot of each slot; parents[0] = -1 (the root's predecessor is committed)
+    depths: np.ndarray    # i32 [N+1]: 0 for the root, 1.. for nodes (position = root position + depth)
+    scores: np.ndarray    # f32 [N]: the summed log-prob of each node's prefix
+
+    @property
+    def n_nodes(self) -> int:
+        return int(self.tokens.size)
+
+    def children(self) -> list[dict[int, int]]:
+        """Per slot, token -> child slot (tokens of siblings are distinct: they are different ranks)."""
+        kids: list[dict[int, int]] = [{} for _ in range(self.n_nodes + 1)]
+        for slot in range(1, self.n_nodes + 1):
+            kids[int(self.parents[slot])].setdefault(int(self.tokens[slot - 1]), slot)
+        return kids
+
+
+def build_tree(logp: np.ndarray, ids: np.ndarray, budget: int, *, seed_chain: bool = False) -> Tree:
+    """The `budget` most probable prefixes of the per-depth top-K proposals, as a tree.
+
+    logp, ids: [D, K] per depth, ranks sorted by descending log-prob. seed_chain: first take the whole top-1
+    chain (up to the budget), then continue best first (DESIGN §13: under Q4 targets seeded trees did better).
+    Best first: a max-heap of candidate prefixes; popping one makes it a node and pushes its next sibling
+    (same depth, rank + 1) and its first child (depth + 1, rank 0). Ties break towards shallower depth, then
+    lower rank, then earlier parent, so the result is deterministic.
+    """
+    logp = np.asarray(logp, dtype=np.float64)
+    ids = np.asarray(ids)
+    if logp.ndim != 2 or logp.shape != ids.shape:
+        raise ValueError(f"logp and ids must both be [depth, K], got {logp.shape} and {ids.shape}")
+    n_depth, k = logp.shape
+    if budget < 1:
+        raise ValueError("budget must be at least 1")
+    budget = min(budget, _count_prefixes(n_depth, k, budget))
+    tokens, parents, depths, scores = [], [-1], [0], []
+    heap: list = []    # (-score, depth, rank, parent slot): a candidate prefix
+
+    def score_of(slot):
+        return scores[slot - 1] if slot else 0.0
+
+    def push(depth, rank, parent_slot):
+        if depth <= n_depth and rank < k:
+            heapq.heappush(heap, (-(score_of(parent_slot) + logp[depth - 1, rank]), depth, rank, parent_slot))
+
+    def add(depth, rank, parent_slot):
+        tokens.append(int(ids[depth - 1, rank]))
+        parents.append(parent_slot)
+        depths.append(depth)
+        scores.append(score_of(parent_slot) + logp[depth - 1, rank])
+        return len(tokens)
+
+    if seed_chain:
+        slot = 0
+        for depth in range(1, min(n_depth, budget) + 1):
+            push(depth, 1, slot)               # the chain node's next sibling stays a candidate
+            slot = add(depth, 0, slot)
+        push(depths[slot] + 1, 0, slot)        # and the chain's own continuation past the budget's reach
+    else:
+        push(1, 0, 0)
+    while len(tokens) < budget and heap:
+        _, depth, rank, parent = heapq.heappop(heap)
+        slot = add(depth, rank, parent)
+        push(depth + 1, 0, slot)               # its first child
+        push(depth, rank + 1, parent)          # its next sibling
+    return Tree(np.asarray(tokens, np.int32), np.asarray(parents, np.int32), np.asarray(depths, np.int32),
+                np.asarray(scores, np.float32))
+
+
+def _count_prefixes(n_depth: int, k: int, cap: int) -> int:
+    """How many prefixes exist (K + K^2 + .. + K^D), capped at `cap`."""
+    total, level = 0, 1
+    for _ in range(n_depth):
+        level *= k
+        total += level
+        if total >= cap:
+            return cap
+    return total
+
+
+def chain_tree(ids_top1: np.ndarray, length: int) -> Tree:
+    """A plain chain of the top-1 tokens (chain mode): the tree of budget `length` with K = 1."""
+    ids_top1 = np.asarray(ids_top1).reshape(-1)[:length]
+    n = ids_top1.size
+    return Tree(ids_top1.astype(np.int32), np.arange(-1, n, dtype=np.int32), np.arange(n + 1, dtype=np.int32),
+                np.zeros(n, np.float32))
+
+
+def padded(tree: Tree, n_slots: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(slot tokens [n_slots], parents [n_slots], depths [n_slots]) for a verify of n_slots fixed slots.
+
+    Slot 0's token is filled by the caller (the root). Padding slots hang off the committed state (parent -1,
+    depth 1) and see only themselves: their outputs are ignored and nothing else sees them."""
+    n = tree.n_nodes + 1
+    if n > n_slots:
+        raise ValueError(f"tree of {tree.n_nodes} nodes does not fit {n_slots} slots")
+    tokens = np.zeros(n_slots, np.int32)
+    tokens[1:n] = tree.tokens
+    parents = np.full(n_slots, -1, np.int32)
+    parents[:n] = tree.parents
+    depths = np.ones(n_slots, np.int32)
+    depths[:n] = tree.depths
+    return tokens, parents, depths
+
+
+def ancestor_mask(parents: np.ndarray) -> np.ndarray:
+    """bool [n, n]: row i is True at i and at every ancestor of i (what slot i may attend to in the tree)."""
+    n = parents.size
+    mask = np.zeros((n, n), dtype=bool)
+    for i in range(n):
+        p = int(parents[i])
+        if p >= 0:
+            mask[i] = mask[p]
+        mask[i, i] = True
+    return mask
+
+
+def accept(tree: Tree, argmax: np.ndarray) -> tuple[list[int], list[int]]:
+    """Greedy acceptance walk. argmax: the target's argmax token at each slot (at least N+1 of them).
+
+    Returns (accepted slots, starting with the root; new tokens): the new tokens are the accepted nodes' tokens
+    followed by the target's own token after the last accepted node (the bonus token, always one), so every step
+    commits at least one token."""
+    kids = tree.children()
+    slot, path, new = 0, [0], []
+    while True:
+        nxt = int(argmax[slot])
+        new.append(nxt)
+        child = kids[slot].get(nxt)
+        if child is None:
+            return path, new
+        path.append(child)
+        slot = child
