@@ -365,6 +365,50 @@ def write_qwen35_gguf(path, config: Qwen35Config | None = None, *, progress: boo
 
 # --- command line ----------------------------------------------------------------------------------------------
 
+class OracleDraft:
+    """A draft test double that knows the answer: it proposes the target's own greedy continuation `reference`
+    (prompt + AR output, token ids), except at `error_positions` (indices into `reference`), where its top
+    proposal is a wrong token and the right one comes second. So deep paths get accepted, and where each step
+    must stop is known in advance. It implements the engine's draft interface (see pydflash.engine)."""
+
+    def __init__(self, reference, n_vocab: int, *, block_size: int = 16, error_positions=()):
+        if n_vocab < 3:
+            raise ValueError("the oracle needs a vocabulary of at least 3 tokens")
+        self.reference = [int(t) for t in reference]
+        self.n_vocab, self.block_size = n_vocab, block_size
+        self.error_positions = frozenset(int(p) for p in error_positions)
+        self.n_context = 0               # context positions received so far (must arrive in order)
+        self.calls = 0
+
+    def reset(self) -> None:
+        self.n_context = 0
+        self.calls = 0
+
+    def append_context(self, target, first_position: int, slots) -> None:
+        if first_position != self.n_context:
+            raise AssertionError(f"draft context at {self.n_context}, got features for position {first_position}")
+        self.n_context += len(slots)
+
+    def propose(self, tokens, k: int):
+        self.calls += 1
+        n = len(tokens)                  # the root is tokens[n-1]; depth d predicts position n-1+d
+        if self.n_context != n - 1:
+            raise AssertionError(f"draft context has {self.n_context} positions, {n - 1} tokens are committed")
+        depth = self.block_size - 1
+        ids = np.zeros((depth, k), np.int64)
+        logp = np.zeros((depth, k), np.float32)
+        for d in range(1, depth + 1):
+            pos = n - 1 + d
+            true = self.reference[pos] if pos < len(self.reference) else 0
+            wrong = [(true + 1 + j) % self.n_vocab for j in range(k)]
+            ranked = [wrong[0], true] + wrong[1:] if pos in self.error_positions else [true] + wrong
+            ids[d - 1] = ranked[:k]
+            # confident where right, torn between the two first where wrong; tail ranks far below
+            top = [-0.6, -0.8] if pos in self.error_positions else [-0.05, -3.0]
+            logp[d - 1] = (top + [-4.0 - j for j in range(k)])[:k]
+        return logp, ids
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m pydflash.testing", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="cmd", required=True)

@@ -171,7 +171,20 @@ class _ForwardGraph:
         self.ctx = ggml.Context(n_tensors=size, graph_size=size)
         self.graph = None
         self.tokens = self.pos = self.mask = self.rows = None
+        self.parent = None            # tree verify only: i32 [n_tokens, 1] parent slot per slot (-1: committed)
         self.logits = self.argmax = None
+
+
+class _CommitGraph:
+    """The on-device commit after a verify: recurrent state, conv window and (optionally) KV rows from the
+    accepted path. Its inputs are the small index vectors below; built once per slot count."""
+
+    def __init__(self, size: int):
+        self.ctx = ggml.Context(n_tensors=size, graph_size=size)
+        self.graph = None
+        self.state_slot = None        # i32 [1]: the accepted node's slot in the verify's state store
+        self.conv_cols = None         # i32 [d_conv-1]: columns of (conv state ‖ verify inputs) that become the state
+        self.kv_src = self.kv_dst = None   # i32 / i64 [n_slots]: KV cells to move, and where to
 
 
 class Qwen35Target:
@@ -206,6 +219,10 @@ class Qwen35Target:
             self._capture_buffer = self.backend.alloc_tensors(self._capture_ctx)
         self._graphs: dict[tuple, _ForwardGraph] = {}
         self._allocator = ggml.Allocator(self.backend)
+        self.n_slots = 0                  # verify slots; set by enable_verify
+        self._tree_op = None
+        self._commit_graphs: dict[bool, _CommitGraph] = {}
+        self._commit_allocator = ggml.Allocator(self.backend)
         self._last: _ForwardGraph | None = None
         self._last_n_captured = 0
 
@@ -274,6 +291,110 @@ class Qwen35Target:
         full = self.captured.numpy()   # [n_ubatch, n_capture * n_embd]
         return full[:n].reshape(n, len(self.capture_layers), self.hp.n_embd)
 
+    # --- speculative verify ---
+
+    def enable_verify(self, n_slots: int, *, tree: bool = True) -> None:
+        """Allocate what `verify`/`commit` need for trees of up to n_slots slots (root + nodes): per GDN layer
+        the state after every slot (f32 [S_v*S_v, H_v, n_slots]) and the slots' conv inputs ([conv_dim, n_slots]).
+
+        tree=False allows chains only, through upstream gated_delta_net's state snapshots; tree=True needs the
+        tree ops (`ggml.gated_delta_net_tree_persist`)."""
+        hp = self.hp
+        if not 1 <= n_slots <= self.n_ubatch:
+            raise ValueError(f"n_slots must be 1..n_ubatch ({self.n_ubatch}), got {n_slots}")
+        persist = getattr(ggml, "gated_delta_net_tree_persist", None)
+        if tree and persist is None:
+            raise RuntimeError("tree verify needs ggml.gated_delta_net_tree_persist (the tree ops are not in this "
+                               "build); use chains (tree=False)")
+        self._tree_op = persist if tree else None
+        self.n_slots = n_slots
+        n_rec = sum(hp.recurrent)
+        self._verify_ctx = ggml.Context(n_tensors=2 * n_rec + 1)
+        S, H = hp.ssm_d_v, hp.ssm_n_v_heads
+        self.slot_states = {il: self._verify_ctx.new_tensor(ggml.Type.F32, (S * S, H, n_slots, 1),
+                                                            name=f"verify.l{il}.states")
+                            for il in range(hp.n_layer) if hp.recurrent[il]}
+        self.slot_inputs = {il: self._verify_ctx.new_tensor(ggml.Type.F32, (hp.conv_dim, n_slots),
+                                                            name=f"verify.l{il}.conv_inputs")
+                            for il in range(hp.n_layer) if hp.recurrent[il]}
+        self._verify_buffer = self.backend.alloc_tensors(self._verify_ctx) if n_rec else None
+        self._graphs = {k: v for k, v in self._graphs.items() if k[0] != "verify"}
+        self._commit_graphs = {}
+
+    def verify(self, tokens, parents, depths) -> np.ndarray:
+        """One forward over n_slots tree slots at the current position; returns the argmax token of every slot.
+
+        tokens/parents/depths: [n_slots] (ddtree.padded): slot 0 is the root at position n_past, slot s sits at
+        position n_past + depths[s] and attends to the committed cells and its ancestors; its KV row is written
+        at cell n_past + s. Nothing is committed: n_past is unchanged until `commit`."""
+        if self.n_slots == 0:
+            raise RuntimeError("call enable_verify(n_slots) first")
+        tokens = self._tokens(tokens)
+        parents = np.asarray(parents, np.int32)
+        depths = np.asarray(depths, np.int32)
+        n, n_past = self.n_slots, self.cache.n_past
+        if tokens.size != n or parents.size != n or depths.size != n:
+            raise ValueError(f"verify takes exactly n_slots={n} slots")
+        if self._tree_op is None and not _chain_then_padding(parents):
+            raise ValueError("this verify runs chains only (enable_verify(tree=False)); got a branching tree")
+        if n_past + n > self.cache.n_ctx or n_past + int(depths.max()) >= self.n_ctx:
+            raise ValueError(f"context overflow: verify of {n} slots at position {n_past} exceeds n_ctx {self.n_ctx}")
+        n_kv = -(-(n_past + n) // KV_BUCKET) * KV_BUCKET
+        key = ("verify", n, n_kv)
+        fg = self._graphs.pop(key, None)
+        if fg is None:
+            fg = self._build(n, n_kv, tree=True)
+            while len(self._graphs) >= MAX_GRAPHS:
+                self._graphs.pop(next(iter(self._graphs)))
+        self._graphs[key] = fg
+        if self._allocator.current is not fg.graph:
+            self._allocator.allocate(fg.graph)
+        fg.tokens.set(tokens)
+        if fg.parent is not None:
+            fg.parent.set(parents.reshape(1, n))
+        if fg.pos is not None:
+            pos = (n_past + depths).astype(np.int32)
+            fg.pos.set(np.concatenate([pos, pos, pos, np.zeros(n, np.int32)]))
+            fg.rows.set(np.arange(n_past, n_past + n, dtype=np.int64))
+            visible = np.zeros((n, n_kv), dtype=bool)
+            visible[:, :n_past] = True
+            visible[:, n_past:n_past + n] = _ancestors(parents)
+            fg.mask.set(np.where(visible, 0.0, -np.inf).astype(np.float16))
+        self.backend.compute(fg.graph)
+        self._last = fg
+        self._last_n_captured = n
+        return fg.argmax.numpy().reshape(-1)[:n].astype(np.int64)
+
+    def commit(self, path) -> None:
+        """Make the accepted slots `path` (root first, each the parent of the next) the committed tokens: state
+        of the last one, conv window along the path, KV rows of the path moved to consecutive cells."""
+        path = [int(s) for s in path]
+        n, n_past = self.n_slots, self.cache.n_past
+        if not path or path[0] != 0 or len(path) > n:
+            raise ValueError(f"path must start at the root slot 0 and hold at most {n} slots")
+        compact = path != list(range(len(path)))          # a chain prefix is already in place
+        cg = self._commit_graphs.get(compact)
+        if cg is None:
+            cg = self._commit_graphs[compact] = self._build_commit(compact)
+        if self._commit_allocator.current is not cg.graph:
+            self._commit_allocator.allocate(cg.graph)
+        if cg.state_slot is not None:
+            d = self.hp.ssm_d_conv - 1
+            column = path[-1] if self._tree_op is not None else n - 1 - path[-1]   # snapshots are newest first
+            cg.state_slot.set(np.array([column], np.int32))
+            cols = (list(range(d)) + [d + s for s in path])[-d:]
+            cg.conv_cols.set(np.array(cols, np.int32))
+        if cg.kv_src is not None:
+            src = np.full(n, n_past + n - 1, np.int32)        # padding: the last verify cell onto itself
+            dst = np.full(n, n_past + n - 1, np.int64)
+            src[:len(path)] = n_past + np.asarray(path)
+            dst[:len(path)] = n_past + np.arange(len(path))
+            cg.kv_src.set(src)
+            cg.kv_dst.set(dst)
+        if cg.graph is not None:
+            self.backend.compute(cg.graph)
+        self.cache.n_past = n_past + len(path)
+
     @property
     def n_graphs(self) -> int:
         return len(self._graphs)
@@ -318,7 +439,7 @@ class Qwen35Target:
 
     # --- graph construction ---
 
-    def _build(self, n: int, n_kv: int) -> _ForwardGraph:
+    def _build(self, n: int, n_kv: int, tree: bool = False) -> _ForwardGraph:
         hp, w, cache = self.hp, self.weights, self.cache
         fg = _ForwardGraph(n, n_kv, GRAPH_TENSORS_PER_LAYER * hp.n_layer + 256)
         ctx = fg.ctx
@@ -327,6 +448,8 @@ class Qwen35Target:
             fg.pos = ctx.new_tensor(ggml.Type.I32, (4 * n,), name="inp.pos").mark_input()
             fg.rows = ctx.new_tensor(ggml.Type.I64, (n,), name="inp.kv_rows").mark_input()
             fg.mask = ctx.new_tensor(ggml.Type.F16, (n_kv, n), name="inp.kq_mask").mark_input()
+        if tree and any(hp.recurrent):
+            fg.parent = ctx.new_tensor(ggml.Type.I32, (n, 1), name="inp.parent").mark_input()
         side_effects = []   # cache writes: graph outputs so they are computed
 
         h = ctx.get_rows(w["token_embd.weight"], fg.tokens).named("inp.embd")   # [n_embd, n]
@@ -334,7 +457,7 @@ class Qwen35Target:
             p = f"blk.{il}."
             x = self._norm(ctx, h, w[p + "attn_norm.weight"], f"l{il}.attn_norm")
             if hp.recurrent[il]:
-                mix = self._gdn(ctx, x, il, n, side_effects)
+                mix = self._gdn(ctx, x, il, n, side_effects, fg.parent if tree else None)
             else:
                 mix = self._attention(ctx, x, il, fg, side_effects)
             h = ctx.add(mix, h).named(f"l{il}.attn_res")
@@ -349,9 +472,10 @@ class Qwen35Target:
                 dst = ctx.view_2d(cap, hp.n_embd, n, cap.nb[1], j * hp.n_embd * 4)
                 side_effects.append(ctx.cpy(h, dst).named(f"l{il}.capture"))
 
-        last = ctx.view_2d(h, hp.n_embd, 1, h.nb[1], (n - 1) * h.nb[1])    # only the last token's logits
-        out = self._norm(ctx, last, w["output_norm.weight"], "out.norm")
-        fg.logits = ctx.mul_mat(w["output.weight"], out).named("out.logits")  # [n_vocab, 1]
+        if not tree:   # only the last token's logits
+            h = ctx.view_2d(h, hp.n_embd, 1, h.nb[1], (n - 1) * h.nb[1])
+        out = self._norm(ctx, h, w["output_norm.weight"], "out.norm")
+        fg.logits = ctx.mul_mat(w["output.weight"], out).named("out.logits")  # [n_vocab, 1 or n (tree)]
         fg.argmax = ctx.argmax(fg.logits).named("out.argmax")
         fg.graph = ctx.graph(side_effects + [fg.logits, fg.argmax])
         for node in fg.graph.nodes():    # fail here, by name, rather than abort inside the backend
@@ -359,6 +483,35 @@ class Qwen35Target:
                 raise ggml.GGMLError(f"{self.backend.name} cannot run {node.op.name} ({node.name or '?'}, "
                                      f"{node.type.name} {node.ne})")
         return fg
+
+    def _build_commit(self, compact_kv: bool) -> _CommitGraph:
+        hp, cache, n = self.hp, self.cache, self.n_slots
+        cg = _CommitGraph(16 * hp.n_layer + 16)
+        ctx, outs = cg.ctx, []
+        d = hp.ssm_d_conv - 1
+        if self.slot_states:
+            cg.state_slot = ctx.new_tensor(ggml.Type.I32, (1,), name="commit.state_slot").mark_input()
+            cg.conv_cols = ctx.new_tensor(ggml.Type.I32, (d,), name="commit.conv_cols").mark_input()
+        for il, store in self.slot_states.items():
+            size = store.ne[0] * store.ne[1]
+            states = ctx.view_2d(store, size, n, size * 4, 0)            # [S*S*H, n_slots]
+            state = ctx.get_rows(states, cg.state_slot)                   # [S*S*H, 1]
+            outs.append(ctx.cpy(state, ctx.reshape_2d(cache.ssm[il], size, 1)).named(f"l{il}.commit.state"))
+            # conv window: columns of (old state ‖ slot inputs), channel-major rows for get_rows
+            old = ctx.cont(ctx.transpose(ctx.reshape_2d(cache.conv[il], d, hp.conv_dim)))   # [conv_dim, d]
+            seq = ctx.concat(old, self.slot_inputs[il], 1)                # [conv_dim, d + n_slots]
+            window = ctx.get_rows(seq, cg.conv_cols)                      # [conv_dim, d]
+            outs.append(ctx.cpy(ctx.transpose(window), ctx.reshape_2d(cache.conv[il], d, hp.conv_dim))
+                        .named(f"l{il}.commit.conv"))
+        if compact_kv and cache.k:
+            cg.kv_src = ctx.new_tensor(ggml.Type.I32, (n,), name="commit.kv_src").mark_input()
+            cg.kv_dst = ctx.new_tensor(ggml.Type.I64, (n,), name="commit.kv_dst").mark_input()
+            for il in cache.k:
+                for name, t in (("k", cache.k[il]), ("v", cache.v[il])):
+                    rows = ctx.get_rows(t, cg.kv_src)                     # f32 [kv_row, n_slots]
+                    outs.append(ctx.set_rows(t, rows, cg.kv_dst).named(f"l{il}.commit.{name}"))
+        cg.graph = ctx.graph(outs) if outs else None
+        return cg
 
     def _norm(self, ctx, x, weight, name):
         return ctx.mul(ctx.rms_norm(x, self.hp.rms_eps), weight).named(name)
@@ -408,7 +561,9 @@ class Qwen35Target:
         y = ctx.mul_mat(rot, flat).hint_src0_hadamard()
         return ctx.reshape_4d(y, *x.ne)
 
-    def _gdn(self, ctx, x, il, n, side_effects):
+    def _gdn(self, ctx, x, il, n, side_effects, parent=None):
+        """parent (tree verify): the conv and delta rule follow parent pointers, the conv state is left as it is
+        (commit sets it), and every slot's state and conv input go to the verify stores."""
         hp, w, cache = self.hp, self.weights, self.cache
         p = f"blk.{il}."
         d_k, h_k, d_v, h_v = hp.ssm_d_k, hp.ssm_n_k_heads, hp.ssm_d_v, hp.ssm_n_v_heads
@@ -423,9 +578,16 @@ class Qwen35Target:
         conv_state = cache.conv[il]
         state_3d = ctx.reshape_3d(conv_state, hp.ssm_d_conv - 1, hp.conv_dim, 1)
         conv_in = ctx.concat(state_3d, ctx.transpose(ctx.reshape_3d(qkv, hp.conv_dim, n, 1)), 0)
-        tail = ctx.view_3d(conv_in, hp.ssm_d_conv - 1, hp.conv_dim, 1, conv_in.nb[1], conv_in.nb[2], n * 4)
-        side_effects.append(ctx.cpy(tail, state_3d).named(f"l{il}.gdn.conv_state_out"))
-        conv = ctx.silu(ctx.ssm_conv(conv_in, w[p + "ssm_conv1d.weight"])).named(f"l{il}.gdn.conv")  # [conv_dim, n, 1]
+        if parent is None:
+            tail = ctx.view_3d(conv_in, hp.ssm_d_conv - 1, hp.conv_dim, 1, conv_in.nb[1], conv_in.nb[2], n * 4)
+            side_effects.append(ctx.cpy(tail, state_3d).named(f"l{il}.gdn.conv_state_out"))
+            conv = ctx.ssm_conv(conv_in, w[p + "ssm_conv1d.weight"])
+        else:
+            inputs = self.slot_inputs[il]
+            side_effects.append(ctx.cpy(qkv, ctx.view_2d(inputs, hp.conv_dim, n, inputs.nb[1], 0))
+                                .named(f"l{il}.gdn.slot_inputs"))
+            conv = ggml.ssm_conv_tree(ctx, conv_in, w[p + "ssm_conv1d.weight"], parent)
+        conv = ctx.silu(conv).named(f"l{il}.gdn.conv")              # [conv_dim, n, 1]
 
         row = hp.conv_dim * 4
         q = ctx.view_4d(conv, d_k, h_k, n, 1, d_k * 4, row, row * n, 0)
@@ -435,10 +597,23 @@ class Qwen35Target:
 
         ssm = cache.ssm[il]
         state = ctx.reshape_4d(ssm, d_v, d_v, h_v, 1)
-        res = ctx.gated_delta_net(q, k, v, g, beta, state, 1)        # [d_v h_v, n + d_v]: o for n tokens, then S
-        o = ctx.view_4d(res, d_v, h_v, n, 1, d_v * 4, d_v * h_v * 4, d_v * h_v * n * 4, 0)
-        new_state = ctx.view_1d(res, d_v * d_v * h_v, d_v * h_v * n * 4)
-        side_effects.append(ctx.cpy(new_state, ssm).named(f"l{il}.gdn.state_out"))
+        if parent is None:
+            res = ctx.gated_delta_net(q, k, v, g, beta, state, 1)    # [d_v h_v, n + d_v]: o for n tokens, then S
+            o = ctx.view_4d(res, d_v, h_v, n, 1, d_v * 4, d_v * h_v * 4, d_v * h_v * n * 4, 0)
+            new_state = ctx.view_1d(res, d_v * d_v * h_v, d_v * h_v * n * 4)
+            side_effects.append(ctx.cpy(new_state, ssm).named(f"l{il}.gdn.state_out"))
+        elif self._tree_op is not None:                               # node states go straight to the store
+            o = self._tree_op(ctx, q, k, v, g, beta, state, parent, self.slot_states[il])
+        else:
+            # chains: upstream's K = n snapshots, slot s = the state s tokens back; stored reversed, so the
+            # store's column t is the state after slot n-1-t (commit reads it that way)
+            res = ctx.gated_delta_net(q, k, v, g, beta, state, n)
+            o = ctx.view_4d(res, d_v, h_v, n, 1, d_v * 4, d_v * h_v * 4, d_v * h_v * n * 4, 0)
+            size = d_v * d_v * h_v
+            snaps = ctx.view_2d(res, size, n, size * 4, d_v * h_v * n * 4)
+            store = self.slot_states[il]
+            side_effects.append(ctx.cpy(snaps, ctx.view_2d(store, size, n, size * 4, 0))
+                                .named(f"l{il}.gdn.slot_states"))
 
         zg = ctx.reshape_4d(z, d_v, h_v, n, 1)
         o = ctx.mul(self._norm(ctx, o, w[p + "ssm_norm.weight"], f"l{il}.gdn.norm"), ctx.silu(zg))
@@ -449,6 +624,25 @@ class Qwen35Target:
         # llama.cpp's form: rms_norm with eps/d, scaled by 1/sqrt(d)  ==  x / sqrt(sum x^2 + eps)
         d = x.ne[0]
         return ctx.scale(ctx.rms_norm(x, self.hp.rms_eps / d), 1.0 / math.sqrt(d))
+
+
+def _chain_then_padding(parents: np.ndarray) -> bool:
+    """Slots 1..L form a chain under the root and every later slot is padding (parent -1)."""
+    n_chain = 1
+    while n_chain < parents.size and parents[n_chain] == n_chain - 1:
+        n_chain += 1
+    return bool(parents[0] == -1 and (parents[n_chain:] == -1).all())
+
+
+def _ancestors(parents: np.ndarray) -> np.ndarray:
+    """bool [n, n]: slot i sees itself and its ancestors."""
+    n = parents.size
+    seen = np.zeros((n, n), dtype=bool)
+    for i in range(n):
+        if parents[i] >= 0:
+            seen[i] = seen[parents[i]]
+        seen[i, i] = True
+    return seen
 
 
 def _is_contiguous(t: ggml.Tensor) -> bool:

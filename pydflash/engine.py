@@ -1,0 +1,220 @@
+"""The decoding engine: autoregressive, chain and DDTree speculative decoding behind one loop (DESIGN §8).
+
+Plain step functions, each one concern: `prefill`, `draft_step`, `verify_step`, `commit_step`. A speculative
+step proposes per-position top-K tokens with the draft, lays them out as a tree (or a chain), verifies every
+slot with one target forward, walks the target's argmaxes down the tree and commits the accepted path on the
+device. Greedy verification is lossless: the output equals plain AR decoding token for token.
+
+A draft is any object with
+    block_size: int                                  proposals cover block_size - 1 positions after the root
+    reset() -> None
+    append_context(target, first_position, slots)    the target's captured features of verify/prefill `slots`
+                                                     (rows of target.captured) become context positions
+                                                     first_position, first_position + 1, ...
+    propose(tokens, k) -> (logp [B-1, k], ids [B-1, k])   tokens: every committed token, the root last
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from . import ddtree
+
+MODES = ("ar", "chain", "ddtree")
+
+
+@dataclass
+class Result:
+    tokens: list[int]          # new token ids (an end-of-generation token that stopped it included)
+    text: str
+    stats: dict = field(default_factory=dict)
+
+
+@dataclass
+class _Run:
+    """What one generation accumulates: committed ids, and the counters the stats come from."""
+    context: list[int]                       # prompt + everything committed so far (the root last)
+    new: list[int] = field(default_factory=list)
+    done: bool = False
+    steps: int = 0
+    committed_per_step: list[int] = field(default_factory=list)   # accepted nodes + 1 per verify step
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+    commit_s: float = 0.0
+    host_s: float = 0.0
+
+
+# --- step functions ---
+
+def prefill(target, draft, prompt_ids: list[int]) -> int:
+    """Run the prompt through the target (the draft takes its features); returns the first new token."""
+    target.reset()
+    if draft is None:
+        target.prefill(prompt_ids, return_logits=False)
+    else:
+        draft.reset()
+        target.prefill(prompt_ids, return_logits=False,
+                       on_ubatch=lambda first, n: draft.append_context(target, first, list(range(n))))
+    return target.argmax()
+
+
+def draft_step(draft, context: list[int], k: int) -> tuple[np.ndarray, np.ndarray]:
+    logp, ids = draft.propose(context, k)
+    return np.asarray(logp, np.float32), np.asarray(ids, np.int64)
+
+
+def make_tree(mode: str, logp, ids, budget: int, seed_chain: bool) -> ddtree.Tree:
+    if mode == "chain":
+        return ddtree.chain_tree(ids[:, 0], budget)
+    return ddtree.build_tree(logp, ids, budget, seed_chain=seed_chain)
+
+
+def verify_step(target, tree: ddtree.Tree, root: int) -> np.ndarray:
+    """One target forward over the root and the tree (padded to the target's fixed slots): argmax per slot."""
+    tokens, parents, depths = ddtree.padded(tree, target.n_slots)
+    tokens[0] = root
+    return target.verify(tokens, parents, depths)
+
+
+def commit_step(target, draft, path: list[int]) -> None:
+    """Commit the accepted slots on the device and hand their features to the draft's context."""
+    first = target.n_past
+    target.commit(path)
+    if draft is not None:
+        draft.append_context(target, first, path)
+
+
+# --- the engine ---
+
+class Engine:
+    """Greedy decoding of `target` in one of MODES; `draft` is needed by `chain` and `ddtree`.
+
+    budget: tree nodes per step (ddtree) or chain length (chain, capped by the draft block). top_k: proposals
+    per position the draft hands over (ddtree). seed_chain: seed the tree with the draft's top-1 chain.
+    eog: a predicate on token ids that ends generation (the tokenizer's end-of-generation test); stop_tokens:
+    more ids that do."""
+
+    def __init__(self, target, draft=None, *, mode: str | None = None, budget: int = 22, top_k: int | None = None,
+                 seed_chain: bool = False, tokenizer=None, stop_tokens=()):
+        mode = mode or ("ddtree" if draft is not None else "ar")
+        if mode not in MODES:
+            raise ValueError(f"mode {mode!r}: expected one of {MODES}")
+        if mode != "ar" and draft is None:
+            raise ValueError(f"mode {mode!r} needs a draft model")
+        if budget < 1:
+            raise ValueError("budget must be at least 1")
+        self.target, self.draft, self.mode = target, draft, mode
+        self.tokenizer = tokenizer
+        self.stop_tokens = frozenset(int(t) for t in stop_tokens)
+        self.seed_chain = seed_chain
+        if mode == "ar":
+            self.budget, self.top_k = 0, 0
+        elif mode == "chain":
+            self.budget, self.top_k = min(budget, draft.block_size - 1), 1
+            target.enable_verify(self.budget + 1, tree=_has_tree_ops())
+        else:
+            if not _has_tree_ops():
+                raise RuntimeError("ddtree mode needs the tree ops (ggml.gated_delta_net_tree_persist), which this "
+                                   "build lacks; use mode='chain'")
+            self.budget = budget
+            self.top_k = min(top_k or min(budget, 8), budget)
+            target.enable_verify(budget + 1, tree=True)
+
+    def _ends(self, token: int) -> bool:
+        if token in self.stop_tokens:
+            return True
+        return self.tokenizer is not None and self.tokenizer.is_end_of_generation(token)
+
+    def _take(self, run: _Run, tokens: list[int], max_tokens: int) -> list[int]:
+        """Append committed tokens to the output up to max_tokens or an ending token (kept); returns them."""
+        taken = []
+        for t in tokens:
+            taken.append(t)
+            run.new.append(t)
+            if self._ends(t) or len(run.new) >= max_tokens:
+                run.done = True
+                break
+        return taken
+
+    def generate_ids(self, prompt_ids, max_tokens: int = 256, on_tokens=None) -> tuple[list[int], dict]:
+        """Greedy decoding after `prompt_ids`; on_tokens(list) sees each batch of committed tokens."""
+        prompt_ids = [int(t) for t in prompt_ids]
+        if not prompt_ids:
+            raise ValueError("the prompt is empty")
+        if max_tokens < 1:
+            raise ValueError("max_tokens must be at least 1")
+        need = len(prompt_ids) + max_tokens + self.budget
+        if need > self.target.n_ctx:
+            raise ValueError(f"prompt ({len(prompt_ids)} tokens) + {max_tokens} new tokens"
+                             f"{f' + {self.budget} verify slots' if self.budget else ''} exceed the context "
+                             f"({self.target.n_ctx}); raise max_ctx")
+        t0 = time.perf_counter()
+        root = prefill(self.target, self.draft, prompt_ids)
+        t1 = time.perf_counter()
+        run = _Run(context=prompt_ids + [root])
+        first = self._take(run, [root], max_tokens)
+        if on_tokens:
+            on_tokens(first)
+        while not run.done:
+            taken = self._ar_step(run, max_tokens) if self.mode == "ar" else self._spec_step(run, max_tokens)
+            if on_tokens and taken:
+                on_tokens(taken)
+        t2 = time.perf_counter()
+        return run.new, self._stats(run, len(prompt_ids), t1 - t0, t2 - t1)
+
+    def _ar_step(self, run: _Run, max_tokens: int) -> list[int]:
+        token = self.target.step(run.context[-1])
+        run.context.append(token)
+        run.steps += 1
+        run.committed_per_step.append(1)
+        return self._take(run, [token], max_tokens)
+
+    def _spec_step(self, run: _Run, max_tokens: int) -> list[int]:
+        t0 = time.perf_counter()
+        logp, ids = draft_step(self.draft, run.context, self.top_k)
+        t1 = time.perf_counter()
+        tree = make_tree(self.mode, logp, ids, self.budget, self.seed_chain)
+        t2 = time.perf_counter()
+        argmax = verify_step(self.target, tree, run.context[-1])
+        t3 = time.perf_counter()
+        path, new = ddtree.accept(tree, argmax)
+        t4 = time.perf_counter()
+        commit_step(self.target, self.draft, path)
+        t5 = time.perf_counter()
+        run.context.extend(new)
+        run.steps += 1
+        run.committed_per_step.append(len(new))
+        taken = self._take(run, new, max_tokens)
+        run.draft_s += t1 - t0
+        run.verify_s += t3 - t2
+        run.commit_s += t5 - t4
+        run.host_s += (t2 - t1) + (t4 - t3) + (time.perf_counter() - t5)
+        return taken
+
+    def _stats(self, run: _Run, n_prompt: int, prefill_s: float, decode_s: float) -> dict:
+        n_decoded = len(run.new) - 1          # the first token comes out of the prefill
+        hist = np.bincount(run.committed_per_step, minlength=1).tolist() if run.committed_per_step else []
+        stats = {
+            "mode": self.mode,
+            "prompt_tokens": n_prompt,
+            "new_tokens": len(run.new),
+            "steps": run.steps,
+            "acceptance_length": (sum(run.committed_per_step) / run.steps) if run.steps else 0.0,
+            "prefill_s": prefill_s,
+            "decode_s": decode_s,
+            "prefill_tok_s": n_prompt / prefill_s if prefill_s > 0 else 0.0,
+            "decode_tok_s": n_decoded / decode_s if decode_s > 0 and n_decoded > 0 else 0.0,
+            "committed_per_step": list(run.committed_per_step),
+            "acceptance_histogram": hist,      # index = tokens committed in a step
+        }
+        if self.mode != "ar":
+            stats.update(budget=self.budget, top_k=self.top_k, seed_chain=self.seed_chain,
+                         draft_s=run.draft_s, verify_s=run.verify_s, commit_s=run.commit_s, host_s=run.host_s)
+        return stats
+
+
+def _has_tree_ops() -> bool:
+    from . import ggml
+    return hasattr(ggml, "gated_delta_net_tree_persist")
