@@ -1,0 +1,207 @@
+"""The decoding engine: speculative output equals plain AR decoding, state after every step equals AR's, and the
+acceptance bookkeeping matches what an oracle draft with known errors must produce."""
+import numpy as np
+import pytest
+
+from pydflash import ggml
+from pydflash.engine import Engine
+from pydflash.models.qwen35 import Qwen35Target
+from pydflash.testing import OracleDraft, write_qwen35_gguf
+
+N_GEN = 136                  # over 128 new tokens per run
+BLOCK = 16                   # the draft's block: 15 proposed positions per step
+MARGIN = 1e-4                # the only excuse for a mismatch: AR's top-2 logits closer than this
+ERRORS = (27, 40, 41, 58, 80, 81, 82, 99, 130)   # positions (into prompt + output) where the oracle's top-1 is wrong
+HAS_TREE_OPS = hasattr(ggml, "gated_delta_net_tree_persist")
+needs_tree_ops = pytest.mark.skipif(not HAS_TREE_OPS, reason="the tree ops (treeops branch) are not in this build")
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    path = tmp_path_factory.mktemp("engine") / "tiny.gguf"
+    # 2 GDN + 1 attention + 1 GDN layer pattern exercises both state kinds and the KV compaction
+    write_qwen35_gguf(path, seed=11, recurrent_layers=(True, True, False, True))
+    return path
+
+
+@pytest.fixture(scope="module")
+def target(model):
+    return Qwen35Target(model, "cpu", n_ctx=512, n_ubatch=64)
+
+
+@pytest.fixture(scope="module")
+def prompt():
+    return [int(t) for t in np.random.default_rng(5).integers(3, 400, size=24)]
+
+
+@pytest.fixture(scope="module")
+def reference(target, prompt):
+    """AR greedy tokens and, per token, the margin between the top two logits that chose it."""
+    target.reset()
+    logits = target.prefill(prompt)
+    tokens, margins = [], []
+    for _ in range(N_GEN):
+        top2 = np.sort(logits)[-2:]
+        tokens.append(int(np.argmax(logits)))
+        margins.append(float(top2[1] - top2[0]))
+        logits = target.decode(tokens[-1])
+    return tokens, margins
+
+
+def assert_lossless(out, reference):
+    ref, margins = reference
+    assert len(out) == len(ref)
+    for i, (a, b) in enumerate(zip(out, ref)):
+        if a != b:
+            assert margins[i] < MARGIN, f"token {i}: {a} != AR {b} with a top-2 margin of {margins[i]:.3g}"
+            return   # a legitimate near-tie: the sequences may diverge after it
+
+
+def oracle(prompt, reference, target, errors=ERRORS):
+    return OracleDraft(prompt + reference[0], target.hp.n_vocab, block_size=BLOCK, error_positions=errors)
+
+
+def test_ar_mode_equals_reference(target, prompt, reference):
+    out, stats = Engine(target, mode="ar").generate_ids(prompt, N_GEN)
+    assert out == reference[0]
+    assert stats["steps"] == N_GEN - 1 and stats["acceptance_length"] == 1.0
+
+
+@pytest.mark.parametrize("budget", [1, 8, 15, 22, 40])
+def test_chain_lossless(target, prompt, reference, budget):
+    out, stats = Engine(target, oracle(prompt, reference, target), mode="chain", budget=budget).generate_ids(
+        prompt, N_GEN)
+    assert_lossless(out, reference)
+    assert stats["budget"] == min(budget, BLOCK - 1)
+    assert stats["acceptance_length"] > 1.0
+
+
+@needs_tree_ops
+@pytest.mark.parametrize("budget", [1, 8, 15, 22, 40])
+@pytest.mark.parametrize("seed_chain", [False, True])
+def test_ddtree_lossless(target, prompt, reference, budget, seed_chain):
+    engine = Engine(target, oracle(prompt, reference, target), mode="ddtree", budget=budget, seed_chain=seed_chain)
+    out, stats = engine.generate_ids(prompt, N_GEN)
+    assert_lossless(out, reference)
+    assert stats["acceptance_length"] > 1.0
+
+
+def expected_chain_commits(n_prompt, n_gen, budget, errors):
+    """Per step, how many tokens a chain of `budget` must commit given the oracle's error positions: the leading
+    run of right proposals plus the target's own token. Past the reference the oracle is always wrong."""
+    end = n_prompt + n_gen
+    out, root = [], n_prompt                      # index of the root (the first new token) in prompt + output
+    while root < n_prompt + n_gen - 1:
+        accepted = 0
+        while accepted < budget and root + accepted + 1 not in errors and root + accepted + 1 < end:
+            accepted += 1
+        out.append(accepted + 1)
+        root += accepted + 1
+    return out
+
+
+@pytest.mark.parametrize("budget", [4, 15])
+def test_chain_acceptance_bookkeeping(target, prompt, reference, budget):
+    out, stats = Engine(target, oracle(prompt, reference, target), mode="chain", budget=budget).generate_ids(
+        prompt, N_GEN)
+    assert out == reference[0]
+    want = expected_chain_commits(len(prompt), N_GEN, budget, set(ERRORS))
+    got = stats["committed_per_step"]
+    # the last step may commit past max_tokens (output truncated), so compare the steps the run took
+    assert got == want[:len(got)] and len(got) == len(want)
+    assert stats["steps"] == len(want)
+    assert stats["acceptance_length"] == pytest.approx(sum(want) / len(want))
+    assert sum(stats["acceptance_histogram"][i] * i for i in range(len(stats["acceptance_histogram"]))) == sum(got)
+
+
+@needs_tree_ops
+def test_ddtree_recovers_second_rank(target, prompt, reference):
+    """Where the oracle's right token is its second proposal, a tree with room for siblings accepts through it,
+    so it needs fewer steps than the chain of the same depth."""
+    chain = Engine(target, oracle(prompt, reference, target), mode="chain", budget=15).generate_ids(prompt, N_GEN)
+    tree = Engine(target, oracle(prompt, reference, target), mode="ddtree", budget=40).generate_ids(prompt, N_GEN)
+    assert tree[0] == reference[0]
+    assert tree[1]["steps"] < chain[1]["steps"]
+
+
+def test_every_step_commits_a_token(target, prompt, reference):
+    everything_wrong = range(len(prompt), len(prompt) + N_GEN + BLOCK)
+    out, stats = Engine(target, oracle(prompt, reference, target, everything_wrong), mode="chain",
+                        budget=8).generate_ids(prompt, 40)
+    assert out == reference[0][:40]
+    assert stats["committed_per_step"] == [1] * 39
+
+
+@pytest.mark.parametrize("max_tokens", [1, 2, 7, 16, 17, 50])
+def test_max_tokens_exact(target, prompt, reference, max_tokens):
+    out, _ = Engine(target, oracle(prompt, reference, target), mode="chain", budget=15).generate_ids(
+        prompt, max_tokens)
+    assert out == reference[0][:max_tokens]
+
+
+def test_stop_token_inside_accepted_path(target, prompt, reference):
+    ref = reference[0]
+    # a token first seen mid-way through a long accepted run (no oracle errors near it)
+    stop_at = next(i for i in range(10, N_GEN) if ref[i] not in ref[:i] and
+                   all(len(prompt) + j not in ERRORS for j in range(i - 6, i + 2)))
+    engine = Engine(target, oracle(prompt, reference, target), mode="chain", budget=15, stop_tokens=[ref[stop_at]])
+    seen = []
+    out, stats = engine.generate_ids(prompt, N_GEN, on_tokens=seen.append)
+    assert out == ref[:stop_at + 1]
+    assert sum(seen, []) == out
+    assert stats["committed_per_step"][-1] > 1 and sum(stats["committed_per_step"]) + 1 > len(out)
+
+
+def cache_state(target):
+    """Everything the committed tokens determine: per GDN layer S and conv window, per attention layer the KV
+    rows of the committed positions."""
+    c, n = target.cache, target.n_past
+    state = {f"ssm{il}": t.numpy().copy() for il, t in c.ssm.items()}
+    state.update({f"conv{il}": t.numpy().copy() for il, t in c.conv.items()})
+    for il in c.k:
+        state[f"k{il}"] = c.k[il].numpy().reshape(-1, c.k[il].ne[0])[:n].astype(np.float32)
+        state[f"v{il}"] = c.v[il].numpy().reshape(-1, c.v[il].ne[0])[:n].astype(np.float32)
+    return state
+
+
+# States from a verify over n slots and from n single-token decodes can differ by float rounding only (ggml's
+# CPU matmul may pick another kernel by batch size); measured here: bit-identical (max |diff| 0.0). 1e-4 absolute
+# on these unit-scale states leaves room for such rounding yet is far below any wrong-slot or wrong-path error,
+# which changes the states by O(0.1).
+STATE_ATOL = 1e-4
+
+
+@pytest.mark.parametrize("mode,budget", [("chain", 15), pytest.param("ddtree", 22, marks=needs_tree_ops)])
+def test_state_equals_ar_after_every_step(model, target, prompt, reference, mode, budget):
+    ar = Qwen35Target(model, "cpu", n_ctx=512, n_ubatch=64)
+    ar.prefill(prompt, return_logits=False)
+    committed = list(prompt)
+    checked = []
+
+    def check(tokens):
+        committed.extend(tokens)
+        if len(committed) <= target.n_past:   # the last step, cut at max_tokens: the output no longer has them all
+            checked.append(None)
+            return
+        # the spec target has run every committed token but the newest (the next root)
+        for tok in committed[ar.n_past:target.n_past]:
+            ar.decode(tok)
+        assert ar.n_past == target.n_past
+        want, got = cache_state(ar), cache_state(target)
+        for name in want:
+            np.testing.assert_allclose(got[name], want[name], rtol=0, atol=STATE_ATOL, err_msg=name)
+        checked.append(target.n_past)
+
+    engine = Engine(target, oracle(prompt, reference, target), mode=mode, budget=budget)
+    out, stats = engine.generate_ids(prompt, 100, on_tokens=check)
+    assert out == reference[0][:100]
+    assert len(checked) == stats["steps"] + 1 and None not in checked[:-1] and len(checked) > 8
+
+
+def test_rejects_bad_configuration(target):
+    with pytest.raises(ValueError, match="needs a draft"):
+        Engine(target, mode="chain")
+    with pytest.raises(ValueError, match="mode"):
+        Engine(target, mode="beam")
+    with pytest.raises(ValueError, match="exceed the context"):
+        Engine(target, mode="ar").generate_ids([1, 2, 3], 600)
