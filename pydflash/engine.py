@@ -88,7 +88,7 @@ def commit_step(target, draft, path: list[int]) -> None:
 
 # --- the engine ---
 
-class Engine:
+class Decoder:
     """Greedy decoding of `target` in one of MODES; `draft` is needed by `chain` and `ddtree`.
 
     budget: tree nodes per step (ddtree) or chain length (chain, capped by the draft block). top_k: proposals
@@ -109,6 +109,7 @@ class Engine:
         self.tokenizer = tokenizer
         self.stop_tokens = frozenset(int(t) for t in stop_tokens)
         self.seed_chain = seed_chain
+        self.last_stats: dict = {}
         if mode == "ar":
             self.budget, self.top_k = 0, 0
         elif mode == "chain":
@@ -139,7 +140,18 @@ class Engine:
         return taken
 
     def generate_ids(self, prompt_ids, max_tokens: int = 256, on_tokens=None) -> tuple[list[int], dict]:
-        """Greedy decoding after `prompt_ids`; on_tokens(list) sees each batch of committed tokens."""
+        """Greedy decoding after `prompt_ids`: (new token ids, stats). on_tokens(list) sees each batch of
+        committed tokens as it is committed."""
+        out = []
+        for tokens in self.iter_generate(prompt_ids, max_tokens):
+            out.extend(tokens)
+            if on_tokens:
+                on_tokens(tokens)
+        return out, self.last_stats
+
+    def iter_generate(self, prompt_ids, max_tokens: int = 256):
+        """Yield the new tokens step by step (lists; the first holds the prefill's token). The stats of the run
+        are in `last_stats` once the generator is exhausted."""
         prompt_ids = [int(t) for t in prompt_ids]
         if not prompt_ids:
             raise ValueError("the prompt is empty")
@@ -154,15 +166,15 @@ class Engine:
         root = prefill(self.target, self.draft, prompt_ids)
         t1 = time.perf_counter()
         run = _Run(context=prompt_ids + [root])
-        first = self._take(run, [root], max_tokens)
-        if on_tokens:
-            on_tokens(first)
+        yield self._take(run, [root], max_tokens)
+        t_yield = 0.0        # time spent in the consumer between steps is not decode time
         while not run.done:
             taken = self._ar_step(run, max_tokens) if self.mode == "ar" else self._spec_step(run, max_tokens)
-            if on_tokens and taken:
-                on_tokens(taken)
+            ty = time.perf_counter()
+            yield taken
+            t_yield += time.perf_counter() - ty
         t2 = time.perf_counter()
-        return run.new, self._stats(run, len(prompt_ids), t1 - t0, t2 - t1)
+        self.last_stats = self._stats(run, len(prompt_ids), t1 - t0, t2 - t1 - t_yield)
 
     def _ar_step(self, run: _Run, max_tokens: int) -> list[int]:
         token = self.target.step(run.context[-1])

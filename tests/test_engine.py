@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from pydflash import ggml
-from pydflash.engine import Engine
+from pydflash.engine import Decoder
 from pydflash.models.qwen35 import Qwen35Target
 from pydflash.testing import OracleDraft, write_qwen35_gguf
 
@@ -62,14 +62,14 @@ def oracle(prompt, reference, target, errors=ERRORS):
 
 
 def test_ar_mode_equals_reference(target, prompt, reference):
-    out, stats = Engine(target, mode="ar").generate_ids(prompt, N_GEN)
+    out, stats = Decoder(target, mode="ar").generate_ids(prompt, N_GEN)
     assert out == reference[0]
     assert stats["steps"] == N_GEN - 1 and stats["acceptance_length"] == 1.0
 
 
 @pytest.mark.parametrize("budget", [1, 8, 15, 22, 40])
 def test_chain_lossless(target, prompt, reference, budget):
-    out, stats = Engine(target, oracle(prompt, reference, target), mode="chain", budget=budget).generate_ids(
+    out, stats = Decoder(target, oracle(prompt, reference, target), mode="chain", budget=budget).generate_ids(
         prompt, N_GEN)
     assert_lossless(out, reference)
     assert stats["budget"] == min(budget, BLOCK - 1)
@@ -80,7 +80,7 @@ def test_chain_lossless(target, prompt, reference, budget):
 @pytest.mark.parametrize("budget", [1, 8, 15, 22, 40])
 @pytest.mark.parametrize("seed_chain", [False, True])
 def test_ddtree_lossless(target, prompt, reference, budget, seed_chain):
-    engine = Engine(target, oracle(prompt, reference, target), mode="ddtree", budget=budget, seed_chain=seed_chain)
+    engine = Decoder(target, oracle(prompt, reference, target), mode="ddtree", budget=budget, seed_chain=seed_chain)
     out, stats = engine.generate_ids(prompt, N_GEN)
     assert_lossless(out, reference)
     assert stats["acceptance_length"] > 1.0
@@ -102,7 +102,7 @@ def expected_chain_commits(n_prompt, n_gen, budget, errors):
 
 @pytest.mark.parametrize("budget", [4, 15])
 def test_chain_acceptance_bookkeeping(target, prompt, reference, budget):
-    out, stats = Engine(target, oracle(prompt, reference, target), mode="chain", budget=budget).generate_ids(
+    out, stats = Decoder(target, oracle(prompt, reference, target), mode="chain", budget=budget).generate_ids(
         prompt, N_GEN)
     assert out == reference[0]
     want = expected_chain_commits(len(prompt), N_GEN, budget, set(ERRORS))
@@ -118,15 +118,15 @@ def test_chain_acceptance_bookkeeping(target, prompt, reference, budget):
 def test_ddtree_recovers_second_rank(target, prompt, reference):
     """Where the oracle's right token is its second proposal, a tree with room for siblings accepts through it,
     so it needs fewer steps than the chain of the same depth."""
-    chain = Engine(target, oracle(prompt, reference, target), mode="chain", budget=15).generate_ids(prompt, N_GEN)
-    tree = Engine(target, oracle(prompt, reference, target), mode="ddtree", budget=40).generate_ids(prompt, N_GEN)
+    chain = Decoder(target, oracle(prompt, reference, target), mode="chain", budget=15).generate_ids(prompt, N_GEN)
+    tree = Decoder(target, oracle(prompt, reference, target), mode="ddtree", budget=40).generate_ids(prompt, N_GEN)
     assert tree[0] == reference[0]
     assert tree[1]["steps"] < chain[1]["steps"]
 
 
 def test_every_step_commits_a_token(target, prompt, reference):
     everything_wrong = range(len(prompt), len(prompt) + N_GEN + BLOCK)
-    out, stats = Engine(target, oracle(prompt, reference, target, everything_wrong), mode="chain",
+    out, stats = Decoder(target, oracle(prompt, reference, target, everything_wrong), mode="chain",
                         budget=8).generate_ids(prompt, 40)
     assert out == reference[0][:40]
     assert stats["committed_per_step"] == [1] * 39
@@ -134,7 +134,7 @@ def test_every_step_commits_a_token(target, prompt, reference):
 
 @pytest.mark.parametrize("max_tokens", [1, 2, 7, 16, 17, 50])
 def test_max_tokens_exact(target, prompt, reference, max_tokens):
-    out, _ = Engine(target, oracle(prompt, reference, target), mode="chain", budget=15).generate_ids(
+    out, _ = Decoder(target, oracle(prompt, reference, target), mode="chain", budget=15).generate_ids(
         prompt, max_tokens)
     assert out == reference[0][:max_tokens]
 
@@ -144,7 +144,7 @@ def test_stop_token_inside_accepted_path(target, prompt, reference):
     # a token first seen mid-way through a long accepted run (no oracle errors near it)
     stop_at = next(i for i in range(10, N_GEN) if ref[i] not in ref[:i] and
                    all(len(prompt) + j not in ERRORS for j in range(i - 6, i + 2)))
-    engine = Engine(target, oracle(prompt, reference, target), mode="chain", budget=15, stop_tokens=[ref[stop_at]])
+    engine = Decoder(target, oracle(prompt, reference, target), mode="chain", budget=15, stop_tokens=[ref[stop_at]])
     seen = []
     out, stats = engine.generate_ids(prompt, N_GEN, on_tokens=seen.append)
     assert out == ref[:stop_at + 1]
@@ -192,7 +192,7 @@ def test_state_equals_ar_after_every_step(model, target, prompt, reference, mode
             np.testing.assert_allclose(got[name], want[name], rtol=0, atol=STATE_ATOL, err_msg=name)
         checked.append(target.n_past)
 
-    engine = Engine(target, oracle(prompt, reference, target), mode=mode, budget=budget)
+    engine = Decoder(target, oracle(prompt, reference, target), mode=mode, budget=budget)
     out, stats = engine.generate_ids(prompt, 100, on_tokens=check)
     assert out == reference[0][:100]
     assert len(checked) == stats["steps"] + 1 and None not in checked[:-1] and len(checked) > 8
@@ -200,8 +200,8 @@ def test_state_equals_ar_after_every_step(model, target, prompt, reference, mode
 
 def test_rejects_bad_configuration(target):
     with pytest.raises(ValueError, match="needs a draft"):
-        Engine(target, mode="chain")
+        Decoder(target, mode="chain")
     with pytest.raises(ValueError, match="mode"):
-        Engine(target, mode="beam")
+        Decoder(target, mode="beam")
     with pytest.raises(ValueError, match="exceed the context"):
-        Engine(target, mode="ar").generate_ids([1, 2, 3], 600)
+        Decoder(target, mode="ar").generate_ids([1, 2, 3], 600)
