@@ -1,4 +1,5 @@
-"""Command line: `pydflash info` (build and device check). More subcommands arrive with the engine."""
+"""Command line: `pydflash info` (build and device check), `pydflash run` (generate), `pydflash demo` (synthetic
+models, nothing to download)."""
 from __future__ import annotations
 
 import argparse
@@ -42,12 +43,104 @@ def cmd_info(args: argparse.Namespace) -> int:
     return 0 if ok else 1
 
 
+def _print_stats(stats: dict) -> None:
+    line = (f"mode {stats['mode']}: {stats['new_tokens']} tokens in {stats['steps']} steps, "
+            f"acceptance length {stats['acceptance_length']:.2f}, prefill {stats['prefill_tok_s']:.1f} tok/s, "
+            f"decode {stats['decode_tok_s']:.1f} tok/s")
+    if "verify_s" in stats and stats["steps"]:
+        ms = {k: 1e3 * stats[k] / stats["steps"] for k in ("draft_s", "verify_s", "commit_s", "host_s")}
+        line += (f" | per step: draft {ms['draft_s']:.2f} ms, verify {ms['verify_s']:.2f} ms, "
+                 f"commit {ms['commit_s']:.2f} ms, host {ms['host_s']:.2f} ms")
+    print(line, file=sys.stderr)
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    """Generate from a prompt (--prompt, or stdin) and stream the text; stats go to stderr."""
+    from .api import load
+
+    prompt = args.prompt if args.prompt is not None else sys.stdin.read()
+    if not prompt:
+        print("pydflash run: empty prompt (give --prompt or pipe text on stdin)", file=sys.stderr)
+        return 2
+    engine = load(args.target, args.draft, device=args.device, kv_type=args.kv, max_ctx=args.max_ctx,
+                  mode=args.mode, budget=args.budget, progress=True)
+    for piece in engine.stream(prompt, max_tokens=args.n_gen, chat=args.chat):
+        sys.stdout.write(piece)
+        sys.stdout.flush()
+    sys.stdout.write("\n")
+    _print_stats(engine.last_stats)
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    """Write a synthetic target (and draft), run AR and speculative decoding on it, check they agree."""
+    import tempfile
+
+    from . import testing
+    from .api import load
+    from .engine import _has_tree_ops
+
+    spec_mode = "ddtree" if _has_tree_ops() else "chain"
+    with tempfile.TemporaryDirectory(prefix="pydflash-demo-") as tmp:
+        target_path = f"{tmp}/target.gguf"
+        testing.write_qwen35_gguf(target_path, seed=args.seed)
+        print(f"wrote a synthetic qwen35 target (random weights): {target_path}")
+        ar = load(target_path, mode="ar", device=args.device, max_ctx=1024)
+        prompt = "The quick brown fox jumps over the lazy dog."
+        ref = ar.generate(prompt, max_tokens=args.n_gen)
+        print(f"AR     : {len(ref.tokens)} tokens, decode {ref.stats['decode_tok_s']:.1f} tok/s")
+
+        writer = getattr(testing, "write_dflash_draft", None)
+        if writer is not None:
+            draft_dir = f"{tmp}/draft"
+            writer(draft_dir, target_path, seed=args.seed)
+            draft, what = draft_dir, "a synthetic DFlash draft (random weights)"
+            note = ("random draft weights barely ever guess the target's next token, so the acceptance length is "
+                    "close to 1 and speculative decoding is slower than AR here; real draft/target pairs reach 6-8")
+        else:
+            prompt_ids = ar.tokenizer.tokenize(prompt, add_special=True)
+            draft = testing.OracleDraft(prompt_ids + ref.tokens, ar.target.hp.n_vocab,
+                                        error_positions=range(len(prompt_ids) + 5, len(prompt_ids) + 400, 9))
+            what = "an oracle test double (the DFlash draft model is not in this build)"
+            note = ("the oracle draft knows AR's answer and errs every 9th position, so its acceptance length is "
+                    "artificially high; it shows the engine is lossless, not real draft quality")
+        print(f"draft  : {what}")
+        spec = load(target_path, draft, mode=spec_mode, budget=args.budget, device=args.device, max_ctx=1024)
+        out = spec.generate(prompt, max_tokens=args.n_gen)
+        same = out.tokens == ref.tokens
+        print(f"{spec_mode:7s}: {len(out.tokens)} tokens, acceptance length {out.stats['acceptance_length']:.2f}, "
+              f"{out.stats['steps']} steps, decode {out.stats['decode_tok_s']:.1f} tok/s")
+        print(f"same tokens as AR: {'yes' if same else 'NO'}")
+        print(f"note: {note}.")
+        return 0 if same else 1
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="pydflash", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     info = sub.add_parser("info", help="show the build and devices, and run a self-check graph")
     info.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (default: auto)")
     info.set_defaults(func=cmd_info)
+
+    run = sub.add_parser("run", help="generate text with a target GGUF (and a DFlash draft)")
+    run.add_argument("--target", required=True, help="target GGUF (e.g. Qwen3.5-27B-Q4_K_M.gguf)")
+    run.add_argument("--draft", help="DFlash draft directory (config.json + model.safetensors)")
+    run.add_argument("--prompt", help="prompt text (default: read stdin)")
+    run.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    run.add_argument("--n-gen", type=int, default=256, help="new tokens at most (default 256)")
+    run.add_argument("--mode", choices=["ar", "chain", "ddtree"], help="default: ddtree with a draft, else ar")
+    run.add_argument("--budget", type=int, default=22, help="tree nodes (ddtree) or chain length (default 22)")
+    run.add_argument("--kv", default="f16", choices=["f16", "q8_0", "q4_0"], help="KV cache type (default f16)")
+    run.add_argument("--max-ctx", type=int, help="KV cache positions (default 8192)")
+    run.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (default: auto)")
+    run.set_defaults(func=cmd_run)
+
+    demo = sub.add_parser("demo", help="synthetic target and draft: AR vs speculative, same tokens, speed")
+    demo.add_argument("--n-gen", type=int, default=64)
+    demo.add_argument("--budget", type=int, default=22)
+    demo.add_argument("--seed", type=int, default=0)
+    demo.add_argument("--device", default="cpu", help="cpu (default), cuda or auto")
+    demo.set_defaults(func=cmd_demo)
     args = parser.parse_args(argv)
     return args.func(args)
 

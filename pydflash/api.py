@@ -1,0 +1,165 @@
+"""The public Python API: `pydflash.load(...)` returns an `Engine` with `generate` and `stream`.
+
+    import pydflash
+    engine = pydflash.load("Qwen3.5-27B-Q4_K_M.gguf", "Qwen3.5-27B-DFlash/")
+    result = engine.generate("Write a haiku about GPUs.", max_tokens=128, chat=True)
+    print(result.text, result.stats["acceptance_length"], result.stats["decode_tok_s"])
+    for piece in engine.stream("def fib(n):", max_tokens=64):
+        print(piece, end="", flush=True)
+
+Decoding is greedy; speculative modes return exactly the tokens plain decoding would.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+
+from .engine import MODES, Decoder
+
+DEFAULT_MAX_CTX = 8192     # positions allocated when max_ctx is None (capped by the model's training context)
+
+
+@dataclass
+class Result:
+    text: str                  # the new text (an end-of-generation token is not rendered)
+    tokens: list[int]          # the new token ids (an end-of-generation token that stopped it included)
+    stats: dict = field(default_factory=dict)   # acceptance_length, steps, prefill_tok_s, decode_tok_s, ...
+
+
+class Engine:
+    """A loaded target (and draft) ready to generate. Make one with `pydflash.load`."""
+
+    def __init__(self, decoder: Decoder, tokenizer=None):
+        self.decoder = decoder
+        self.tokenizer = tokenizer
+
+    @property
+    def mode(self) -> str:
+        return self.decoder.mode
+
+    @property
+    def target(self):
+        return self.decoder.target
+
+    def generate(self, prompt, max_tokens: int = 256, chat: bool = False, **sampling) -> Result:
+        """Greedy generation after `prompt` (text, or a list of token ids) until max_tokens new tokens or an
+        end-of-generation token. chat=True wraps a text prompt in the model's chat template as a user turn."""
+        ids = self._prompt_ids(prompt, chat, sampling)
+        tokens, stats = self.decoder.generate_ids(ids, max_tokens)
+        return Result(self._text(tokens), tokens, stats)
+
+    def stream(self, prompt, max_tokens: int = 256, chat: bool = False, **sampling):
+        """Like `generate`, but yields text pieces as tokens are committed (a piece may hold several tokens:
+        a speculative step commits many at once). The stats are in `last_stats` afterwards."""
+        ids = self._prompt_ids(prompt, chat, sampling)
+        tokens, shown = [], ""
+        for batch in self.decoder.iter_generate(ids, max_tokens):
+            tokens.extend(batch)
+            text = self._text(tokens)
+            # hold back an incomplete UTF-8 sequence (rendered as U+FFFD) until its last byte arrives
+            stable = text.rstrip("\ufffd")
+            if len(stable) > len(shown):
+                yield stable[len(shown):]
+                shown = stable
+        text = self._text(tokens)
+        if len(text) > len(shown):
+            yield text[len(shown):]
+
+    @property
+    def last_stats(self) -> dict:
+        return self.decoder.last_stats
+
+    def _prompt_ids(self, prompt, chat: bool, sampling: dict) -> list[int]:
+        _reject_sampling(sampling)
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this engine has no tokenizer: pass the prompt as token ids")
+            if chat:
+                prompt = self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
+            return self.tokenizer.tokenize(prompt, add_special=not chat)
+        if chat:
+            raise ValueError("chat=True needs a text prompt")
+        ids = [int(t) for t in prompt]
+        if not ids:
+            raise ValueError("the prompt is empty")
+        return ids
+
+    def _text(self, tokens) -> str:
+        if self.tokenizer is None:
+            return ""
+        return self.tokenizer.detokenize(tokens)
+
+
+def _reject_sampling(sampling: dict) -> None:
+    """Only greedy decoding is implemented: refuse sampling options instead of ignoring them (DESIGN §13)."""
+    if not sampling:
+        return
+    greedy = {"temperature": 0.0, "top_k": 1}
+    for name, value in sampling.items():
+        if name in greedy and value is not None and float(value) == greedy[name]:
+            continue
+        raise ValueError(f"{name}={value!r}: only greedy decoding is implemented (temperature 0); "
+                         "sampling options are not supported yet")
+
+
+def draft_layer_ids(draft_path) -> list[int]:
+    """The target layers a DFlash draft reads (`dflash_config.target_layer_ids` in its config.json)."""
+    path = os.fspath(draft_path)
+    config_path = os.path.join(path, "config.json") if os.path.isdir(path) else path
+    with open(config_path, encoding="utf-8") as f:
+        config = json.load(f)
+    ids = (config.get("dflash_config") or {}).get("target_layer_ids", config.get("target_layer_ids"))
+    if not isinstance(ids, list) or not ids or not all(isinstance(i, int) for i in ids):
+        raise ValueError(f"{config_path}: no dflash_config.target_layer_ids list")
+    return ids
+
+
+def _load_draft(draft_path, target):
+    try:
+        from .models.dflash_draft import load_draft
+    except ImportError as e:
+        raise RuntimeError("the DFlash draft model is not part of this build yet (pydflash.models.dflash_draft); "
+                           "run with mode='ar'") from e
+    return load_draft(draft_path, target)
+
+
+def load(target, draft=None, *, device: str = "auto", kv_type: str = "f16", max_ctx: int | None = None,
+         mode: str | None = None, budget: int = 22, tokenizer: bool = True, progress: bool | None = None) -> Engine:
+    """Load a target GGUF (and a DFlash draft: its directory or config.json) and return an `Engine`.
+
+    device: 'auto', 'cpu', 'cuda' or 'cuda:N'. kv_type: 'f16', 'q8_0' or 'q4_0'. max_ctx: positions of the
+    KV cache (None: 8192, capped by the model's training context). mode: 'ar', 'chain' or 'ddtree' (None:
+    'ddtree' with a draft, 'ar' without). budget: tree nodes per step (ddtree) or chain length (chain).
+    tokenizer: load the GGUF's tokenizer (through llama-cpp-python, vocabulary only) for text in and out."""
+    from .gguf_io import GGUFFile
+    from .models import load_target
+
+    mode = mode or ("ddtree" if draft is not None else "ar")
+    if mode not in MODES:
+        raise ValueError(f"mode {mode!r}: expected one of {MODES}")
+    if mode != "ar" and draft is None:
+        raise ValueError(f"mode {mode!r} needs a draft")
+    if max_ctx is None:
+        n_train = int(GGUFFile(target).get(f"{GGUFFile(target).architecture}.context_length", 0) or 0)
+        max_ctx = min(DEFAULT_MAX_CTX, n_train) if n_train > 0 else DEFAULT_MAX_CTX
+    draft_object = draft is not None and hasattr(draft, "propose")   # an already built draft (tests, demo)
+    if mode == "ar" or draft is None:
+        capture = ()
+    elif draft_object:
+        capture = tuple(getattr(draft, "target_layer_ids", ()))
+    else:
+        capture = draft_layer_ids(draft)
+    # a verify forward must fit in one micro-batch
+    n_ubatch = max(512, budget + 1)
+    model = load_target(target, device, n_ctx=max_ctx, kv_type=kv_type, n_ubatch=n_ubatch, capture_layers=capture,
+                        progress=progress)
+    draft_model = None
+    if mode != "ar":
+        draft_model = draft if draft_object else _load_draft(draft, model)
+    tok = None
+    if tokenizer:
+        from .tokenizer import Tokenizer
+        tok = Tokenizer(target)
+    decoder = Decoder(model, draft_model, mode=mode, budget=budget, tokenizer=tok)
+    return Engine(decoder, tok)
