@@ -40,6 +40,7 @@ class _Run:
     done: bool = False
     steps: int = 0
     committed_per_step: list[int] = field(default_factory=list)   # accepted nodes + 1 per verify step
+    off_chain_steps: int = 0                 # steps whose accepted path was not slots 0, 1, 2, .. (KV compacted)
     draft_s: float = 0.0
     verify_s: float = 0.0
     commit_s: float = 0.0
@@ -198,6 +199,7 @@ class Decoder:
         run.context.extend(new)
         run.steps += 1
         run.committed_per_step.append(len(new))
+        run.off_chain_steps += path != list(range(len(path)))
         taken = self._take(run, new, max_tokens)
         run.draft_s += t1 - t0
         run.verify_s += t3 - t2
@@ -223,7 +225,7 @@ class Decoder:
         }
         if self.mode != "ar":
             stats.update(budget=self.budget, top_k=self.top_k, seed_chain=self.seed_chain,
-                         draft_s=run.draft_s, verify_s=run.verify_s, commit_s=run.commit_s, host_s=run.host_s)
+                         off_chain_steps=run.off_chain_steps, draft_s=run.draft_s, verify_s=run.verify_s, commit_s=run.commit_s, host_s=run.host_s)
         return stats
 
 

@@ -196,6 +196,8 @@ def test_state_equals_ar_after_every_step(model, target, prompt, reference, mode
     out, stats = engine.generate_ids(prompt, 100, on_tokens=check)
     assert out == reference[0][:100]
     assert len(checked) == stats["steps"] + 1 and None not in checked[:-1] and len(checked) > 8
+    if mode == "ddtree":   # the oracle's second-rank answers make paths leave the chain: KV rows were moved
+        assert stats["off_chain_steps"] > 0
 
 
 def test_rejects_bad_configuration(target):
@@ -205,3 +207,16 @@ def test_rejects_bad_configuration(target):
         Decoder(target, mode="beam")
     with pytest.raises(ValueError, match="exceed the context"):
         Decoder(target, mode="ar").generate_ids([1, 2, 3], 600)
+
+
+@needs_tree_ops
+@pytest.mark.parametrize("kv_type", ["q8_0", "q4_0"])
+def test_ddtree_lossless_quantised_kv(model, prompt, kv_type):
+    """Compacting KV rows goes through f32 and back into the quantised cache: the rows must survive that, so
+    the output still equals AR on the same quantised cache."""
+    target = Qwen35Target(model, "cpu", n_ctx=512, n_ubatch=64, kv_type=kv_type)
+    ar, _ = Decoder(target, mode="ar").generate_ids(prompt, 100)
+    draft = OracleDraft(prompt + ar, target.hp.n_vocab, block_size=BLOCK, error_positions=ERRORS)
+    out, stats = Decoder(target, draft, mode="ddtree", budget=22).generate_ids(prompt, 100)
+    assert out == ar
+    assert stats["acceptance_length"] > 4 and stats["off_chain_steps"] > 0
