@@ -1,0 +1,176 @@
+"""Where the time of a DDTree speculative step goes, and the decode speed it implies.
+
+    python bench/ddtree_step.py TARGET.gguf [--draft DRAFT_DIR] --device cuda [--budget 22] [--n-gen 128]
+
+Measures on one target GGUF (e.g. the synthetic 27B-shaped Q4_K_M from `python -m pydflash.testing write-qwen35
+OUT.gguf --preset 27b`):
+  1. AR decode: ms per single-token step (the baseline).
+  2. Verify forward time against tree size (1..40 nodes, random best-first trees), and the commit after it
+     (accepted path along the first children, and a path that leaves it so KV rows are moved).
+  3. A full generation in ddtree mode: time per step split into draft, verify, commit and Python host work.
+     The draft is the real DFlash draft when --draft is given (and the build has it); otherwise an oracle test
+     double that replays the AR output with an error every --error-every positions (its draft time is ~0 and is
+     reported as not measured).
+  4. Projected tok/s at acceptance lengths 8.31, 7.04 and 6.14 (published DDTree figures): AL / (measured step
+     time at the budget), against measured AR tok/s. These are projections from measured step times, not
+     end-to-end measurements with a trained draft.
+Prints markdown.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import numpy as np
+
+try:
+    import pydflash  # noqa: F401  (the installed package)
+except ImportError:      # running from a source checkout without installing
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+PROJECTED_AL = (8.31, 7.04, 6.14)
+NODE_COUNTS = (1, 2, 4, 8, 12, 16, 22, 28, 32, 40)
+
+
+def _median_ms(fn, reps: int) -> float:
+    fn()                                   # warm-up: graph build, allocation
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return 1e3 * statistics.median(times)
+
+
+def bench_ar(target, prompt, n_gen):
+    target.reset()
+    target.prefill(prompt, return_logits=False)
+    token, out = target.argmax(), []
+    target.step(token)                     # warm the decode graph
+    target.reset()
+    target.prefill(prompt, return_logits=False)
+    token = target.argmax()
+    out.append(token)
+    t = time.perf_counter()
+    for _ in range(n_gen - 1):
+        token = target.step(token)
+        out.append(token)
+    dt = time.perf_counter() - t
+    return out, 1e3 * dt / (n_gen - 1)
+
+
+def bench_verify_sizes(target, prompt, reps, rng):
+    from pydflash import ddtree
+    rows = []
+    for n in NODE_COUNTS:
+        target.enable_verify(n + 1, tree=True)
+        k = min(n, 8)
+        logits = rng.standard_normal((15, 64)) * 3
+        logp = logits - np.log(np.exp(logits).sum(1, keepdims=True))
+        ids = np.argsort(-logp, 1)[:, :k]
+        tree = ddtree.build_tree(np.take_along_axis(logp, ids, 1), ids + 100, n)
+        tokens, parents, depths = ddtree.padded(tree, n + 1)
+        tokens[0] = 1
+        target.reset()
+        target.prefill(prompt, return_logits=False)
+        verify_ms = _median_ms(lambda: target.verify(tokens, parents, depths), reps)
+        n_past = target.n_past
+        chain_path = [0]                           # root, then first children while they are slots 1, 2, ..
+        while len(chain_path) <= n and parents[len(chain_path)] == len(chain_path) - 1:
+            chain_path.append(len(chain_path))
+        leaf = n                                   # the last node: its path usually leaves the first children
+        off_path = []
+        while leaf >= 0:
+            off_path.append(int(leaf))
+            leaf = int(parents[leaf])
+        off_path = off_path[::-1]
+
+        def commit(path):
+            target.cache.n_past = n_past           # commit the same verify again and again (timing only)
+            target.commit(path)
+        chain_ms = _median_ms(lambda: commit(chain_path), reps)
+        off_ms = _median_ms(lambda: commit(off_path), reps)
+        rows.append((n, verify_ms, chain_ms, off_ms, int(depths.max())))
+    return rows
+
+
+def bench_steps(target, draft, prompt, n_gen, budget, seed_chain):
+    from pydflash.engine import Decoder
+    decoder = Decoder(target, draft, mode="ddtree", budget=budget, seed_chain=seed_chain)
+    decoder.generate_ids(prompt, min(n_gen, 32))        # warm-up
+    tokens, stats = decoder.generate_ids(prompt, n_gen)
+    return tokens, stats
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("target")
+    p.add_argument("--draft", help="DFlash draft directory (else an oracle test double; draft time not measured)")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--budget", type=int, default=22)
+    p.add_argument("--seed-chain", action="store_true")
+    p.add_argument("--n-gen", type=int, default=128)
+    p.add_argument("--n-prompt", type=int, default=64)
+    p.add_argument("--reps", type=int, default=10)
+    p.add_argument("--error-every", type=int, default=8, help="oracle draft: a wrong top-1 every N positions")
+    p.add_argument("--kv", default="f16", choices=["f16", "q8_0", "q4_0"])
+    args = p.parse_args(argv)
+
+    from pydflash.api import _load_draft, draft_layer_ids
+    from pydflash.models import load_target
+    from pydflash.testing import OracleDraft
+
+    capture = draft_layer_ids(args.draft) if args.draft else ()
+    n_ctx = -(-(args.n_prompt + args.n_gen + 64) // 256) * 256
+    t0 = time.perf_counter()
+    target = load_target(args.target, args.device, n_ctx=n_ctx, kv_type=args.kv, n_ubatch=512,
+                         capture_layers=capture, progress=True)
+    load_s = time.perf_counter() - t0
+    rng = np.random.default_rng(0)
+    prompt = [int(t) for t in rng.integers(1, min(target.hp.n_vocab, 30000), args.n_prompt)]
+
+    ar_tokens, ar_ms = bench_ar(target, prompt, args.n_gen)
+    sizes = bench_verify_sizes(target, prompt, args.reps, rng)
+    if args.draft:
+        draft, draft_kind = _load_draft(args.draft, target), "DFlash draft " + os.path.basename(args.draft.rstrip("/"))
+    else:
+        errors = range(len(prompt), len(prompt) + args.n_gen + 64, args.error_every)
+        draft = OracleDraft(prompt + ar_tokens, target.hp.n_vocab, error_positions=errors)
+        draft_kind = f"oracle test double (wrong every {args.error_every}th position; draft time not measured)"
+    tokens, stats = bench_steps(target, draft, prompt, args.n_gen, args.budget, args.seed_chain)
+
+    name = os.path.basename(args.target)
+    print(f"\n### DDTree step on {name}, {target.backend.name}, kv {args.kv}, budget {args.budget}"
+          f"{' (top-1 chain seeded)' if args.seed_chain else ''}\n")
+    print(f"target load {load_s:.1f} s; prompt {args.n_prompt} tokens; {args.n_gen} new tokens; draft: {draft_kind}\n")
+    print(f"AR decode: {ar_ms:.2f} ms/token = {1e3 / ar_ms:.1f} tok/s\n")
+
+    print("| tree nodes | max depth | verify ms | verify / AR step | commit ms (chain path) | commit ms (moved KV) |")
+    print("|---|---|---|---|---|---|")
+    for n, verify_ms, chain_ms, off_ms, depth in sizes:
+        print(f"| {n} | {depth} | {verify_ms:.2f} | {verify_ms / ar_ms:.2f} | {chain_ms:.2f} | {off_ms:.2f} |")
+
+    steps = stats["steps"]
+    per = {k: 1e3 * stats[k] / steps for k in ("draft_s", "verify_s", "commit_s", "host_s")}
+    step_ms = sum(per.values())
+    same = tokens == ar_tokens
+    print(f"\nddtree run: {steps} steps, acceptance length {stats['acceptance_length']:.2f} (oracle-controlled), "
+          f"{stats['decode_tok_s']:.1f} tok/s measured, output {'equals' if same else 'DIFFERS from'} AR\n")
+    print("| per step | draft | verify | commit | host (Python) | total |\n|---|---|---|---|---|---|")
+    print(f"| ms | {per['draft_s']:.2f} | {per['verify_s']:.2f} | {per['commit_s']:.2f} | {per['host_s']:.2f} "
+          f"| {step_ms:.2f} |")
+
+    print(f"\nProjections from the measured step time ({step_ms:.2f} ms"
+          f"{', draft time not included' if not args.draft else ''}) at published acceptance lengths:\n")
+    print("| acceptance length | projected tok/s | AR tok/s (measured) | projected speedup |\n|---|---|---|---|")
+    for al in PROJECTED_AL:
+        tok_s = al / (step_ms / 1e3)
+        print(f"| {al} | {tok_s:.1f} | {1e3 / ar_ms:.1f} | {tok_s * ar_ms / 1e3:.2f}x |")
+    return 0 if same else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
