@@ -7,6 +7,7 @@ and a vocabulary padded to 600. (CUDA's ssm_conv needs conv channels in multiple
 """
 from __future__ import annotations
 
+import llama_cpp  # the oracle; a runtime dependency of pydflash, so always installed with it
 import numpy as np
 import pytest
 
@@ -15,8 +16,6 @@ from pydflash.generate import generate_greedy
 from pydflash.gguf_io import GGUFError
 from pydflash.models.qwen35 import Qwen35Target
 from pydflash.testing import write_qwen35_gguf
-
-llama_cpp = pytest.importorskip("llama_cpp")
 
 SHAPES = {
     "A": dict(),
