@@ -38,6 +38,11 @@ MUL_MAT_CASES = [
 ]
 
 
+# ggml-cuda multiplies F32 matrices on tensor cores in TF32 (10-bit mantissa inputs, 2^-11 relative rounding):
+# measured 7.5e-4 on an H100
+CUDA_F32_MATMUL_BOUND = 2e-3
+
+
 @pytest.mark.parametrize("wtype,round_x,bound", MUL_MAT_CASES, ids=[c[0].name for c in MUL_MAT_CASES])
 def test_mul_mat_matches_dequantised_reference(backend, rng, wtype, round_x, bound):
     n_in, n_out, n_tok = 512, 96, 7
@@ -67,6 +72,8 @@ def test_mul_mat_matches_dequantised_reference(backend, rng, wtype, round_x, bou
     x_ref = round_x(x) if round_x else x.astype(np.float64)
     ref = x_ref @ w_ref.T
     err = rel_err(y, ref)
+    if wtype == ggml.Type.F32 and not backend.is_cpu:
+        bound = CUDA_F32_MATMUL_BOUND
     assert err < bound, f"{wtype.name}: relative error {err:.2e} over {bound:.0e}"
     if wtype == ggml.Type.Q4_K:
         weight_rounding = rel_err(x.astype(np.float64) @ w.T.astype(np.float64), ref)

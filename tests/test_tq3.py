@@ -312,8 +312,10 @@ def test_rotation_helper_in_graph(backend, rng):
     rot = tq3.Rotation(backend)
     got_r, got_back = run_graph(backend, lambda ctx, t: [rot.rotate(ctx, t["x"]),
                                                          rot.unrotate(ctx, rot.rotate(ctx, t["x"]))], {"x": x})
-    assert rel_err(got_r, rotated(x)) < 1e-6
-    assert rel_err(got_back, x) < 1e-6
+    # the rotation is a mul_mat: f32 on the CPU, TF32 tensor cores on CUDA (2^-11 relative inputs; 2.3e-4 measured)
+    bound = 1e-6 if backend.is_cpu else 2e-3
+    assert rel_err(got_r, rotated(x)) < bound
+    assert rel_err(got_back, x) < bound
     rot.close()
 
 
@@ -345,4 +347,5 @@ def test_cuda_attention_matches_cpu(rng, n_q, n_kv):
     err = rel_err(out_gpu, out_cpu)
     print(f"n_q={n_q} n_kv={n_kv}: CUDA vs CPU attention {err:.2e}; K values that differ {flips:.1e}")
     assert flips < 1e-3
-    assert err < (1e-4 if n_q <= 2 else 5e-3)
+    # the Q rotation before the kernel is a TF32 mul_mat on CUDA (2^-11 relative; 4e-4 measured on an H100)
+    assert err < (2e-3 if n_q <= 2 else 5e-3)

@@ -9,7 +9,8 @@ src=$(realpath "$1"); wheels=$(realpath "$2"); ggml_src=$(realpath "$3"); shift 
 out=${OUT:-/tmp/out}; mkdir -p "$out"
 
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site "$wheels"/*.whl || exit 1
-export PYTHONPATH=/tmp/pyd:/tmp/site PYDFLASH_GGML_SOURCE=$ggml_src PYDFLASH_CUDA=1
+# EXTRA_PYTHONPATH: packages carried as folders (e.g. llama_cpp, the oracle of the target tests)
+export PYTHONPATH=/tmp/pyd:/tmp/site${EXTRA_PYTHONPATH:+:$EXTRA_PYTHONPATH} PYDFLASH_GGML_SOURCE=$ggml_src PYDFLASH_CUDA=1
 export CMAKE_ARGS="-DCMAKE_CUDA_ARCHITECTURES=90" CMAKE_BUILD_PARALLEL_LEVEL=$(nproc)
 
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$out/gpu.txt"
