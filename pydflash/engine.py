@@ -163,6 +163,8 @@ class Decoder:
             raise ValueError(f"prompt ({len(prompt_ids)} tokens) + {max_tokens} new tokens"
                              f"{f' + {self.budget} verify slots' if self.budget else ''} exceed the context "
                              f"({self.target.n_ctx}); raise max_ctx")
+        if self.mode != "ar" and self.target.n_slots != self.budget + 1:   # another decoder re-sized the verify
+            self.target.enable_verify(self.budget + 1, tree=self.mode == "ddtree" or _has_tree_ops())
         t0 = time.perf_counter()
         root = prefill(self.target, self.draft, prompt_ids)
         t1 = time.perf_counter()
