@@ -97,9 +97,9 @@ def bench_verify_sizes(target, prompt, reps, rng):
     return rows
 
 
-def bench_steps(target, draft, prompt, n_gen, budget, seed_chain):
+def bench_steps(target, draft, prompt, n_gen, budget, seed_chain, state_type):
     from pydflash.engine import Decoder
-    decoder = Decoder(target, draft, mode="ddtree", budget=budget, seed_chain=seed_chain)
+    decoder = Decoder(target, draft, mode="ddtree", budget=budget, seed_chain=seed_chain, state_type=state_type)
     decoder.generate_ids(prompt, min(n_gen, 32))        # warm-up
     tokens, stats = decoder.generate_ids(prompt, n_gen)
     return tokens, stats
@@ -112,6 +112,7 @@ def main(argv=None) -> int:
     p.add_argument("--device", default="auto")
     p.add_argument("--budget", type=int, default=22)
     p.add_argument("--seed-chain", action="store_true")
+    p.add_argument("--f16-states", action="store_true", help="f16 tree-node recurrent states (default f32)")
     p.add_argument("--n-gen", type=int, default=128)
     p.add_argument("--n-prompt", type=int, default=64)
     p.add_argument("--reps", type=int, default=10)
@@ -140,11 +141,12 @@ def main(argv=None) -> int:
         errors = range(len(prompt), len(prompt) + args.n_gen + 64, args.error_every)
         draft = OracleDraft(prompt + ar_tokens, target.hp.n_vocab, error_positions=errors)
         draft_kind = f"oracle test double (wrong every {args.error_every}th position; draft time not measured)"
-    tokens, stats = bench_steps(target, draft, prompt, args.n_gen, args.budget, args.seed_chain)
+    state_type = "f16" if args.f16_states else "f32"
+    tokens, stats = bench_steps(target, draft, prompt, args.n_gen, args.budget, args.seed_chain, state_type)
 
     name = os.path.basename(args.target)
     print(f"\n### DDTree step on {name}, {target.backend.name}, kv {args.kv}, budget {args.budget}"
-          f"{' (top-1 chain seeded)' if args.seed_chain else ''}\n")
+          f"{' (top-1 chain seeded)' if args.seed_chain else ''}, {state_type} node states\n")
     print(f"target load {load_s:.1f} s; prompt {args.n_prompt} tokens; {args.n_gen} new tokens; draft: {draft_kind}\n")
     print(f"AR decode: {ar_ms:.2f} ms/token = {1e3 / ar_ms:.1f} tok/s\n")
 

@@ -94,11 +94,12 @@ class Decoder:
 
     budget: tree nodes per step (ddtree) or chain length (chain, capped by the draft block). top_k: proposals
     per position the draft hands over (ddtree). seed_chain: seed the tree with the draft's top-1 chain.
+    state_type: 'f32' or 'f16' recurrent states of the tree nodes (f16 needs the tree ops).
     eog: a predicate on token ids that ends generation (the tokenizer's end-of-generation test); stop_tokens:
     more ids that do."""
 
     def __init__(self, target, draft=None, *, mode: str | None = None, budget: int = 22, top_k: int | None = None,
-                 seed_chain: bool = False, tokenizer=None, stop_tokens=()):
+                 seed_chain: bool = False, state_type: str = "f32", tokenizer=None, stop_tokens=()):
         mode = mode or ("ddtree" if draft is not None else "ar")
         if mode not in MODES:
             raise ValueError(f"mode {mode!r}: expected one of {MODES}")
@@ -110,19 +111,20 @@ class Decoder:
         self.tokenizer = tokenizer
         self.stop_tokens = frozenset(int(t) for t in stop_tokens)
         self.seed_chain = seed_chain
+        self.state_type = state_type
         self.last_stats: dict = {}
         if mode == "ar":
             self.budget, self.top_k = 0, 0
         elif mode == "chain":
             self.budget, self.top_k = min(budget, draft.block_size - 1), 1
-            target.enable_verify(self.budget + 1, tree=_has_tree_ops())
+            target.enable_verify(self.budget + 1, tree=_has_tree_ops(), state_type=state_type)
         else:
             if not _has_tree_ops():
                 raise RuntimeError("ddtree mode needs the tree ops (ggml.gated_delta_net_tree_persist), which this "
                                    "build lacks; use mode='chain'")
             self.budget = budget
             self.top_k = min(top_k or min(budget, 8), budget)
-            target.enable_verify(budget + 1, tree=True)
+            target.enable_verify(budget + 1, tree=True, state_type=state_type)
 
     def _ends(self, token: int) -> bool:
         if token in self.stop_tokens:
@@ -164,7 +166,8 @@ class Decoder:
                              f"{f' + {self.budget} verify slots' if self.budget else ''} exceed the context "
                              f"({self.target.n_ctx}); raise max_ctx")
         if self.mode != "ar" and self.target.n_slots != self.budget + 1:   # another decoder re-sized the verify
-            self.target.enable_verify(self.budget + 1, tree=self.mode == "ddtree" or _has_tree_ops())
+            self.target.enable_verify(self.budget + 1, tree=self.mode == "ddtree" or _has_tree_ops(),
+                                      state_type=self.state_type)
         t0 = time.perf_counter()
         root = prefill(self.target, self.draft, prompt_ids)
         t1 = time.perf_counter()
@@ -227,7 +230,7 @@ class Decoder:
         }
         if self.mode != "ar":
             stats.update(budget=self.budget, top_k=self.top_k, seed_chain=self.seed_chain,
-                         off_chain_steps=run.off_chain_steps, draft_s=run.draft_s, verify_s=run.verify_s, commit_s=run.commit_s, host_s=run.host_s)
+                         state_type=self.state_type, off_chain_steps=run.off_chain_steps, draft_s=run.draft_s, verify_s=run.verify_s, commit_s=run.commit_s, host_s=run.host_s)
         return stats
 
 

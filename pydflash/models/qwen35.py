@@ -293,12 +293,13 @@ class Qwen35Target:
 
     # --- speculative verify ---
 
-    def enable_verify(self, n_slots: int, *, tree: bool = True) -> None:
+    def enable_verify(self, n_slots: int, *, tree: bool = True, state_type: str = "f32") -> None:
         """Allocate what `verify`/`commit` need for trees of up to n_slots slots (root + nodes): per GDN layer
         the state after every slot (f32 [S_v*S_v, H_v, n_slots]) and the slots' conv inputs ([conv_dim, n_slots]).
 
         tree=False allows chains only, through upstream gated_delta_net's state snapshots; tree=True needs the
-        tree ops (`ggml.gated_delta_net_tree_persist`)."""
+        tree ops (`ggml.gated_delta_net_tree_persist`). state_type 'f16' halves the state store (tree ops only),
+        at the price of rounding every node's state (DESIGN §6: measure it against f32)."""
         hp = self.hp
         if not 1 <= n_slots <= self.n_ubatch:
             raise ValueError(f"n_slots must be 1..n_ubatch ({self.n_ubatch}), got {n_slots}")
@@ -306,12 +307,15 @@ class Qwen35Target:
         if tree and persist is None:
             raise RuntimeError("tree verify needs ggml.gated_delta_net_tree_persist (the tree ops are not in this "
                                "build); use chains (tree=False)")
+        if state_type not in ("f32", "f16") or (state_type == "f16" and not tree):
+            raise ValueError(f"state_type {state_type!r}: 'f32', or 'f16' with tree=True")
         self._tree_op = persist if tree else None
         self.n_slots = n_slots
         n_rec = sum(hp.recurrent)
         self._verify_ctx = ggml.Context(n_tensors=2 * n_rec + 1)
         S, H = hp.ssm_d_v, hp.ssm_n_v_heads
-        self.slot_states = {il: self._verify_ctx.new_tensor(ggml.Type.F32, (S * S, H, n_slots, 1),
+        store_type = ggml.Type.F16 if state_type == "f16" else ggml.Type.F32
+        self.slot_states = {il: self._verify_ctx.new_tensor(store_type, (S * S, H, n_slots, 1),
                                                             name=f"verify.l{il}.states")
                             for il in range(hp.n_layer) if hp.recurrent[il]}
         self.slot_inputs = {il: self._verify_ctx.new_tensor(ggml.Type.F32, (hp.conv_dim, n_slots),
@@ -494,8 +498,9 @@ class Qwen35Target:
             cg.conv_cols = ctx.new_tensor(ggml.Type.I32, (d,), name="commit.conv_cols").mark_input()
         for il, store in self.slot_states.items():
             size = store.ne[0] * store.ne[1]
-            states = ctx.view_2d(store, size, n, size * 4, 0)            # [S*S*H, n_slots]
-            state = ctx.get_rows(states, cg.state_slot)                   # [S*S*H, 1]
+            row = store.nb[2]                                            # bytes of one slot's state
+            states = ctx.view_2d(store, size, n, row, 0)                  # [S*S*H, n_slots]
+            state = ctx.get_rows(states, cg.state_slot)                   # f32 [S*S*H, 1]
             outs.append(ctx.cpy(state, ctx.reshape_2d(cache.ssm[il], size, 1)).named(f"l{il}.commit.state"))
             # conv window: columns of (old state ‖ slot inputs), channel-major rows for get_rows
             old = ctx.cont(ctx.transpose(ctx.reshape_2d(cache.conv[il], d, hp.conv_dim)))   # [conv_dim, d]
