@@ -230,7 +230,8 @@ class Decoder:
         }
         if self.mode != "ar":
             stats.update(budget=self.budget, top_k=self.top_k, seed_chain=self.seed_chain,
-                         state_type=self.state_type, off_chain_steps=run.off_chain_steps, draft_s=run.draft_s, verify_s=run.verify_s, commit_s=run.commit_s, host_s=run.host_s)
+                         state_type=self.state_type, off_chain_steps=run.off_chain_steps, draft_s=run.draft_s,
+                         verify_s=run.verify_s, commit_s=run.commit_s, host_s=run.host_s)
         return stats
 
 
