@@ -104,8 +104,13 @@ def _reject_sampling(sampling: dict) -> None:
 
 
 def draft_layer_ids(draft_path) -> list[int]:
-    """The target layers a DFlash draft reads (`dflash_config.target_layer_ids` in its config.json)."""
+    """The target layers a DFlash draft reads (`dflash_config.target_layer_ids` in its config.json, or the
+    header of a llama.cpp `dflash` GGUF)."""
     path = os.fspath(draft_path)
+    if path.endswith(".gguf"):
+        from .gguf_io import GGUFFile
+        from .models.dflash_draft import DFlashHParams
+        return list(DFlashHParams.from_gguf(GGUFFile(path)).target_layer_ids)
     config_path = os.path.join(path, "config.json") if os.path.isdir(path) else path
     with open(config_path, encoding="utf-8") as f:
         config = json.load(f)
@@ -115,13 +120,13 @@ def draft_layer_ids(draft_path) -> list[int]:
     return ids
 
 
-def _load_draft(draft_path, target):
+def _load_draft(draft_path, target, top_k: int = 8):
     try:
-        from .models.dflash_draft import load_draft
+        from .models.dflash_draft import DFlashDraft
     except ImportError as e:
         raise RuntimeError("the DFlash draft model is not part of this build yet (pydflash.models.dflash_draft); "
                            "run with mode='ar'") from e
-    return load_draft(draft_path, target)
+    return DFlashDraft(draft_path, target, top_k=top_k)
 
 
 def load(target, draft=None, *, device: str = "auto", kv_type: str = "f16", max_ctx: int | None = None,
@@ -156,7 +161,7 @@ def load(target, draft=None, *, device: str = "auto", kv_type: str = "f16", max_
                         progress=progress)
     draft_model = None
     if mode != "ar":
-        draft_model = draft if draft_object else _load_draft(draft, model)
+        draft_model = draft if draft_object else _load_draft(draft, model, top_k=min(budget, 8))
     tok = None
     if tokenizer:
         from .tokenizer import Tokenizer

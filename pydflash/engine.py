@@ -12,6 +12,7 @@ A draft is any object with
                                                      (rows of target.captured) become context positions
                                                      first_position, first_position + 1, ...
     propose(tokens, k) -> (logp [B-1, k], ids [B-1, k])   tokens: every committed token, the root last
+The DFlash draft (pydflash.models.dflash_draft.DFlashDraft) is adapted to it by `engine_draft`.
 """
 from __future__ import annotations
 
@@ -45,6 +46,38 @@ class _Run:
     verify_s: float = 0.0
     commit_s: float = 0.0
     host_s: float = 0.0
+
+
+class _DFlashAdapter:
+    """The engine's draft interface over a DFlashDraft: features come from the target's captured rows on the
+    device (append_from_target), proposals from its on-device top-K."""
+
+    def __init__(self, draft):
+        self.draft = draft
+        self.block_size = draft.block_size
+
+    def reset(self) -> None:
+        self.draft.reset()
+
+    def append_context(self, target, first_position: int, slots) -> None:
+        if first_position != self.draft.n_ctx:
+            raise RuntimeError(f"draft context holds {self.draft.n_ctx} positions, got features for {first_position}")
+        self.draft.append_from_target(list(slots))
+
+    def propose(self, tokens, k: int):
+        if k > self.draft.top_k:
+            raise ValueError(f"the draft was built for top_k {self.draft.top_k}, the engine asks for {k}")
+        ids, logp = self.draft.propose(tokens[-1])
+        return logp[:, :k], ids[:, :k]
+
+
+def engine_draft(draft):
+    """`draft` as the engine's draft interface (objects that already implement it pass through)."""
+    if draft is None or hasattr(draft, "append_context"):
+        return draft
+    if hasattr(draft, "append_from_target"):
+        return _DFlashAdapter(draft)
+    raise TypeError(f"{type(draft).__name__} is not a draft (needs append_context/propose or a DFlashDraft)")
 
 
 # --- step functions ---
@@ -107,6 +140,7 @@ class Decoder:
             raise ValueError(f"mode {mode!r} needs a draft model")
         if budget < 1:
             raise ValueError("budget must be at least 1")
+        draft = engine_draft(draft)
         self.target, self.draft, self.mode = target, draft, mode
         self.tokenizer = tokenizer
         self.stop_tokens = frozenset(int(t) for t in stop_tokens)
