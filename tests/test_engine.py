@@ -271,3 +271,54 @@ def test_ddtree_f16_states(target, prompt, reference):
             break
     assert len(out) == N_GEN and stats["state_type"] == "f16"
     target.enable_verify(23, tree=True)      # back to f32 stores for the other tests
+
+
+# --- the real DFlash draft graph (random weights: it rarely guesses right, so this checks losslessness and the
+# context bookkeeping, not acceptance) -----------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def dflash(model, tmp_path_factory):
+    pytest.importorskip("pydflash.models.dflash_draft", reason="the draft branch is not in this build")
+    from pydflash.testing import write_dflash_draft
+    out = tmp_path_factory.mktemp("dflash") / "draft"
+    config = write_dflash_draft(out, model, seed=2)
+    layers = (config.get("dflash_config") or {}).get("target_layer_ids") or config["target_layer_ids"]
+    target = Qwen35Target(model, "cpu", n_ctx=512, n_ubatch=64, capture_layers=layers)
+    return out, target
+
+
+@needs_tree_ops
+@pytest.mark.parametrize("mode,budget", [("chain", 15), ("ddtree", 1), ("ddtree", 8), ("ddtree", 15),
+                                         ("ddtree", 22), ("ddtree", 40)])
+def test_real_draft_lossless(dflash, prompt, reference, mode, budget):
+    from pydflash.models.dflash_draft import DFlashDraft
+    path, target = dflash
+    draft = DFlashDraft(path, target, top_k=8)
+    out, stats = Decoder(target, draft, mode=mode, budget=budget).generate_ids(prompt, N_GEN)
+    assert_lossless(out, reference)
+    assert draft.n_ctx == target.n_past          # every committed position went into the draft's context
+
+
+@needs_tree_ops
+def test_real_draft_ring_wraps_state_equals_ar(model, dflash, prompt, reference):
+    """A 32-position draft ring wraps several times in 136 tokens; the target state still equals AR's."""
+    from pydflash.models.dflash_draft import DFlashDraft
+    path, target = dflash
+    draft = DFlashDraft(path, target, top_k=8, window=32)
+    ar = Qwen35Target(model, "cpu", n_ctx=512, n_ubatch=64)
+    ar.prefill(prompt, return_logits=False)
+    committed = list(prompt)
+
+    def check(tokens):
+        committed.extend(tokens)
+        if len(committed) <= target.n_past:
+            return
+        for tok in committed[ar.n_past:target.n_past]:
+            ar.decode(tok)
+        want, got = cache_state(ar), cache_state(target)
+        for name in want:
+            np.testing.assert_allclose(got[name], want[name], rtol=0, atol=STATE_ATOL, err_msg=name)
+
+    out, _ = Decoder(target, draft, mode="ddtree", budget=22).generate_ids(prompt, N_GEN, on_tokens=check)
+    assert_lossless(out, reference)
+    assert draft.n_ctx == target.n_past > 4 * 32
