@@ -110,7 +110,7 @@ def padded(tree: Tree, n_slots: int) -> tuple[np.ndarray, np.ndarray, np.ndarray
     """(slot tokens [n_slots], parents [n_slots], depths [n_slots]) for a verify of n_slots fixed slots.
 
     Slot 0's token is filled by the caller (the root). Padding slots hang off the committed state (parent -1,
-    depth 1) and see only themselves: their outputs are ignored and nothing else sees them."""
+    depth 1): they see the committed tokens and themselves, no slot sees them, and their outputs are ignored."""
     n = tree.n_nodes + 1
     if n > n_slots:
         raise ValueError(f"tree of {tree.n_nodes} nodes does not fit {n_slots} slots")

@@ -27,13 +27,6 @@ MODES = ("ar", "chain", "ddtree")
 
 
 @dataclass
-class Result:
-    tokens: list[int]          # new token ids (an end-of-generation token that stopped it included)
-    text: str
-    stats: dict = field(default_factory=dict)
-
-
-@dataclass
 class _Run:
     """What one generation accumulates: committed ids, and the counters the stats come from."""
     context: list[int]                       # prompt + everything committed so far (the root last)
