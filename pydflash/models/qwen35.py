@@ -172,6 +172,7 @@ class _ForwardGraph:
         self.graph = None
         self.tokens = self.pos = self.mask = self.rows = None
         self.parent = None            # tree verify only: i32 [n_tokens, 1] parent slot per slot (-1: committed)
+        self.mask_host = None         # tree verify only: the host copy of the mask, reused
         self.logits = self.argmax = None
 
 
@@ -360,10 +361,14 @@ class Qwen35Target:
             pos = (n_past + depths).astype(np.int32)
             fg.pos.set(np.concatenate([pos, pos, pos, np.zeros(n, np.int32)]))
             fg.rows.set(np.arange(n_past, n_past + n, dtype=np.int64))
-            visible = np.zeros((n, n_kv), dtype=bool)
-            visible[:, :n_past] = True
-            visible[:, n_past:n_past + n] = _ancestors(parents)
-            fg.mask.set(np.where(visible, 0.0, -np.inf).astype(np.float16))
+            # filled in place in a host array kept with the graph (a few fills, no per-step allocation)
+            if fg.mask_host is None:
+                fg.mask_host = np.empty((n, n_kv), dtype=np.float16)
+            mask = fg.mask_host
+            mask[:, :n_past] = 0.0
+            mask[:, n_past:] = -np.inf
+            mask[:, n_past:n_past + n][_ancestors(parents)] = 0.0
+            fg.mask.set(mask)
         self.backend.compute(fg.graph)
         self._last = fg
         self._last_n_captured = n
