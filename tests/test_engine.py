@@ -100,9 +100,10 @@ def expected_chain_commits(n_prompt, n_gen, budget, errors):
     return out
 
 
-@pytest.mark.parametrize("budget", [4, 15])
-def test_chain_acceptance_bookkeeping(target, prompt, reference, budget):
-    out, stats = Decoder(target, oracle(prompt, reference, target), mode="chain", budget=budget).generate_ids(
+@pytest.mark.parametrize("mode,budget", [("chain", 4), ("chain", 15), pytest.param("ddtree", 1, marks=needs_tree_ops)])
+def test_acceptance_bookkeeping(target, prompt, reference, mode, budget):
+    """A chain (and a one-node tree, which is a chain) must accept exactly the run of right proposals."""
+    out, stats = Decoder(target, oracle(prompt, reference, target), mode=mode, budget=budget).generate_ids(
         prompt, N_GEN)
     assert out == reference[0]
     want = expected_chain_commits(len(prompt), N_GEN, budget, set(ERRORS))
