@@ -77,3 +77,10 @@ def test_cli_demo(capsys):
     assert cli.main(["demo", "--n-gen", "32"]) == 0
     out = capsys.readouterr().out
     assert "same tokens as AR: yes" in out and "acceptance length" in out
+
+
+def test_cli_run_reads_stdin(model, capsys, monkeypatch, ar):
+    import io
+    monkeypatch.setattr("sys.stdin", io.StringIO("Hello, world!"))
+    assert cli.main(["run", "--target", model, "--n-gen", "8", "--device", "cpu", "--max-ctx", "256"]) == 0
+    assert capsys.readouterr().out.rstrip("\n") == ar.generate("Hello, world!", max_tokens=8).text
