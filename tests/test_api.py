@@ -1,5 +1,4 @@
 """The public API (pydflash.load / Engine / Result / stream) and the CLI's run and demo commands."""
-import numpy as np
 import pytest
 
 import pydflash
