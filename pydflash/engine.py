@@ -133,6 +133,10 @@ class Decoder:
             raise ValueError(f"mode {mode!r} needs a draft model")
         if budget < 1:
             raise ValueError("budget must be at least 1")
+        if mode != "ddtree" and (seed_chain or top_k not in (None, 1)):
+            raise ValueError(f"top_k and seed_chain shape ddtree trees; mode {mode!r} does not use them")
+        if mode == "ar" and state_type != "f32":
+            raise ValueError("state_type concerns the speculative verify; mode 'ar' does not use it")
         draft = engine_draft(draft)
         self.target, self.draft, self.mode = target, draft, mode
         self.tokenizer = tokenizer

@@ -206,6 +206,10 @@ def test_rejects_bad_configuration(target):
         Decoder(target, mode="chain")
     with pytest.raises(ValueError, match="mode"):
         Decoder(target, mode="beam")
+    with pytest.raises(ValueError, match="does not use"):
+        Decoder(target, OracleDraft([1, 2], 10), mode="chain", seed_chain=True)
+    with pytest.raises(ValueError, match="does not use"):
+        Decoder(target, mode="ar", state_type="f16")
     with pytest.raises(ValueError, match="exceed the context"):
         Decoder(target, mode="ar").generate_ids([1, 2, 3], 600)
 
