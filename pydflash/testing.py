@@ -371,27 +371,36 @@ def write_qwen35_gguf(path, config: Qwen35Config | None = None, *, progress: boo
 
 def bf16_bits(values: np.ndarray) -> np.ndarray:
     """float32 -> bfloat16 bit patterns (uint16), rounding to nearest even like torch's .to(torch.bfloat16)."""
-    bits = np.ascontiguousarray(values, dtype=np.float32).view(np.uint32).astype(np.uint64)
-    rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
-    return rounded.astype(np.uint16)
+    bits = np.ascontiguousarray(values, dtype=np.float32).view(np.uint32)
+    return ((bits + np.uint32(0x7FFF) + ((bits >> 16) & np.uint32(1))) >> 16).astype(np.uint16)  # finite inputs
 
 
 def bf16_to_f32(bits: np.ndarray) -> np.ndarray:
     return (np.asarray(bits, dtype=np.uint16).astype(np.uint32) << 16).view(np.float32)
 
 
-def write_safetensors(path, tensors: dict, metadata: dict | None = None) -> None:
-    """Write named arrays; uint16 arrays are written as BF16 bit patterns, float arrays as F32/F16."""
-    import json
-    dtypes = {np.dtype(np.uint16): "BF16", np.dtype(np.float16): "F16", np.dtype(np.float32): "F32",
+_ST_DTYPES = {np.dtype(np.uint16): "BF16", np.dtype(np.float16): "F16", np.dtype(np.float32): "F32",
               np.dtype(np.float64): "F64", np.dtype(np.int32): "I32"}
-    header, offset, blobs = {}, 0, []
-    for name, arr in tensors.items():
-        arr = np.ascontiguousarray(arr)
-        header[name] = {"dtype": dtypes[arr.dtype], "shape": list(arr.shape),
-                        "data_offsets": [offset, offset + arr.nbytes]}
-        offset += arr.nbytes
-        blobs.append(arr)
+
+
+def write_safetensors(path, tensors: dict, metadata: dict | None = None) -> None:
+    """Write named arrays; uint16 arrays are written as BF16 bit patterns, float arrays as F32/F16/F64.
+
+    Values may also be (dtype, shape, make) triples: make() is called when the tensor is written, so large
+    files are streamed one tensor at a time."""
+    import json
+    specs = {}
+    for name, value in tensors.items():
+        if isinstance(value, tuple):
+            specs[name] = (np.dtype(value[0]), tuple(value[1]), value[2])
+        else:
+            arr = np.ascontiguousarray(value)
+            specs[name] = (arr.dtype, arr.shape, lambda arr=arr: arr)
+    header, offset = {}, 0
+    for name, (dtype, shape, _) in specs.items():
+        nbytes = dtype.itemsize * int(np.prod(shape))
+        header[name] = {"dtype": _ST_DTYPES[dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
     if metadata:
         header["__metadata__"] = metadata
     raw = json.dumps(header).encode()
@@ -399,8 +408,10 @@ def write_safetensors(path, tensors: dict, metadata: dict | None = None) -> None
     with open(path, "wb") as f:
         f.write(len(raw).to_bytes(8, "little"))
         f.write(raw)
-        for arr in blobs:
-            f.write(arr.tobytes())
+        for name, (dtype, shape, make) in specs.items():
+            arr = np.ascontiguousarray(make())
+            assert arr.dtype == dtype and arr.shape == shape, name
+            arr.tofile(f)
 
 
 def write_dflash_draft(out_dir, target_gguf, *, n_layer: int = 2, n_head: int = 4, n_head_kv: int = 2,
@@ -411,7 +422,8 @@ def write_dflash_draft(out_dir, target_gguf, *, n_layer: int = 2, n_head: int = 
     """Write a random DFlash draft in z-lab format (config.json + model.safetensors) that fits `target_gguf`.
 
     Hidden size and vocabulary come from the target; the mask token defaults to the target's last token id and
-    the captured layers to ids spread over its depth. Returns the config written."""
+    the captured layers to ids spread over its depth. Tensors are generated while being written, so the 27B
+    draft shape (3.5 GB) never sits in memory whole. Returns the config written."""
     import json
     import os
     from .gguf_io import GGUFFile
@@ -439,33 +451,44 @@ def write_dflash_draft(out_dir, target_gguf, *, n_layer: int = 2, n_head: int = 
         cfg["layer_types"] = list(layer_types)
         cfg["use_sliding_window"] = True
         cfg["sliding_window"] = int(sliding_window or 64)
-    rng = np.random.default_rng(seed)
     E, L = n_embd, n_layer
     out_scale = 1.0 / np.sqrt(2.0 * L)
+    encode = {"BF16": (np.uint16, bf16_bits), "F16": (np.float16, lambda a: a.astype(np.float16)),
+              "F32": (np.float32, lambda a: a)}[dtype]
+    specs = {}
 
-    def mat(n_out, n_in, scale=1.0):    # torch layout [out, in]
-        return rng.standard_normal((n_out, n_in), dtype=np.float32) * np.float32(scale / np.sqrt(n_in))
+    def mat(name, n_out, n_in, scale=1.0):    # torch layout [out, in], entries ~ N(0, scale^2 / n_in)
+        def make():
+            rng = np.random.default_rng(_seed_of(seed, name))
+            return encode[1](rng.standard_normal((n_out, n_in), dtype=np.float32) * np.float32(scale / np.sqrt(n_in)))
+        specs[name] = (encode[0], (n_out, n_in), make)
 
-    def norm(n):
-        return (1.0 + 0.1 * rng.standard_normal(n, dtype=np.float32)).astype(np.float32)
+    def norm(name, n):
+        def make():
+            rng = np.random.default_rng(_seed_of(seed, name))
+            return encode[1]((1.0 + 0.1 * rng.standard_normal(n, dtype=np.float32)).astype(np.float32))
+        specs[name] = (encode[0], (n,), make)
 
-    t = {"fc.weight": mat(E, E * len(target_layer_ids)), "hidden_norm.weight": norm(E), "norm.weight": norm(E)}
+    mat("fc.weight", E, E * len(target_layer_ids))
+    norm("hidden_norm.weight", E)
+    norm("norm.weight", E)
     for il in range(L):
         p = f"layers.{il}."
-        t.update({p + "input_layernorm.weight": norm(E), p + "post_attention_layernorm.weight": norm(E),
-                  p + "self_attn.q_proj.weight": mat(n_head * head_dim, E),
-                  p + "self_attn.k_proj.weight": mat(n_head_kv * head_dim, E),
-                  p + "self_attn.v_proj.weight": mat(n_head_kv * head_dim, E),
-                  p + "self_attn.o_proj.weight": mat(E, n_head * head_dim, out_scale),
-                  p + "self_attn.q_norm.weight": norm(head_dim), p + "self_attn.k_norm.weight": norm(head_dim),
-                  p + "mlp.gate_proj.weight": mat(n_ff, E), p + "mlp.up_proj.weight": mat(n_ff, E),
-                  p + "mlp.down_proj.weight": mat(E, n_ff, out_scale)})
-    encode = {"BF16": bf16_bits, "F16": lambda a: a.astype(np.float16), "F32": lambda a: a}[dtype]
+        norm(p + "input_layernorm.weight", E)
+        norm(p + "post_attention_layernorm.weight", E)
+        mat(p + "self_attn.q_proj.weight", n_head * head_dim, E)
+        mat(p + "self_attn.k_proj.weight", n_head_kv * head_dim, E)
+        mat(p + "self_attn.v_proj.weight", n_head_kv * head_dim, E)
+        mat(p + "self_attn.o_proj.weight", E, n_head * head_dim, out_scale)
+        norm(p + "self_attn.q_norm.weight", head_dim)
+        norm(p + "self_attn.k_norm.weight", head_dim)
+        mat(p + "mlp.gate_proj.weight", n_ff, E)
+        mat(p + "mlp.up_proj.weight", n_ff, E)
+        mat(p + "mlp.down_proj.weight", E, n_ff, out_scale)
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, "config.json"), "w") as f:
         json.dump(cfg, f, indent=1)
-    write_safetensors(os.path.join(out_dir, "model.safetensors"), {k: encode(v) for k, v in t.items()},
-                      {"format": "pt"})
+    write_safetensors(os.path.join(out_dir, "model.safetensors"), specs, {"format": "pt"})
     return cfg
 
 
