@@ -152,9 +152,11 @@ class DFlashHParams:
                 raise DraftLoadError(f"{gf.path}: missing metadata key 'dflash.{name}'")
             return value
 
-        for key in ("dflash.selector_rank", "dflash.hyper_connection_count", "dflash.attention.value_scale"):
+        for key in ("dflash.selector_rank", "dflash.hyper_connection.count", "dflash.attention.value_scale"):
             if key in gf.metadata:
                 raise DraftLoadError(f"{gf.path}: {key} (a DFlash2 / DSpark variant) is not supported")
+        if k("hidden_activation", "silu") != "silu":
+            raise DraftLoadError(f"{gf.path}: hidden activation {k('hidden_activation')!r} is not supported")
         for name in ("d2t", "output.weight", "token_embd.weight", "markov_w1.weight"):
             if name in gf.tensors:
                 raise DraftLoadError(f"{gf.path}: drafts with their own vocabulary tensors ({name}) are not "
@@ -165,6 +167,9 @@ class DFlashHParams:
         n_layer, n_embd, n_head = int(need("block_count")), int(need("embedding_length")), \
             int(need("attention.head_count"))
         head_dim = int(k("attention.key_length", n_embd // max(n_head, 1)))
+        scale = float(k("attention.scale", 0.0) or 0.0)
+        if scale and abs(scale - head_dim ** -0.5) > 1e-6 * head_dim ** -0.5:
+            raise DraftLoadError(f"{gf.path}: attention.scale {scale} other than 1/sqrt(head_dim) is not supported")
         if int(k("attention.value_length", head_dim)) != head_dim:
             raise DraftLoadError(f"{gf.path}: key_length != value_length is not supported")
         if int(k("rope.dimension_count", head_dim)) != head_dim:
@@ -527,7 +532,6 @@ class DFlashDraft:
         self.token_embd = target.weights["token_embd.weight"]
         self.lm_head = target.weights["output.weight"]
         self._graphs: dict[tuple, _Graph] = {}
-        self._last: _Graph | None = None
 
     @property
     def block_size(self) -> int:
@@ -605,7 +609,6 @@ class DFlashDraft:
         for (causal, window), t in g.masks.items():
             t.set(self.cache.mask(n_attn, causal, window))
         self.backend.compute(g.graph)
-        self._last = g
         return g
 
     def propose(self, last_token: int) -> tuple[np.ndarray, np.ndarray]:
