@@ -41,9 +41,13 @@ def models(tmp_path_factory):
     swa = d / "draft_swa"
     testing.write_dflash_draft(swa, target, target_layer_ids=list(CAPTURE), seed=2,
                                layer_types=["sliding_attention", "full_attention"], sliding_window=8)
+    odd = d / "draft_odd"     # every maths-changing size differs from the defaults
+    testing.write_dflash_draft(odd, target, target_layer_ids=list(CAPTURE), seed=3, n_layer=3, n_head=8,
+                               n_head_kv=2, head_dim=32, n_ff=96, block_size=8, rope_theta=1e6, rms_eps=1e-5,
+                               mask_token_id=300)
     gguf_draft = d / "draft.gguf"
     testing.write_dflash_gguf(gguf_draft, full)
-    return {"dir": d, "target": target, "full": full, "swa": swa, "gguf": gguf_draft}
+    return {"dir": d, "target": target, "full": full, "swa": swa, "odd": odd, "gguf": gguf_draft}
 
 
 @pytest.fixture(scope="module")
@@ -110,7 +114,7 @@ def _max_rel(got, ref) -> float:
 
 # --- draft logits vs the reference ---------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("kind", ["full", "swa", "gguf"])
+@pytest.mark.parametrize("kind", ["full", "swa", "odd", "gguf"])
 @pytest.mark.parametrize("n_ctx", [1, 37, 100])      # 100 > WINDOW: the reference gets the same last 64
 def test_logits_match_zlab_reference(models, backend, target_cache, rng, kind, n_ctx):
     target = _target(models, backend, target_cache)
@@ -120,6 +124,7 @@ def test_logits_match_zlab_reference(models, backend, target_cache, rng, kind, n
     draft.append_features(features)
     assert draft.n_ctx == n_ctx
     got = draft.logits(last_token=123)
+    assert got.shape == (ref.block - 1, 459)
     keep = min(n_ctx, WINDOW)
     want = ref.logits(features[n_ctx - keep:], n_ctx - keep, 123)
     err = _max_rel(got, want)
@@ -287,3 +292,15 @@ def test_vocab_mismatch_and_unsupported(models, tmp_path):
     cfg_path.write_text(json.dumps({**cfg, "dflash_config": {**cfg["dflash_config"], "conv_kernel_size": 4}}))
     with pytest.raises(DraftLoadError, match="DFlash2"):
         DFlashDraft(tmp_path, target)
+
+
+def test_cli_writes_a_loadable_draft(models, tmp_path):
+    out = tmp_path / "cli_draft"
+    assert testing.main(["write-dflash", str(out), "--target", str(models["target"]), "--n-layer", "1",
+                         "--block-size", "4", "--target-layer-ids", "2"]) == 0
+    target = Qwen35Target(models["target"], "cpu", n_ctx=256, capture_layers=(2,))
+    draft = DFlashDraft(out, target, top_k=3)
+    assert draft.hp.n_layer == 1 and draft.hp.block_size == 4 and draft.hp.target_layer_ids == (2,)
+    draft.append_features(np.ones((3, 1, 64), np.float32))
+    ids, logp = draft.propose(5)
+    assert ids.shape == (3, 3) and np.all(np.isfinite(logp))
