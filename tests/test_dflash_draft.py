@@ -16,8 +16,12 @@ from pydflash.gguf_io import GGUFFile
 from pydflash.models.dflash_draft import DFlashDraft, DraftLoadError, read_safetensors_header
 from pydflash.models.qwen35 import Qwen35Target
 
-torch = pytest.importorskip("torch", reason="the z-lab reference needs torch==2.13.0 (see README set-up)")
-zlab = pytest.importorskip("dflash.model", reason="the z-lab reference is PyPI `dflash` 0.1.0")
+try:    # the oracle: z-lab's own PyTorch model. Missing it is an error, not a skip.
+    import torch
+    import dflash.model as zlab
+except ImportError as e:   # pragma: no cover
+    raise ImportError(f"tests/test_dflash_draft.py needs z-lab's reference: pip install torch==2.13.0 (CPU wheel), "
+                      f"then pip install transformers==5.15.0 and pip install --no-deps dflash==0.1.0 ({e})") from e
 
 WINDOW = 64          # a small ring, so contexts of 100+ positions wrap it
 CAPTURE = (1, 2)     # target layers the tiny drafts read
