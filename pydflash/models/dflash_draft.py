@@ -499,9 +499,9 @@ class DraftContextCache:
 class _Graph:
     """A built graph with its own allocator (compute buffer), reused for every run of the same shape.
 
-    One allocator per graph, not one shared: re-allocating a graph that was allocated before on a shared
-    gallocr keeps its tensors' old data pointers (gallocr treats them as pre-allocated), which dangle once
-    another graph has grown the buffer. Private buffers also make switching between graphs free."""
+    One allocator per graph, not one shared: a step alternates the append and the draft graphs, and with
+    private compute buffers that switch costs nothing (no re-allocation); the buffers are small next to the
+    weights (the largest holds the [n_vocab, B-1] logits and their softmax)."""
 
     def __init__(self, size: int):
         self.ctx = ggml.Context(n_tensors=size, graph_size=size)
