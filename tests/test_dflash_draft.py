@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from pydflash import testing
-from pydflash.gguf_io import GGUFFile
+from pydflash.gguf_io import GGUFError, GGUFFile
 from pydflash.models.dflash_draft import DFlashDraft, DraftLoadError, read_safetensors_header
 from pydflash.models.qwen35 import Qwen35Target
 
@@ -308,3 +308,12 @@ def test_cli_writes_a_loadable_draft(models, tmp_path):
     draft.append_features(np.ones((3, 1, 64), np.float32))
     ids, logp = draft.propose(5)
     assert ids.shape == (3, 3) and np.all(np.isfinite(logp))
+
+
+def test_not_a_draft_gguf(models):
+    target = Qwen35Target(models["target"], "cpu", n_ctx=256, capture_layers=CAPTURE)
+    with pytest.raises(GGUFError, match="architecture is 'qwen35', expected 'dflash'"):
+        DFlashDraft(models["target"], target)
+    with pytest.raises(ValueError, match="captures layers"):
+        DFlashDraft(models["full"], Qwen35Target(models["target"], "cpu", n_ctx=256,
+                                                 capture_layers=(2, 1))).append_from_target()

@@ -385,11 +385,15 @@ def _resolve_zlab(path) -> tuple[str, str]:
     return config_path, weights_path
 
 
-def load_draft_weights(path, backend: ggml.Backend):
-    """(hparams, weights, description path) of a z-lab draft folder / (config, safetensors) pair, or a GGUF."""
+def load_draft_weights(path, backend: ggml.Backend, check=None):
+    """(hparams, weights, weights path) of a z-lab draft folder / (config, safetensors) pair, or a GGUF.
+
+    check(hp, weights_path), if given, runs before anything is uploaded (e.g. the fit to a target)."""
+    check = check or (lambda hp, p: None)
     if not isinstance(path, (tuple, list)) and os.fspath(path).endswith(".gguf"):
         gf = GGUFFile(path)
         hp = DFlashHParams.from_gguf(gf)
+        check(hp, gf.path)
         names = _gguf_names(hp.n_layer)
         by_zlab = {z: gf.tensors[g] for g, z in names.items() if g in gf.tensors}
         sources = {z: (info.type, info.ne, info.nbytes) for z, info in by_zlab.items()}
@@ -403,6 +407,7 @@ def load_draft_weights(path, backend: ggml.Backend):
     if not isinstance(cfg, dict):
         raise DraftLoadError(f"{config_path}: not a JSON object")
     hp = DFlashHParams.from_config(cfg, config_path)
+    check(hp, weights_path)
     tensors, mm = read_safetensors_header(weights_path)
     # some exports prefix the names with "model."
     strip = {n[len("model."):] if n.startswith("model.") else n: t for n, t in tensors.items()}
@@ -523,8 +528,8 @@ class DFlashDraft:
     def __init__(self, path, target, *, window: int = DEFAULT_WINDOW, top_k: int = 8):
         self.target = target
         self.backend = target.backend
-        self.hp, self.weights, self.path = load_draft_weights(path, self.backend)
-        check_fits(self.hp, target.hp, self.path, target.gguf.path)
+        self.hp, self.weights, self.path = load_draft_weights(
+            path, self.backend, lambda hp, p: check_fits(hp, target.hp, p, target.gguf.path))
         if not 1 <= top_k <= target.hp.n_vocab:
             raise ValueError(f"top_k {top_k} outside 1..{target.hp.n_vocab}")
         self.top_k = int(top_k)
@@ -566,7 +571,9 @@ class DFlashDraft:
         """Append context positions from the target's captured features on the device (no host copy).
 
         rows: indices into the target's last forward (default: all of its tokens), e.g. the accepted path of a
-        verify step. The target must capture exactly this draft's target_layer_ids, in that order."""
+        verify step. The target must capture exactly this draft's target_layer_ids, in that order: the output
+        of decoder layer lid, which is z-lab's `hidden_states[lid + 1]` (DESIGN §13). (Hugging Face applies the
+        final norm to the last entry, so a draft reading the target's last layer would need it; none do.)"""
         if tuple(self.target.capture_layers) != self.hp.target_layer_ids:
             raise ValueError(f"the target captures layers {self.target.capture_layers}, the draft needs "
                              f"{self.hp.target_layer_ids}")
