@@ -410,6 +410,7 @@ class Graph:
             lib.ggml_build_forward_expand(self._ptr, out._ptr)
         self.outputs = outputs
         self._allocator: Allocator | None = None
+        self._placed: list | None = None   # tensors the allocator gives addresses (set at first allocation)
 
     @property
     def n_nodes(self) -> int:
@@ -436,6 +437,15 @@ class Allocator:
             if not lib.ggml_backend_supports_op(self.backend._ptr, node._ptr):
                 raise GGMLError(f"{self.backend.name} cannot compute node {node.name or '?'} ({node.op.name}, "
                                 f"{node.type.name} {node.shape}) with these shapes/types")
+        # gallocr places only tensors whose data is NULL and treats the rest as allocated elsewhere: a graph
+        # allocated before still holds its old addresses, which dangle once another graph has grown the
+        # buffer. Forget the addresses of the tensors it placed last time, so it places them again.
+        if graph._placed is None:
+            graph._placed = [t._ptr for t in graph._ctx.tensors() if t._ptr.data == ffi.NULL]
+        else:
+            for ptr in graph._placed:
+                ptr.data = ffi.NULL
+                ptr.buffer = ffi.NULL
         if not lib.ggml_gallocr_alloc_graph(self._ptr, graph._ptr):
             raise GGMLError(f"{self.backend.name}: could not allocate the graph's compute buffer")
         graph._allocator = self
