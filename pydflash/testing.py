@@ -5,7 +5,11 @@ small byte-level BPE vocabulary (ChatML special tokens and a chat template), so 
 template it and serve as the oracle for our graphs. Tensors are generated and written one at a time, so even the
 27B-shaped preset (~16 GB) never sits in memory.
 
-Command line: `python -m pydflash.testing write-qwen35 OUT.gguf --preset tiny|27b [--type Q8_0] [--n-layer 8 ...]`.
+`write_dflash_draft(dir, target_gguf, **config)` writes a random DFlash draft in z-lab format (config.json +
+bf16 model.safetensors) that fits a given target GGUF.
+
+Command line: `python -m pydflash.testing write-qwen35 OUT.gguf --preset tiny|27b [--type Q8_0] [--n-layer 8 ...]`
+and `python -m pydflash.testing write-dflash OUT_DIR --target T.gguf [--n-layer 5 ...]`.
 """
 from __future__ import annotations
 
@@ -363,6 +367,172 @@ def write_qwen35_gguf(path, config: Qwen35Config | None = None, *, progress: boo
     return cfg
 
 
+# --- DFlash drafts ----------------------------------------------------------------------------------------------
+
+def bf16_bits(values: np.ndarray) -> np.ndarray:
+    """float32 -> bfloat16 bit patterns (uint16), rounding to nearest even like torch's .to(torch.bfloat16)."""
+    bits = np.ascontiguousarray(values, dtype=np.float32).view(np.uint32)
+    return ((bits + np.uint32(0x7FFF) + ((bits >> 16) & np.uint32(1))) >> 16).astype(np.uint16)  # finite inputs
+
+
+def bf16_to_f32(bits: np.ndarray) -> np.ndarray:
+    return (np.asarray(bits, dtype=np.uint16).astype(np.uint32) << 16).view(np.float32)
+
+
+_ST_DTYPES = {np.dtype(np.uint16): "BF16", np.dtype(np.float16): "F16", np.dtype(np.float32): "F32",
+              np.dtype(np.float64): "F64", np.dtype(np.int32): "I32"}
+
+
+def write_safetensors(path, tensors: dict, metadata: dict | None = None) -> None:
+    """Write named arrays; uint16 arrays are written as BF16 bit patterns, float arrays as F32/F16/F64.
+
+    Values may also be (dtype, shape, make) triples: make() is called when the tensor is written, so large
+    files are streamed one tensor at a time."""
+    import json
+    specs = {}
+    for name, value in tensors.items():
+        if isinstance(value, tuple):
+            specs[name] = (np.dtype(value[0]), tuple(value[1]), value[2])
+        else:
+            arr = np.ascontiguousarray(value)
+            specs[name] = (arr.dtype, arr.shape, lambda arr=arr: arr)
+    header, offset = {}, 0
+    for name, (dtype, shape, _) in specs.items():
+        nbytes = dtype.itemsize * int(np.prod(shape))
+        header[name] = {"dtype": _ST_DTYPES[dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    if metadata:
+        header["__metadata__"] = metadata
+    raw = json.dumps(header).encode()
+    raw += b" " * (-len(raw) % 8)
+    with open(path, "wb") as f:
+        f.write(len(raw).to_bytes(8, "little"))
+        f.write(raw)
+        for name, (dtype, shape, make) in specs.items():
+            arr = np.ascontiguousarray(make())
+            assert arr.dtype == dtype and arr.shape == shape, name
+            arr.tofile(f)
+
+
+def write_dflash_draft(out_dir, target_gguf, *, n_layer: int = 2, n_head: int = 4, n_head_kv: int = 2,
+                       head_dim: int = 64, n_ff: int = 128, block_size: int = 16, rope_theta: float = 1e7,
+                       rms_eps: float = 1e-6, mask_token_id: int | None = None, target_layer_ids=None,
+                       layer_types=None, sliding_window: int | None = None, seed: int = 0,
+                       dtype: str = "BF16") -> dict:
+    """Write a random DFlash draft in z-lab format (config.json + model.safetensors) that fits `target_gguf`.
+
+    Hidden size and vocabulary come from the target; the mask token defaults to the target's last token id and
+    the captured layers to ids spread over its depth. Tensors are generated while being written, so the 27B
+    draft shape (3.5 GB) never sits in memory whole. Returns the config written."""
+    import json
+    import os
+    from .gguf_io import GGUFFile
+
+    gf = GGUFFile(target_gguf)
+    arch = gf.architecture
+    n_embd = int(gf.require(f"{arch}.embedding_length"))
+    n_target = int(gf.require(f"{arch}.block_count"))
+    n_vocab = int(gf.tensors["token_embd.weight"].ne[1])
+    if target_layer_ids is None:
+        target_layer_ids = sorted({int(round(x)) for x in np.linspace(1, max(1, n_target - 2), n_layer)})
+    target_layer_ids = [int(i) for i in target_layer_ids]
+    cfg = {
+        "architectures": ["DFlashDraftModel"], "model_type": "qwen3", "hidden_size": n_embd,
+        "num_hidden_layers": n_layer, "num_attention_heads": n_head, "num_key_value_heads": n_head_kv,
+        "head_dim": head_dim, "intermediate_size": n_ff, "rms_norm_eps": rms_eps, "rope_theta": rope_theta,
+        "rope_parameters": {"rope_type": "default", "rope_theta": rope_theta},
+        "max_position_embeddings": 262144, "vocab_size": n_vocab, "hidden_act": "silu", "attention_bias": False,
+        "attention_dropout": 0.0, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+        "block_size": block_size, "num_target_layers": n_target,
+        "dflash_config": {"mask_token_id": int(n_vocab - 1 if mask_token_id is None else mask_token_id),
+                          "target_layer_ids": target_layer_ids},
+    }
+    if layer_types is not None:
+        cfg["layer_types"] = list(layer_types)
+        cfg["use_sliding_window"] = True
+        cfg["sliding_window"] = int(sliding_window or 64)
+    E, L = n_embd, n_layer
+    out_scale = 1.0 / np.sqrt(2.0 * L)
+    encode = {"BF16": (np.uint16, bf16_bits), "F16": (np.float16, lambda a: a.astype(np.float16)),
+              "F32": (np.float32, lambda a: a)}[dtype]
+    specs = {}
+
+    def mat(name, n_out, n_in, scale=1.0):    # torch layout [out, in], entries ~ N(0, scale^2 / n_in)
+        def make():
+            rng = np.random.default_rng(_seed_of(seed, name))
+            return encode[1](rng.standard_normal((n_out, n_in), dtype=np.float32) * np.float32(scale / np.sqrt(n_in)))
+        specs[name] = (encode[0], (n_out, n_in), make)
+
+    def norm(name, n):
+        def make():
+            rng = np.random.default_rng(_seed_of(seed, name))
+            return encode[1]((1.0 + 0.1 * rng.standard_normal(n, dtype=np.float32)).astype(np.float32))
+        specs[name] = (encode[0], (n,), make)
+
+    mat("fc.weight", E, E * len(target_layer_ids))
+    norm("hidden_norm.weight", E)
+    norm("norm.weight", E)
+    for il in range(L):
+        p = f"layers.{il}."
+        norm(p + "input_layernorm.weight", E)
+        norm(p + "post_attention_layernorm.weight", E)
+        mat(p + "self_attn.q_proj.weight", n_head * head_dim, E)
+        mat(p + "self_attn.k_proj.weight", n_head_kv * head_dim, E)
+        mat(p + "self_attn.v_proj.weight", n_head_kv * head_dim, E)
+        mat(p + "self_attn.o_proj.weight", E, n_head * head_dim, out_scale)
+        norm(p + "self_attn.q_norm.weight", head_dim)
+        norm(p + "self_attn.k_norm.weight", head_dim)
+        mat(p + "mlp.gate_proj.weight", n_ff, E)
+        mat(p + "mlp.up_proj.weight", n_ff, E)
+        mat(p + "mlp.down_proj.weight", E, n_ff, out_scale)
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "config.json"), "w") as f:
+        json.dump(cfg, f, indent=1)
+    write_safetensors(os.path.join(out_dir, "model.safetensors"), specs, {"format": "pt"})
+    return cfg
+
+
+def write_dflash_gguf(path, draft_dir) -> None:
+    """Convert a z-lab draft folder to llama.cpp's `dflash` GGUF layout (keys and names of its converter)."""
+    import json
+    import os
+    import gguf
+    from .models.dflash_draft import _gguf_names, read_safetensors_header
+
+    with open(os.path.join(draft_dir, "config.json")) as f:
+        cfg = json.load(f)
+    tensors, mm = read_safetensors_header(os.path.join(draft_dir, "model.safetensors"))
+    dcfg = cfg["dflash_config"]
+    w = gguf.GGUFWriter(str(path), "dflash")
+    w.add_block_count(cfg["num_hidden_layers"])
+    w.add_embedding_length(cfg["hidden_size"])
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_head_count(cfg["num_attention_heads"])
+    w.add_head_count_kv(cfg["num_key_value_heads"])
+    w.add_key_length(cfg["head_dim"])
+    w.add_value_length(cfg["head_dim"])
+    w.add_rope_freq_base(cfg["rope_theta"])
+    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    w.add_uint32("dflash.block_size", cfg["block_size"])
+    w.add_array("dflash.target_layers", [i + 1 for i in dcfg["target_layer_ids"]])   # llama.cpp: lid + 1
+    w.add_uint32("tokenizer.ggml.mask_token_id", dcfg["mask_token_id"])
+    if cfg.get("layer_types"):
+        w.add_uint32("dflash.attention.sliding_window", cfg["sliding_window"])
+        w.add_array("dflash.attention.sliding_window_pattern",
+                    [t == "sliding_attention" for t in cfg["layer_types"]])
+    zlab_to_gguf = {z: g for g, z in _gguf_names(int(cfg["num_hidden_layers"])).items()}
+    for zname, info in tensors.items():
+        raw = np.asarray(mm[info.offset: info.offset + info.nbytes])
+        shape = list(info.ne[::-1])
+        qtype = {"BF16": gguf.GGMLQuantizationType.BF16, "F16": gguf.GGMLQuantizationType.F16,
+                 "F32": gguf.GGMLQuantizationType.F32}[info.type.name]
+        w.add_tensor(zlab_to_gguf[zname], raw.reshape(shape[:-1] + [-1]), raw_dtype=qtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
 # --- command line ----------------------------------------------------------------------------------------------
 
 class OracleDraft:
@@ -423,9 +593,22 @@ def main(argv=None) -> int:
     wq.add_argument("--rope-sections", type=lambda s: tuple(int(x) for x in s.split(",")))
     wq.add_argument("--recurrent-layers", type=lambda s: tuple(c == "1" for c in s),
                     help="one 0/1 per layer, 1 = Gated DeltaNet (overrides --full-attention-interval)")
+    wd = sub.add_parser("write-dflash", help="write a random DFlash draft (z-lab format) fitting a target GGUF")
+    wd.add_argument("out", help="output folder (config.json + model.safetensors)")
+    wd.add_argument("--target", required=True, help="the target GGUF the draft must fit")
+    for name in ("n_layer", "n_head", "n_head_kv", "head_dim", "n_ff", "block_size", "mask_token_id", "seed"):
+        wd.add_argument("--" + name.replace("_", "-"), dest=name, type=int)
+    wd.add_argument("--rope-theta", type=float)
+    wd.add_argument("--target-layer-ids", type=lambda s: [int(x) for x in s.split(",")])
     args = vars(parser.parse_args(argv))
-    cmd, out, preset = args.pop("cmd"), args.pop("out"), args.pop("preset")
-    assert cmd == "write-qwen35"
+    cmd, out = args.pop("cmd"), args.pop("out")
+    if cmd == "write-dflash":
+        target = args.pop("target")
+        cfg = write_dflash_draft(out, target, **{k: v for k, v in args.items() if v is not None})
+        print(f"wrote {out}: {cfg['num_hidden_layers']} layers, hidden {cfg['hidden_size']}, "
+              f"target layers {cfg['dflash_config']['target_layer_ids']}")
+        return 0
+    preset = args.pop("preset")
     overrides = {k: v for k, v in args.items() if v is not None}
     cfg = write_qwen35_gguf(out, PRESETS[preset](), progress=True, **overrides)
     print(f"wrote {out}: {cfg.n_layer} layers, n_embd {cfg.n_embd}, {cfg.weight_type}")

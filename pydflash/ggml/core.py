@@ -410,7 +410,7 @@ class Graph:
             lib.ggml_build_forward_expand(self._ptr, out._ptr)
         self.outputs = outputs
         self._allocator: Allocator | None = None
-        self._placed = None   # the context's tensors the allocator places (set on the first allocation)
+        self._placed: list | None = None   # tensors the allocator gives addresses (set at first allocation)
 
     @property
     def n_nodes(self) -> int:
@@ -437,20 +437,15 @@ class Allocator:
             if not lib.ggml_backend_supports_op(self.backend._ptr, node._ptr):
                 raise GGMLError(f"{self.backend.name} cannot compute node {node.name or '?'} ({node.op.name}, "
                                 f"{node.type.name} {node.shape}) with these shapes/types")
-        # ggml_gallocr skips tensors that already have data: a graph allocated before (here or elsewhere) would keep
-        # pointers into a compute buffer that has since been re-planned or re-allocated (grown), so forget them
+        # gallocr places only tensors whose data is NULL and treats the rest as allocated elsewhere: a graph
+        # allocated before still holds its old addresses, which dangle once another graph has grown the
+        # buffer. Forget the addresses of the tensors it placed last time, so it places them again.
         if graph._placed is None:
-            graph._placed = []
-            t = lib.ggml_get_first_tensor(graph._ctx._ptr)
-            while t != ffi.NULL:
-                if t.buffer == ffi.NULL:
-                    graph._placed.append(t)
-                t = lib.ggml_get_next_tensor(graph._ctx._ptr, t)
+            graph._placed = [t._ptr for t in graph._ctx.tensors() if t._ptr.data == ffi.NULL]
         else:
-            for t in graph._placed:
-                t.buffer = ffi.NULL
-                if t.view_src == ffi.NULL:   # a view gets its data back from its source when re-placed
-                    t.data = ffi.NULL
+            for ptr in graph._placed:
+                ptr.data = ffi.NULL
+                ptr.buffer = ffi.NULL
         if not lib.ggml_gallocr_alloc_graph(self._ptr, graph._ptr):
             raise GGMLError(f"{self.backend.name}: could not allocate the graph's compute buffer")
         graph._allocator = self

@@ -1,0 +1,749 @@
+"""The DFlash block-diffusion draft (z-lab format, or llama.cpp's `dflash` GGUF) and its context cache.
+
+One draft step turns the target's captured hidden states (the context) and the block
+[last token, MASK x (B-1)] into logits for the B-1 masked positions, in one forward:
+
+    c = rmsnorm(fc . concat(features of target_layer_ids)) * hidden_norm          per committed position
+    h = target_embedding(block)                                                    [H, B] at positions n..n+B-1
+    per layer: x = rmsnorm(h) * input_layernorm
+               Q = rope(q_norm(q_proj x));  K = rope(k_norm(k_proj [c; x]));  V = v_proj [c; x]
+               h += o_proj attention(Q, K, V)        (non-causal unless the layer type says otherwise)
+               h += down(silu(gate x') * up x'),  x' = rmsnorm(h) * post_attention_layernorm
+    logits = target_lm_head(rmsnorm(h) * norm) on block positions 1..B-1
+
+The draft has no embedding and no LM head of its own: it reads the target's tensors on the device.
+
+Context cache: the K/V of the context rows depend only on their own position, so each draft layer keeps them,
+projected (after k_norm and RoPE), in a ring of W slots; a commit appends only the new positions, and a draft
+step attends over the ring plus the block. Attention is a weighted sum over keys, so the slot order inside the
+ring does not matter; only which positions it holds does (tracked on the host, for the masks).
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass
+
+import numpy as np
+
+from .. import ggml
+from ..gguf_io import GGUFError, GGUFFile, upload
+
+KV_BUCKET = 256             # attended rows are padded to this (what the GPU flash attention kernels want)
+GRAPH_TENSORS_PER_LAYER = 48
+MAX_GRAPHS = 32
+DEFAULT_WINDOW = 2048
+
+
+class DraftLoadError(ValueError):
+    """A draft checkpoint is missing, damaged, unsupported, or does not fit its target."""
+
+
+# --- hyperparameters ---------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class DFlashHParams:
+    n_layer: int
+    n_embd: int
+    n_ff: int
+    n_head: int
+    n_head_kv: int
+    head_dim: int
+    rms_eps: float
+    rope_theta: float
+    block_size: int
+    mask_token_id: int
+    target_layer_ids: tuple       # 0-based target layers whose outputs form the context features
+    causal: tuple                 # per layer: block queries attend causally (z-lab: sliding layers are causal)
+    window: tuple                 # per layer: sliding window length, or 0 for full attention
+    vocab_size: int = 0           # from config.json, 0 when unknown (GGUF drafts)
+    embedding_scale: float = 1.0  # input_embedding_scale
+    logit_scale: float = 1.0      # output_multiplier
+    logit_softcap: float = 0.0    # final_logit_softcapping, 0 = off
+
+    @property
+    def n_feat(self) -> int:
+        return len(self.target_layer_ids)
+
+    @classmethod
+    def from_config(cls, cfg: dict, path: str) -> "DFlashHParams":
+        """From a z-lab `config.json` (already parsed); unsupported variants are refused, not ignored."""
+        dcfg = cfg.get("dflash_config") or {}
+        if not isinstance(dcfg, dict):
+            raise DraftLoadError(f"{path}: dflash_config is not an object")
+
+        def draft_value(name, default=None):     # z-lab's lookup order: dflash_config first, then top level
+            return dcfg.get(name, cfg.get(name, default))
+
+        def need(name):
+            if name not in cfg:
+                raise DraftLoadError(f"{path}: missing field {name!r}")
+            return cfg[name]
+
+        for name in ("conv_kernel_size", "selector_rank"):
+            if draft_value(name) is not None:
+                raise DraftLoadError(f"{path}: DFlash2 drafts ({name}) are not supported")
+        if cfg.get("attention_bias"):
+            raise DraftLoadError(f"{path}: attention_bias = true is not supported")
+        if cfg.get("hidden_act", "silu") != "silu":
+            raise DraftLoadError(f"{path}: hidden_act {cfg.get('hidden_act')!r} is not supported (silu only)")
+        if draft_value("attention_value_scale") is not None:
+            raise DraftLoadError(f"{path}: attention_value_scale is not supported")
+        rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type != "default":
+            raise DraftLoadError(f"{path}: rope type {rope_type!r} is not supported")
+        if float(rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))) != 1.0:
+            raise DraftLoadError(f"{path}: partial_rotary_factor is not supported")
+        rope_theta = rope.get("rope_theta", cfg.get("rope_theta"))
+        if rope_theta is None:   # a port that defaulted this produced garbage (DESIGN §13): insist on it
+            raise DraftLoadError(f"{path}: missing field 'rope_theta'")
+
+        n_layer, n_embd, n_head = int(need("num_hidden_layers")), int(need("hidden_size")), \
+            int(need("num_attention_heads"))
+        head_dim = int(cfg.get("head_dim") or n_embd // max(n_head, 1))
+        layer_ids = draft_value("target_layer_ids")
+        if layer_ids is None:    # z-lab's default spread over the target's depth
+            n_target = int(need("num_target_layers"))
+            if n_layer == 1:
+                layer_ids = [n_target // 2]
+            else:
+                span = n_target - 4
+                layer_ids = [round(1 + i * span / (n_layer - 1)) for i in range(n_layer)]
+        mask_token_id = draft_value("mask_token_id")
+        if mask_token_id is None:
+            raise DraftLoadError(f"{path}: missing field 'dflash_config.mask_token_id'")
+
+        layer_types = cfg.get("layer_types") or ["full_attention"] * n_layer
+        if len(layer_types) < n_layer:
+            raise DraftLoadError(f"{path}: layer_types has {len(layer_types)} entries for {n_layer} layers")
+        sliding = [t == "sliding_attention" for t in layer_types[:n_layer]]
+        for t in layer_types[:n_layer]:
+            if t not in ("full_attention", "sliding_attention"):
+                raise DraftLoadError(f"{path}: layer type {t!r} is not supported")
+        if any(sliding) and not cfg.get("sliding_window"):
+            raise DraftLoadError(f"{path}: sliding_attention layers need 'sliding_window'")
+        is_causal = cfg.get("is_causal")
+        causal = tuple(s if is_causal is None else bool(is_causal) for s in sliding)
+        window = tuple(int(cfg["sliding_window"]) if s else 0 for s in sliding)
+        softcap = draft_value("final_logit_softcapping")
+        hp = cls(n_layer=n_layer, n_embd=n_embd, n_ff=int(need("intermediate_size")), n_head=n_head,
+                 n_head_kv=int(need("num_key_value_heads")), head_dim=head_dim,
+                 rms_eps=float(need("rms_norm_eps")), rope_theta=float(rope_theta),
+                 block_size=int(draft_value("block_size", 16)), mask_token_id=int(mask_token_id),
+                 target_layer_ids=tuple(int(i) for i in layer_ids), causal=causal, window=window,
+                 vocab_size=int(cfg.get("vocab_size") or 0),
+                 embedding_scale=float(draft_value("input_embedding_scale", 1.0)),
+                 logit_scale=float(draft_value("output_multiplier", 1.0)),
+                 logit_softcap=float(softcap) if softcap else 0.0)
+        hp.validate(path)
+        return hp
+
+    @classmethod
+    def from_gguf(cls, gf: GGUFFile) -> "DFlashHParams":
+        """From llama.cpp's `dflash` GGUF (keys as in its src/models/dflash.cpp and conversion/qwen.py)."""
+        gf.expect_architecture("dflash")
+        k = lambda name, default=None: gf.get(f"dflash.{name}", default)  # noqa: E731
+
+        def need(name):
+            value = k(name)
+            if value is None:
+                raise DraftLoadError(f"{gf.path}: missing metadata key 'dflash.{name}'")
+            return value
+
+        for key in ("dflash.selector_rank", "dflash.hyper_connection.count", "dflash.attention.value_scale"):
+            if key in gf.metadata:
+                raise DraftLoadError(f"{gf.path}: {key} (a DFlash2 / DSpark variant) is not supported")
+        if k("hidden_activation", "silu") != "silu":
+            raise DraftLoadError(f"{gf.path}: hidden activation {k('hidden_activation')!r} is not supported")
+        for name in ("d2t", "output.weight", "token_embd.weight", "markov_w1.weight"):
+            if name in gf.tensors:
+                raise DraftLoadError(f"{gf.path}: drafts with their own vocabulary tensors ({name}) are not "
+                                     f"supported; this loader uses the target's embedding and LM head")
+        sections = k("rope.dimension_sections")
+        if sections is not None and any(int(s) for s in list(sections)[1:]):
+            raise DraftLoadError(f"{gf.path}: multi-axis rope sections {list(sections)} are not supported")
+        n_layer, n_embd, n_head = int(need("block_count")), int(need("embedding_length")), \
+            int(need("attention.head_count"))
+        head_dim = int(k("attention.key_length", n_embd // max(n_head, 1)))
+        scale = float(k("attention.scale", 0.0) or 0.0)
+        if scale and abs(scale - head_dim ** -0.5) > 1e-6 * head_dim ** -0.5:
+            raise DraftLoadError(f"{gf.path}: attention.scale {scale} other than 1/sqrt(head_dim) is not supported")
+        if int(k("attention.value_length", head_dim)) != head_dim:
+            raise DraftLoadError(f"{gf.path}: key_length != value_length is not supported")
+        if int(k("rope.dimension_count", head_dim)) != head_dim:
+            raise DraftLoadError(f"{gf.path}: partial rotary embeddings are not supported")
+        mask = gf.get("tokenizer.ggml.mask_token_id")
+        if mask is None:
+            raise DraftLoadError(f"{gf.path}: missing metadata key 'tokenizer.ggml.mask_token_id'")
+        # llama.cpp stores the extraction index lid+1 (Hugging Face hidden_states numbering); ours is lid
+        layers = tuple(int(i) - 1 for i in need("target_layers"))
+        n_swa = int(k("attention.sliding_window", 0) or 0)
+        if n_swa > 0:
+            pattern = list(k("attention.sliding_window_pattern") or [True] * n_layer)
+            sliding = [bool(x) for x in (pattern + [False] * n_layer)[:n_layer]]
+        else:
+            sliding = [False] * n_layer
+        causal_key = k("attention.causal")
+        causal = tuple(s if causal_key is None else bool(causal_key) for s in sliding)
+        hp = cls(n_layer=n_layer, n_embd=n_embd, n_ff=int(need("feed_forward_length")), n_head=n_head,
+                 n_head_kv=int(need("attention.head_count_kv")), head_dim=head_dim,
+                 rms_eps=float(need("attention.layer_norm_rms_epsilon")),
+                 rope_theta=float(need("rope.freq_base")), block_size=int(k("block_size", 16)),
+                 mask_token_id=int(mask), target_layer_ids=layers, causal=causal,
+                 window=tuple(n_swa if s else 0 for s in sliding),
+                 embedding_scale=float(k("embedding_scale", 0.0) or 1.0),
+                 logit_scale=float(k("logit_scale", 0.0) or 1.0),
+                 logit_softcap=float(k("final_logit_softcapping", 0.0) or 0.0))
+        hp.validate(gf.path)
+        return hp
+
+    def validate(self, path: str) -> None:
+        """Header numbers are untrusted: reject the ones the graph cannot be built from."""
+        sizes = {"num_hidden_layers": self.n_layer, "hidden_size": self.n_embd, "intermediate_size": self.n_ff,
+                 "num_attention_heads": self.n_head, "num_key_value_heads": self.n_head_kv,
+                 "head_dim": self.head_dim, "block_size": self.block_size}
+        for key, value in sizes.items():
+            if not 1 <= value <= 1 << 20:
+                raise DraftLoadError(f"{path}: {key} = {value} is out of range")
+        if self.block_size < 2:
+            raise DraftLoadError(f"{path}: block_size {self.block_size} leaves nothing to draft")
+        if self.n_head % self.n_head_kv:
+            raise DraftLoadError(f"{path}: num_attention_heads {self.n_head} is not a multiple of "
+                                 f"num_key_value_heads {self.n_head_kv}")
+        if self.head_dim % 2:
+            raise DraftLoadError(f"{path}: head_dim {self.head_dim} is odd (RoPE rotates pairs)")
+        if not self.target_layer_ids:
+            raise DraftLoadError(f"{path}: target_layer_ids is empty")
+        if not (self.rope_theta > 0 and self.rms_eps > 0):
+            raise DraftLoadError(f"{path}: rope_theta and rms_norm_eps must be positive")
+
+    def tensor_shapes(self) -> dict[str, tuple]:
+        """Every draft tensor by z-lab name -> ne (ggml order: ne[0] = input features)."""
+        E, hd = self.n_embd, self.head_dim
+        shapes = {"fc.weight": (E * self.n_feat, E), "hidden_norm.weight": (E,), "norm.weight": (E,)}
+        for il in range(self.n_layer):
+            p = f"layers.{il}."
+            shapes.update({p + "input_layernorm.weight": (E,), p + "post_attention_layernorm.weight": (E,),
+                           p + "self_attn.q_proj.weight": (E, hd * self.n_head),
+                           p + "self_attn.k_proj.weight": (E, hd * self.n_head_kv),
+                           p + "self_attn.v_proj.weight": (E, hd * self.n_head_kv),
+                           p + "self_attn.o_proj.weight": (hd * self.n_head, E),
+                           p + "self_attn.q_norm.weight": (hd,), p + "self_attn.k_norm.weight": (hd,),
+                           p + "mlp.gate_proj.weight": (E, self.n_ff), p + "mlp.up_proj.weight": (E, self.n_ff),
+                           p + "mlp.down_proj.weight": (self.n_ff, E)})
+        return shapes
+
+
+# llama.cpp GGUF tensor name -> z-lab name
+def _gguf_names(n_layer: int) -> dict[str, str]:
+    names = {"fc.weight": "fc.weight", "enc.output_norm.weight": "hidden_norm.weight",
+             "output_norm.weight": "norm.weight"}
+    per_layer = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+                 "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+                 "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm",
+                 "attn_k_norm": "self_attn.k_norm", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+                 "ffn_down": "mlp.down_proj"}
+    for il in range(n_layer):
+        for g, z in per_layer.items():
+            names[f"blk.{il}.{g}.weight"] = f"layers.{il}.{z}.weight"
+    return names
+
+
+# --- safetensors ------------------------------------------------------------------------------------------------
+
+_ST_TYPES = {"BF16": (ggml.Type.BF16, 2), "F16": (ggml.Type.F16, 2), "F32": (ggml.Type.F32, 4)}
+_ST_MAX_HEADER = 100 << 20
+
+
+@dataclass(frozen=True)
+class _STTensor:
+    name: str
+    type: ggml.Type
+    ne: tuple          # ggml order
+    offset: int        # absolute byte offset in the file
+    nbytes: int
+
+
+def read_safetensors_header(path) -> tuple[dict[str, _STTensor], np.ndarray]:
+    """The tensor table of a .safetensors file (bounds checked against the file) and a memory map of it."""
+    path = os.fspath(path)
+    try:
+        size = os.path.getsize(path)
+        mm = np.memmap(path, dtype=np.uint8, mode="r") if size else np.zeros(0, np.uint8)
+    except OSError as e:
+        raise DraftLoadError(f"{path}: cannot open ({e.strerror})") from None
+    if size < 8:
+        raise DraftLoadError(f"{path}: not a safetensors file (shorter than its header length)")
+    n_header = int(np.frombuffer(bytes(mm[:8]), "<u8")[0])
+    if n_header > min(size - 8, _ST_MAX_HEADER):
+        raise DraftLoadError(f"{path}: damaged safetensors header (length {n_header}, file size {size})")
+    try:
+        header = json.loads(bytes(mm[8: 8 + n_header]))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise DraftLoadError(f"{path}: damaged safetensors header ({e})") from None
+    if not isinstance(header, dict):
+        raise DraftLoadError(f"{path}: damaged safetensors header (not an object)")
+    data_start = 8 + n_header
+    tensors = {}
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            dtype, shape, (begin, end) = entry["dtype"], [int(n) for n in entry["shape"]], entry["data_offsets"]
+            begin, end = int(begin), int(end)
+        except (KeyError, TypeError, ValueError):
+            raise DraftLoadError(f"{path}: tensor {name!r}: damaged header entry") from None
+        if dtype not in _ST_TYPES:
+            raise DraftLoadError(f"{path}: tensor {name!r} has dtype {dtype}; expected BF16 (or F16/F32)")
+        type_, itemsize = _ST_TYPES[dtype]
+        if not 1 <= len(shape) <= 4 or any(n < 1 for n in shape):
+            raise DraftLoadError(f"{path}: tensor {name!r} has an unsupported shape {shape}")
+        nbytes = itemsize * int(np.prod(shape, dtype=object))
+        if not 0 <= begin <= end or end - begin != nbytes or data_start + end > size:
+            raise DraftLoadError(f"{path}: tensor {name!r}: data [{begin}, {end}) does not match its shape "
+                                 f"{shape} {dtype} or lies outside the file ({size} bytes)")
+        tensors[name] = _STTensor(name, type_, tuple(shape[::-1]), data_start + begin, nbytes)
+    return tensors, mm
+
+
+# --- weights ----------------------------------------------------------------------------------------------------
+
+def _bf16_to_f32(raw: np.ndarray) -> np.ndarray:
+    return (np.frombuffer(raw.tobytes(), np.uint16).astype(np.uint32) << 16).view(np.float32)
+
+
+class DFlashWeights:
+    """The draft's tensors in one device buffer, by z-lab name.
+
+    Matrices keep their stored type (bf16 for z-lab drafts; f16 on a backend without bf16 matrix products);
+    the 1-D norm weights are widened to f32 on the host because ggml's elementwise ops want f32 operands.
+    """
+
+    def __init__(self, hp: DFlashHParams, backend: ggml.Backend, sources: dict, read, path: str):
+        """sources: z-lab name -> (type, ne, nbytes); read(name) -> the raw bytes (uint8 array)."""
+        shapes = hp.tensor_shapes()
+        for name, ne in shapes.items():
+            if name not in sources:
+                raise DraftLoadError(f"{path}: missing tensor {name!r}")
+            if tuple(sources[name][1]) != tuple(ne):
+                raise DraftLoadError(f"{path}: tensor {name!r} has shape {tuple(sources[name][1])[::-1]}, "
+                                     f"expected {tuple(ne)[::-1]} (from the config)")
+            if sources[name][0] not in (ggml.Type.BF16, ggml.Type.F16, ggml.Type.F32):
+                raise DraftLoadError(f"{path}: tensor {name!r} is {ggml.Type(sources[name][0]).name}; expected "
+                                     f"BF16 (or F16/F32)")
+        bf16_ok = _supports_bf16_matmul(backend)
+        self._ctx = ggml.Context(n_tensors=len(shapes))
+        self.t, plan = {}, []
+        for name, ne in shapes.items():
+            src_type = ggml.Type(sources[name][0])
+            if len(ne) == 1:
+                dst_type = ggml.Type.F32
+            elif src_type == ggml.Type.BF16 and not bf16_ok:
+                dst_type = ggml.Type.F16
+            else:
+                dst_type = src_type
+            self.t[name] = self._ctx.new_tensor(dst_type, ne, name=("draft." + name)[:63])
+            plan.append((name, src_type, dst_type))
+        self.buffer = backend.alloc_tensors(self._ctx)
+        for name, src_type, dst_type in plan:
+            raw = read(name)
+            if src_type == dst_type:
+                chunk = 64 << 20
+                for start in range(0, raw.nbytes, chunk):
+                    self.t[name].set_bytes(raw[start: start + chunk], start)
+                continue
+            values = _bf16_to_f32(raw) if src_type == ggml.Type.BF16 else \
+                np.frombuffer(raw.tobytes(), np.float16 if src_type == ggml.Type.F16 else np.float32)
+            self.t[name].set(values.astype(np.float32 if dst_type == ggml.Type.F32 else np.float16))
+
+    def __getitem__(self, name: str) -> ggml.Tensor:
+        return self.t[name]
+
+
+def _supports_bf16_matmul(backend: ggml.Backend) -> bool:
+    ctx = ggml.Context(n_tensors=4)
+    a = ctx.new_tensor(ggml.Type.BF16, (64, 4))
+    b = ctx.new_tensor(ggml.Type.F32, (64, 2))
+    return backend.supports(ctx.mul_mat(a, b))
+
+
+# --- loading ----------------------------------------------------------------------------------------------------
+
+def _resolve_zlab(path) -> tuple[str, str]:
+    """(config.json, model.safetensors) from a folder, or from (config, safetensors) explicit paths."""
+    if isinstance(path, (tuple, list)):
+        config_path, weights_path = (os.fspath(p) for p in path)
+    else:
+        config_path = os.path.join(os.fspath(path), "config.json")
+        weights_path = os.path.join(os.fspath(path), "model.safetensors")
+    for p in (config_path, weights_path):
+        if not os.path.isfile(p):
+            raise DraftLoadError(f"{p}: no such file (a z-lab DFlash draft needs config.json and "
+                                 f"model.safetensors)")
+    return config_path, weights_path
+
+
+def load_draft_weights(path, backend: ggml.Backend, check=None):
+    """(hparams, weights, weights path) of a z-lab draft folder / (config, safetensors) pair, or a GGUF.
+
+    check(hp, weights_path), if given, runs before anything is uploaded (e.g. the fit to a target)."""
+    check = check or (lambda hp, p: None)
+    if not isinstance(path, (tuple, list)) and os.fspath(path).endswith(".gguf"):
+        gf = GGUFFile(path)
+        hp = DFlashHParams.from_gguf(gf)
+        check(hp, gf.path)
+        names = _gguf_names(hp.n_layer)
+        by_zlab = {z: gf.tensors[g] for g, z in names.items() if g in gf.tensors}
+        sources = {z: (info.type, info.ne, info.nbytes) for z, info in by_zlab.items()}
+        return hp, DFlashWeights(hp, backend, sources, lambda n: gf.data(by_zlab[n]), gf.path), gf.path
+    config_path, weights_path = _resolve_zlab(path)
+    try:
+        with open(config_path, encoding="utf-8") as f:
+            cfg = json.load(f)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise DraftLoadError(f"{config_path}: not valid JSON ({e})") from None
+    if not isinstance(cfg, dict):
+        raise DraftLoadError(f"{config_path}: not a JSON object")
+    hp = DFlashHParams.from_config(cfg, config_path)
+    check(hp, weights_path)
+    tensors, mm = read_safetensors_header(weights_path)
+    # some exports prefix the names with "model."
+    strip = {n[len("model."):] if n.startswith("model.") else n: t for n, t in tensors.items()}
+    sources = {n: (t.type, t.ne, t.nbytes) for n, t in strip.items()}
+    weights = DFlashWeights(hp, backend, sources, lambda n: mm[strip[n].offset: strip[n].offset + strip[n].nbytes],
+                            weights_path)
+    return hp, weights, weights_path
+
+
+def check_fits(hp: DFlashHParams, target_hp, draft_path: str, target_path: str) -> None:
+    """Raise DraftLoadError naming both files and the field when the draft cannot run on this target."""
+    def fail(field, detail):
+        raise DraftLoadError(f"draft {draft_path} does not fit target {target_path}: {field}: {detail}")
+
+    if hp.n_embd != target_hp.n_embd:
+        fail("hidden_size", f"draft {hp.n_embd} != target embedding_length {target_hp.n_embd}")
+    if hp.vocab_size and hp.vocab_size != target_hp.n_vocab:
+        fail("vocab_size", f"draft {hp.vocab_size} != target vocabulary {target_hp.n_vocab}")
+    bad = [i for i in hp.target_layer_ids if not 0 <= i < target_hp.n_layer]
+    if bad:
+        fail("target_layer_ids", f"{bad} outside the target's layers 0..{target_hp.n_layer - 1}")
+    if not 0 <= hp.mask_token_id < target_hp.n_vocab:
+        fail("mask_token_id", f"{hp.mask_token_id} outside the target vocabulary (0..{target_hp.n_vocab - 1})")
+
+
+# --- the context cache ------------------------------------------------------------------------------------------
+
+class DraftContextCache:
+    """Per draft layer, the projected context K/V (after k_norm and RoPE) of the last `window` positions.
+
+    Rows of each [head_dim * n_head_kv, n_rows] f16 tensor: 0..B-1 are scratch for the current block's own K/V,
+    B..B+window-1 the ring (position p lives in row B + p % window). n_rows is padded to the attention bucket.
+    The host keeps which position each ring slot holds, to mask empty slots and sliding-window layers.
+    """
+
+    def __init__(self, backend: ggml.Backend, hp: DFlashHParams, window: int = DEFAULT_WINDOW):
+        if window < 1:
+            raise ValueError("the draft context window must be at least 1 position")
+        self.hp, self.window, self.block = hp, int(window), hp.block_size
+        self.n_rows = -(-(self.block + self.window) // KV_BUCKET) * KV_BUCKET
+        row = hp.head_dim * hp.n_head_kv
+        self._ctx = ggml.Context(n_tensors=2 * hp.n_layer)
+        self.k = [self._ctx.new_tensor(ggml.Type.F16, (row, self.n_rows), name=f"draft.cache_k_l{il}")
+                  for il in range(hp.n_layer)]
+        self.v = [self._ctx.new_tensor(ggml.Type.F16, (row, self.n_rows), name=f"draft.cache_v_l{il}")
+                  for il in range(hp.n_layer)]
+        self.buffer = backend.alloc_tensors(self._ctx)
+        self.reset()
+
+    def reset(self) -> None:
+        self.buffer.clear(0)   # zeros, not NaN garbage: masked rows still meet the attention kernel
+        self.n_ctx = 0         # positions appended so far (0..n_ctx-1)
+        self.slot_pos = np.full(self.window, -1, dtype=np.int64)
+
+    @property
+    def n_filled(self) -> int:
+        return min(self.n_ctx, self.window)
+
+    def rows_for(self, positions: np.ndarray) -> np.ndarray:
+        return self.block + positions % self.window
+
+    def commit(self, positions: np.ndarray) -> None:
+        self.slot_pos[positions % self.window] = positions
+        self.n_ctx = int(positions[-1]) + 1
+
+    def n_attended(self) -> int:
+        """Rows a draft step attends: block + filled ring, padded to the bucket (a graph per bucket)."""
+        return min(self.n_rows, -(-(self.block + self.n_filled) // KV_BUCKET) * KV_BUCKET)
+
+    def mask(self, n_attn: int, causal: bool, window: int) -> np.ndarray:
+        """f16 [B, n_attn] additive mask for the block queries at positions n_ctx..n_ctx+B-1.
+
+        z-lab's rule (index distance = position distance, keys contiguous): causal layers see keys at or before
+        the query; sliding layers see keys within `window` before (and, if non-causal, after) the query."""
+        B = self.block
+        q = self.n_ctx + np.arange(B)[:, None]
+        kpos = np.full(n_attn, -1, dtype=np.int64)
+        kpos[:B] = self.n_ctx + np.arange(B)
+        n_ring = min(n_attn - B, self.window)
+        kpos[B: B + n_ring] = self.slot_pos[:n_ring]
+        visible = np.broadcast_to(kpos >= 0, (B, n_attn)).copy()
+        k = kpos[None, :]
+        if causal:
+            visible &= k <= q
+        if window:
+            visible &= q - k < window
+            if not causal:
+                visible &= k - q < window
+        return np.where(visible, 0.0, -np.inf).astype(np.float16)
+
+
+# --- the draft --------------------------------------------------------------------------------------------------
+
+class _Graph:
+    """A built graph with its own allocator (compute buffer), reused for every run of the same shape.
+
+    One allocator per graph, not one shared: a step alternates the append and the draft graphs, and with
+    private compute buffers that switch costs nothing (no re-allocation); the buffers are small next to the
+    weights (the largest holds the [n_vocab, B-1] logits and their softmax)."""
+
+    def __init__(self, size: int):
+        self.ctx = ggml.Context(n_tensors=size, graph_size=size)
+        self.graph = None
+        self.allocator = None
+        self.inputs: dict[str, ggml.Tensor] = {}
+        self.masks: dict[tuple, ggml.Tensor] = {}
+        self.outputs: dict[str, ggml.Tensor] = {}
+
+
+class DFlashDraft:
+    """A DFlash draft bound to a loaded target: its context cache, `append_*` and `propose`.
+
+    path: a z-lab folder, a (config.json, model.safetensors) pair, or a llama.cpp `dflash` GGUF.
+    target: a loaded Qwen35Target (its token embedding and LM head are used in place, and its backend).
+    window: context positions kept (the ring); top_k: candidates per block position returned by `propose`.
+    """
+
+    def __init__(self, path, target, *, window: int = DEFAULT_WINDOW, top_k: int = 8):
+        self.target = target
+        self.backend = target.backend
+        self.hp, self.weights, self.path = load_draft_weights(
+            path, self.backend, lambda hp, p: check_fits(hp, target.hp, p, target.gguf.path))
+        if not 1 <= top_k <= target.hp.n_vocab:
+            raise ValueError(f"top_k {top_k} outside 1..{target.hp.n_vocab}")
+        self.top_k = int(top_k)
+        self.cache = DraftContextCache(self.backend, self.hp, window)
+        self.token_embd = target.weights["token_embd.weight"]
+        self.lm_head = target.weights["output.weight"]
+        self._graphs: dict[tuple, _Graph] = {}
+
+    @property
+    def block_size(self) -> int:
+        return self.hp.block_size
+
+    @property
+    def n_ctx(self) -> int:
+        return self.cache.n_ctx
+
+    def reset(self) -> None:
+        self.cache.reset()
+
+    # --- context appends ---
+
+    def append_features(self, features: np.ndarray) -> None:
+        """Append context positions n_ctx.. from host features f32 [m, n_feat, n_embd] (or [m, n_feat*n_embd])."""
+        feats = np.ascontiguousarray(features, dtype=np.float32).reshape(len(features), -1)
+        if feats.shape[1] != self.hp.n_feat * self.hp.n_embd:
+            raise ValueError(f"features have {feats.shape[1]} values per position, expected "
+                             f"{self.hp.n_feat} x {self.hp.n_embd}")
+        first = self.cache.n_ctx
+        if len(feats) > self.cache.window:     # only the last `window` positions survive in the ring
+            feats, first = feats[-self.cache.window:], first + len(feats) - self.cache.window
+        for start in range(0, len(feats), 512):
+            chunk = feats[start: start + 512]
+            g = self._graph(("append_host", len(chunk)), lambda: self._build_append(len(chunk), None))
+            self._activate(g)
+            g.inputs["feat"].set(chunk)
+            self._run_append(g, first + start, len(chunk))
+
+    def append_from_target(self, rows=None) -> None:
+        """Append context positions from the target's captured features on the device (no host copy).
+
+        rows: indices into the target's last forward (default: all of its tokens), e.g. the accepted path of a
+        verify step. The target must capture exactly this draft's target_layer_ids, in that order: the output
+        of decoder layer lid, which is z-lab's `hidden_states[lid + 1]` (DESIGN §13). (Hugging Face applies the
+        final norm to the last entry, so a draft reading the target's last layer would need it; none do.)"""
+        if tuple(self.target.capture_layers) != self.hp.target_layer_ids:
+            raise ValueError(f"the target captures layers {self.target.capture_layers}, the draft needs "
+                             f"{self.hp.target_layer_ids}")
+        n_last = self.target._last_n_captured
+        rows = np.arange(n_last) if rows is None else np.asarray(rows, dtype=np.int64).reshape(-1)
+        if rows.size == 0:
+            return
+        if rows.min() < 0 or rows.max() >= n_last:
+            raise ValueError(f"rows must lie in the target's last forward (0..{n_last - 1})")
+        first = self.cache.n_ctx
+        if rows.size > self.cache.window:
+            rows, first = rows[-self.cache.window:], first + rows.size - self.cache.window
+        src = self.target.captured
+        g = self._graph(("append_dev", rows.size), lambda: self._build_append(rows.size, src))
+        self._activate(g)
+        g.inputs["src_rows"].set(rows.astype(np.int32))
+        self._run_append(g, first, rows.size)
+
+    def _run_append(self, g: _Graph, first: int, m: int) -> None:
+        positions = np.arange(first, first + m, dtype=np.int64)
+        self._activate(g)
+        g.inputs["pos"].set(positions.astype(np.int32))
+        g.inputs["rows"].set(self.cache.rows_for(positions))
+        self.backend.compute(g.graph)
+        self.cache.commit(positions)
+
+    # --- a draft step ---
+
+    def _step(self, last_token: int) -> _Graph:
+        if not 0 <= int(last_token) < self.target.hp.n_vocab:
+            raise ValueError(f"token id {last_token} outside the vocabulary")
+        B, n_attn = self.hp.block_size, self.cache.n_attended()
+        g = self._graph(("step", n_attn, self.top_k), lambda: self._build_step(n_attn))
+        self._activate(g)
+        tokens = np.full(B, self.hp.mask_token_id, dtype=np.int32)
+        tokens[0] = last_token
+        g.inputs["tokens"].set(tokens)
+        g.inputs["pos"].set((self.cache.n_ctx + np.arange(B)).astype(np.int32))
+        g.inputs["block_rows"].set(np.arange(B, dtype=np.int64))
+        for (causal, window), t in g.masks.items():
+            t.set(self.cache.mask(n_attn, causal, window))
+        self.backend.compute(g.graph)
+        return g
+
+    def propose(self, last_token: int) -> tuple[np.ndarray, np.ndarray]:
+        """One draft forward for the block after `last_token` (at position n_ctx).
+
+        Returns (ids, log-probs), each [B-1, top_k], best first; only these cross to the host."""
+        g = self._step(last_token)
+        ids = g.outputs["top_ids"].numpy().reshape(self.hp.block_size - 1, self.top_k)
+        lp = g.outputs["top_logp"].numpy().reshape(self.hp.block_size - 1, self.top_k)
+        order = np.argsort(-lp, axis=1, kind="stable")     # ggml's top_k leaves the k in no particular order
+        return np.take_along_axis(ids, order, 1), np.take_along_axis(lp, order, 1)
+
+    def logits(self, last_token: int) -> np.ndarray:
+        """The full draft logits f32 [B-1, n_vocab] of one step (tests and diagnostics: a large copy)."""
+        return self._step(last_token).outputs["logits"].numpy()
+
+    # --- graphs ---
+
+    def _graph(self, key, build) -> _Graph:
+        g = self._graphs.pop(key, None)
+        if g is None:
+            g = build()
+            while len(self._graphs) >= MAX_GRAPHS:
+                self._graphs.pop(next(iter(self._graphs)))
+        self._graphs[key] = g
+        return g
+
+    def _activate(self, g: _Graph) -> None:
+        if g.allocator is None:
+            g.allocator = ggml.Allocator(self.backend)
+            g.allocator.allocate(g.graph)
+
+    @property
+    def n_graphs(self) -> int:
+        return len(self._graphs)
+
+    def _norm(self, ctx, x, weight, name):
+        return ctx.mul(ctx.rms_norm(x, self.hp.rms_eps), weight).named(name)
+
+    def _rope(self, ctx, x, pos):
+        hp = self.hp
+        # NEOX (rotate_half) pairing over the whole head, as Qwen3's rotary embedding
+        return ctx.rope_ext(x, pos, None, hp.head_dim, 2, 0, hp.rope_theta, 1.0, 0.0, 1.0, 0.0, 0.0)
+
+    def _build_append(self, m: int, src) -> _Graph:
+        """Context rows: c = rmsnorm(fc . features) * hidden_norm; per layer K, V of c into the ring."""
+        hp, w, cache = self.hp, self.weights, self.cache
+        g = _Graph(16 * hp.n_layer + 32)
+        ctx = g.ctx
+        if src is None:
+            feat = g.inputs["feat"] = ctx.new_tensor(ggml.Type.F32, (hp.n_feat * hp.n_embd, m),
+                                                     name="draft.inp.feat").mark_input()
+        else:   # gather the rows straight out of the target's capture buffer
+            idx = g.inputs["src_rows"] = ctx.new_tensor(ggml.Type.I32, (m,), name="draft.inp.src_rows").mark_input()
+            feat = ctx.get_rows(src, idx).named("draft.ctx.feat")                  # [n_feat E, m]
+        pos = g.inputs["pos"] = ctx.new_tensor(ggml.Type.I32, (m,), name="draft.inp.ctx_pos").mark_input()
+        rows = g.inputs["rows"] = ctx.new_tensor(ggml.Type.I64, (m,), name="draft.inp.ctx_rows").mark_input()
+        c = self._norm(ctx, ctx.mul_mat(w["fc.weight"], feat), w["hidden_norm.weight"], "draft.ctx.c")  # [E, m]
+        writes = []
+        for il in range(hp.n_layer):
+            p = f"layers.{il}.self_attn."
+            k = ctx.reshape_3d(ctx.mul_mat(w[p + "k_proj.weight"], c), hp.head_dim, hp.n_head_kv, m)
+            k = self._rope(ctx, self._norm(ctx, k, w[p + "k_norm.weight"], f"draft.l{il}.ctx_k_norm"), pos)
+            v = ctx.mul_mat(w[p + "v_proj.weight"], c)                             # [hd n_kv, m]
+            writes.append(ctx.set_rows(cache.k[il], ctx.reshape_2d(k, hp.head_dim * hp.n_head_kv, m), rows)
+                          .named(f"draft.l{il}.ctx_k_write"))
+            writes.append(ctx.set_rows(cache.v[il], v, rows).named(f"draft.l{il}.ctx_v_write"))
+        g.graph = ctx.graph(writes)
+        return g
+
+    def _build_step(self, n_attn: int) -> _Graph:
+        hp, w, cache = self.hp, self.weights, self.cache
+        B, hd, E = hp.block_size, hp.head_dim, hp.n_embd
+        g = _Graph(GRAPH_TENSORS_PER_LAYER * hp.n_layer + 64)
+        ctx = g.ctx
+        tokens = g.inputs["tokens"] = ctx.new_tensor(ggml.Type.I32, (B,), name="draft.inp.tokens").mark_input()
+        pos = g.inputs["pos"] = ctx.new_tensor(ggml.Type.I32, (B,), name="draft.inp.pos").mark_input()
+        block_rows = ctx.new_tensor(ggml.Type.I64, (B,), name="draft.inp.block_rows").mark_input()
+        g.inputs["block_rows"] = block_rows
+        for kind in sorted(set(zip(hp.causal, hp.window))):
+            g.masks[kind] = ctx.new_tensor(ggml.Type.F16, (n_attn, B),
+                                           name=f"draft.inp.mask_c{int(kind[0])}_w{kind[1]}").mark_input()
+
+        h = ctx.get_rows(self.token_embd, tokens).named("draft.inp.embd")           # [E, B]
+        if hp.embedding_scale != 1.0:
+            h = ctx.scale(h, hp.embedding_scale)
+        row = hd * hp.n_head_kv
+        for il in range(hp.n_layer):
+            p = f"layers.{il}."
+            x = self._norm(ctx, h, w[p + "input_layernorm.weight"], f"draft.l{il}.attn_norm")
+            q = ctx.reshape_3d(ctx.mul_mat(w[p + "self_attn.q_proj.weight"], x), hd, hp.n_head, B)
+            q = self._rope(ctx, self._norm(ctx, q, w[p + "self_attn.q_norm.weight"], f"draft.l{il}.q_norm"), pos)
+            k = ctx.reshape_3d(ctx.mul_mat(w[p + "self_attn.k_proj.weight"], x), hd, hp.n_head_kv, B)
+            k = self._rope(ctx, self._norm(ctx, k, w[p + "self_attn.k_norm.weight"], f"draft.l{il}.k_norm"), pos)
+            v = ctx.mul_mat(w[p + "self_attn.v_proj.weight"], x)                   # [hd n_kv, B]
+            # the block's K/V go to the scratch rows 0..B-1; read the first n_attn rows through the writes
+            k_all = ctx.set_rows(cache.k[il], ctx.reshape_2d(k, row, B), block_rows)
+            v_all = ctx.set_rows(cache.v[il], v, block_rows)
+            kt = ctx.view_3d(k_all, hd, hp.n_head_kv, n_attn, hd * 2, cache.k[il].nb[1], 0)
+            vt = ctx.view_3d(v_all, hd, hp.n_head_kv, n_attn, hd * 2, cache.v[il].nb[1], 0)
+            mask = g.masks[(hp.causal[il], hp.window[il])]
+            att = ctx.flash_attn_ext(ctx.permute(q, 0, 2, 1, 3), ctx.permute(kt, 0, 2, 1, 3),
+                                     ctx.permute(vt, 0, 2, 1, 3), mask, 1.0 / math.sqrt(hd), 0.0, 0.0)
+            att.accumulate_f32()
+            att = ctx.reshape_2d(att, hd * hp.n_head, B).named(f"draft.l{il}.attn")
+            h = ctx.add(ctx.mul_mat(w[p + "self_attn.o_proj.weight"], att), h).named(f"draft.l{il}.attn_res")
+            x = self._norm(ctx, h, w[p + "post_attention_layernorm.weight"], f"draft.l{il}.ffn_norm")
+            gate = ctx.mul_mat(w[p + "mlp.gate_proj.weight"], x)
+            up = ctx.mul_mat(w[p + "mlp.up_proj.weight"], x)
+            ffn = ctx.mul_mat(w[p + "mlp.down_proj.weight"], ctx.swiglu_split(gate, up))
+            h = ctx.add(ffn, h).named(f"draft.l{il}.out")
+
+        tail = ctx.view_2d(h, E, B - 1, h.nb[1], h.nb[1])                           # block positions 1..B-1
+        hn = self._norm(ctx, tail, w["norm.weight"], "draft.out.norm")
+        logits = ctx.mul_mat(self.lm_head, hn)                                      # [V, B-1]
+        if hp.logit_scale != 1.0:
+            logits = ctx.scale(logits, hp.logit_scale)
+        if hp.logit_softcap > 0:
+            logits = ctx.scale(ctx.tanh(ctx.scale(logits, 1.0 / hp.logit_softcap)), hp.logit_softcap)
+        logits = logits.named("draft.out.logits")
+        V = logits.ne[0]
+        # top-K on the device: ids by logit, log-probs = log(softmax) gathered at those ids
+        top = ctx.top_k(logits, self.top_k).named("draft.out.top_ids")              # i32 [K, B-1]
+        probs = ctx.reshape_3d(ctx.soft_max(logits), 1, V, B - 1)
+        logp = ctx.log(ctx.get_rows(probs, top)).named("draft.out.top_logp")        # [1, K, B-1]
+        g.outputs.update(logits=logits, top_ids=top, top_logp=logp)
+        g.graph = ctx.graph([logits, top, logp])
+        for node in g.graph.nodes():
+            if not self.backend.supports(node):
+                raise ggml.GGMLError(f"{self.backend.name} cannot run {node.op.name} ({node.name or '?'})")
+        return g
