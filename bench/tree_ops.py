@@ -49,8 +49,8 @@ def time_op(backend: ggml.Backend, build, inputs: dict, persistent, copies: int,
     return 1e3 * statistics.median(times) / copies
 
 
-def bench(device: str, n_nodes: int, warmup: int, reps: int, copies: int,
-          n_threads: int | None) -> tuple[str, list[tuple]]:
+def bench(device: str, n_nodes: int, warmup: int, reps: int, copies: int, n_threads: int | None,
+          only: list[str]) -> tuple[str, list[tuple]]:
     rng = np.random.default_rng(0)
     backend = ggml.Backend(device, n_threads=n_threads) if device == "cpu" else ggml.Backend(device)
     S_v, H, H_k, d_inner, d_conv = 128, 48, 16, 10240, 4
@@ -83,6 +83,8 @@ def bench(device: str, n_nodes: int, warmup: int, reps: int, copies: int,
     ]
     rows = []
     for name, inputs, build, *persistent in cases:
+        if only and not any(o in name for o in only):
+            continue
         p = persistent[0] if persistent else None
         one = time_op(backend, build, inputs, p, 1, warmup, reps)
         many = time_op(backend, build, inputs, p, copies, warmup, max(3, reps // copies))
@@ -106,12 +108,14 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=200)
     ap.add_argument("--copies", type=int, default=20, help="op instances per graph for the amortised column")
     ap.add_argument("--threads", type=int, default=None, help="CPU threads (default: all)")
+    ap.add_argument("--only", nargs="*", default=[], help="time only the rows whose name contains one of these")
     ap.add_argument("--drift", action="store_true", help="also measure f16 intermediates against f32")
     ap.add_argument("--no-timing", action="store_true", help="skip the timings")
     args = ap.parse_args()
 
     if not args.no_timing:
-        name, rows = bench(args.device, args.nodes, args.warmup, args.reps, args.copies, args.threads)
+        name, rows = bench(args.device, args.nodes, args.warmup, args.reps, args.copies, args.threads,
+                           args.only)
         print(f"\nTree ops at the 27B GDN layer shape (H_v 48, S_v 128, H_k 16, d_inner 10240, kernel 4), "
               f"{args.nodes} nodes / tokens, on {name}: median ms\n")
         print(f"| op | one op per compute | per op, {args.copies} per compute |")

@@ -112,6 +112,29 @@ def test_27b_layer_shape(backend, rng, kind):
     assert rel_err(states, states_ref) < TOL
 
 
+@pytest.mark.parametrize("offset", [4, 8])
+def test_unaligned_state(backend, rng, offset):
+    """A committed state viewed at an offset that is not a multiple of 16 bytes (CUDA then moves 4 bytes at a
+    time instead of 16)."""
+    n_t, H, S_v = 9, 4, 64
+    inputs = with_parents(gdn_inputs(rng, S_v, H, n_t, 1), make_tree("bushy", n_t, rng))
+    state = inputs.pop("state")
+    pad = offset // 4
+    inputs["state_buf"] = np.concatenate([np.full(pad, np.nan, np.float32), state.ravel()])
+
+    def build(ctx, t):
+        st = ctx.view_4d(t["state_buf"], S_v, S_v, H, 1, 4 * S_v, 4 * S_v * S_v, 4 * S_v * S_v * H, offset)
+        out = ggml.gated_delta_net_tree(ctx, *(t[n] for n in NAMES[:5]), st, t["parent"])
+        skip_unless_supported(backend, out)
+        return out
+
+    o, states = split_tree_output(run_graph(backend, build, inputs), 1, n_t, H, S_v)
+    o_ref, states_ref = gated_delta_net_tree_ref(**{n: inputs[n] for n in NAMES[:5]}, state=state,
+                                                 parent=inputs["parent"])
+    assert rel_err(o, o_ref) < TOL
+    assert rel_err(states, states_ref) < TOL
+
+
 def test_supports(backend):
     """CUDA takes head sizes 64 and 128 and refuses others through supports_op; the CPU takes any."""
     ctx = ggml.Context(n_tensors=64)
@@ -171,6 +194,32 @@ def test_persist_f32_equals_tree(backend, rng, S_v, kda):
     np.testing.assert_array_equal(o, o_tree)
     np.testing.assert_array_equal(inter_states(inter, n_t), states_tree)
     assert np.isnan(inter_array(inter)[:, n_t:]).all()
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16], ids=["f32", "f16"])
+def test_persist_into_view_of_cache(backend, rng, dtype):
+    """inter may be a view of a larger persistent tensor (here: one layer of a three-layer cache); the other
+    layers are left alone."""
+    n_t, H, S_v, n_layers = 7, 4, 64, 3
+    inputs = with_parents(gdn_inputs(rng, S_v, H, n_t, 1), make_tree("ddtree", n_t, rng))
+    cache, _buf = new_inter(backend, dtype, S_v, H, n_t, n_layers)  # [S_v*S_v, H, n_t, layer]
+
+    def build(ctx, t):
+        inter = ctx.view_4d(cache, S_v * S_v, H, n_t, 1, cache.nb[1], cache.nb[2], cache.nb[3], cache.nb[3])
+        out = ggml.gated_delta_net_tree_persist(ctx, *(t[n] for n in NAMES), inter)
+        skip_unless_supported(backend, out)
+        return out
+
+    o = run_graph(backend, build, inputs).reshape(inputs["v"].shape)
+    o_tree, states_tree = run_tree(backend, inputs)
+    layers = inter_array(cache)
+    if dtype == np.float32:
+        np.testing.assert_array_equal(o, o_tree)
+        np.testing.assert_array_equal(layers[1].reshape(states_tree.shape), states_tree)
+    else:
+        assert rel_err(o, o_tree) < 1e-3
+        assert rel_err(layers[1].reshape(states_tree.shape), states_tree) < 1e-3
+    assert np.isnan(layers[[0, 2]]).all()
 
 
 def test_persist_f16_reads_rounded_parents(backend, rng):

@@ -78,7 +78,8 @@ def _check_gdn_tree(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, st
     S_v, H, n_t, n_s = v.ne
     _expect(v, "v", Type.F32, (S_v, H, n_t, n_s))
     for t, what in ((q, "q"), (k, "k")):
-        _expect(t, what, Type.F32, t.ne)
+        if t.type != Type.F32:
+            raise TypeError(f"{what} must be F32, got {t.type.name}")
         if t.ne[0] != S_v or t.ne[2] != n_t or H % t.ne[1] or n_s % t.ne[3]:
             raise ValueError(f"{what} must be [S_v={S_v}, H_k, n_t={n_t}, n_s_qk] with H_k dividing H_v={H} and "
                              f"n_s_qk dividing n_s={n_s}, got ne {t.ne}")
@@ -109,15 +110,19 @@ def gated_delta_net_tree(ctx: Context, q: Tensor, k: Tensor, v: Tensor, g: Tenso
 def gated_delta_net_tree_persist(ctx: Context, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
                                  state: Tensor, parent: Tensor, inter: Tensor) -> Tensor:
     """`gated_delta_net_tree` whose node states are written to (and parent states read from) `inter`, an
-    f32 or f16 tensor [S_v*S_v, H_v, n_t_max >= n_t, n_s] that must already live in a buffer of its own (a cache
-    buffer of the computing backend, see `Backend.alloc_tensors`), never in graph scratch. Returns o only,
+    f32 or f16 tensor [S_v*S_v, H_v, n_t_max >= n_t, n_s] (or a contiguous view of one) that must already live in
+    a buffer of its own (a cache buffer of the computing backend, see `Backend.alloc_tensors`), never in graph
+    scratch. Returns o only,
     f32 [S_v, H_v, n_t, n_s]. Read `inter` back in a later graph."""
     S_v, H, n_t, n_s = _check_gdn_tree(q, k, v, g, beta, state, parent)
     _expect(inter, "inter", (Type.F32, Type.F16), (S_v * S_v, H, inter.ne[2], n_s))
     if inter.ne[2] < n_t:
         raise ValueError(f"inter holds {inter.ne[2]} node states per sequence, the tree has n_t={n_t}")
     _expect_contiguous(inter, "inter")
-    if inter._ptr.buffer == ffi.NULL:
+    root = inter._ptr
+    while root.view_src != ffi.NULL:
+        root = root.view_src
+    if root.buffer == ffi.NULL:
         raise ValueError("inter must be allocated in a persistent buffer (Backend.alloc_tensors) before the graph "
                          "is built: the graph allocator would put it in scratch memory and the states would be lost")
     return Tensor(lib.ggml_gated_delta_net_tree_persist(ctx._ptr, q._ptr, k._ptr, v._ptr, g._ptr, beta._ptr,
