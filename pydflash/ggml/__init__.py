@@ -9,5 +9,5 @@ from .ext import (check_parents, gated_delta_net_tree, gated_delta_net_tree_pers
                   ssm_conv_tree)
 
 __all__ = ["Allocator", "Backend", "Buffer", "Context", "GGMLError", "Graph", "Op", "Tensor", "Type", "devices",
-           "quantize", "row_size", "type_of", "check_parents", "gated_delta_net_tree", "gated_delta_net_tree_persist",
-           "set_parents", "ssm_conv_tree"]
+           "quantize", "row_size", "type_of",
+           "check_parents", "gated_delta_net_tree", "gated_delta_net_tree_persist", "set_parents", "ssm_conv_tree"]
