@@ -60,6 +60,22 @@ static void ggml_ext_check_gdn_tree(
     GGML_ASSERT(parent->ne[0] == n_t && parent->ne[1] == n_s && parent->ne[2] == 1 && parent->ne[3] == 1);
 }
 
+// Makes `result` the node of a gated delta net tree op over its sources (src[0..6]).
+static struct ggml_tensor * ggml_ext_gdn_tree_op(
+        struct ggml_tensor * result, enum ggml_op op, struct ggml_tensor * q, struct ggml_tensor * k,
+        struct ggml_tensor * v, struct ggml_tensor * g, struct ggml_tensor * beta, struct ggml_tensor * state,
+        struct ggml_tensor * parent) {
+    result->op     = op;
+    result->src[0] = q;
+    result->src[1] = k;
+    result->src[2] = v;
+    result->src[3] = g;
+    result->src[4] = beta;
+    result->src[5] = state;
+    result->src[6] = parent;
+    return result;
+}
+
 struct ggml_tensor * ggml_gated_delta_net_tree(
         struct ggml_context * ctx,
         struct ggml_tensor  * q,
@@ -78,15 +94,7 @@ struct ggml_tensor * ggml_gated_delta_net_tree(
 
     // o [S_v*H, n_t*n_s] followed by the node states [S_v*S_v, H, n_t, n_s] = S_v*n_t*n_s rows of S_v*H
     struct ggml_tensor * result = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, S_v * H, n_t * n_s * (1 + S_v));
-    result->op     = GGML_OP_GATED_DELTA_NET_TREE;
-    result->src[0] = q;
-    result->src[1] = k;
-    result->src[2] = v;
-    result->src[3] = g;
-    result->src[4] = beta;
-    result->src[5] = state;
-    result->src[6] = parent;
-    return result;
+    return ggml_ext_gdn_tree_op(result, GGML_OP_GATED_DELTA_NET_TREE, q, k, v, g, beta, state, parent);
 }
 
 struct ggml_tensor * ggml_gated_delta_net_tree_persist(
@@ -111,14 +119,7 @@ struct ggml_tensor * ggml_gated_delta_net_tree_persist(
     GGML_ASSERT(inter->ne[0] == S_v * S_v && inter->ne[1] == H && inter->ne[2] >= n_t && inter->ne[3] == n_s);
 
     struct ggml_tensor * result = ggml_new_tensor_4d(ctx, GGML_TYPE_F32, S_v, H, n_t, n_s);
-    result->op     = GGML_OP_GATED_DELTA_NET_TREE_PERSIST;
-    result->src[0] = q;
-    result->src[1] = k;
-    result->src[2] = v;
-    result->src[3] = g;
-    result->src[4] = beta;
-    result->src[5] = state;
-    result->src[6] = parent;
+    ggml_ext_gdn_tree_op(result, GGML_OP_GATED_DELTA_NET_TREE_PERSIST, q, k, v, g, beta, state, parent);
     result->src[7] = inter;
     return result;
 }
