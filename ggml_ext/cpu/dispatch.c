@@ -7,6 +7,8 @@
 void ggml_ext_cpu_compute_forward(const struct ggml_compute_params * params, struct ggml_tensor * dst) {
     switch (dst->op) {
         case GGML_OP_SSM_CONV_TREE: ggml_ext_cpu_ssm_conv_tree(params, dst); break;
+        case GGML_OP_GATED_DELTA_NET_TREE: ggml_ext_cpu_gated_delta_net_tree(params, dst); break;
+        case GGML_OP_GATED_DELTA_NET_TREE_PERSIST: ggml_ext_cpu_gated_delta_net_tree_persist(params, dst); break;
         default: GGML_ABORT("ggml_ext: no CPU kernel for %s", ggml_op_name(dst->op));
     }
 }
@@ -17,7 +19,11 @@ int ggml_ext_cpu_n_tasks(const struct ggml_tensor * node, int n_threads) {
 }
 
 size_t ggml_ext_cpu_work_size(const struct ggml_tensor * node, int n_tasks) {
-    GGML_UNUSED(node);
-    GGML_UNUSED(n_tasks);
-    return 0;
+    switch (node->op) {
+        case GGML_OP_GATED_DELTA_NET_TREE:
+        case GGML_OP_GATED_DELTA_NET_TREE_PERSIST:
+            return ggml_ext_cpu_gated_delta_net_tree_work_size(node, n_tasks);
+        default:
+            return 0;
+    }
 }

@@ -6,6 +6,8 @@
 void ggml_ext_cuda_compute_forward(ggml_backend_cuda_context & ctx, ggml_tensor * dst) {
     switch (dst->op) {
         case GGML_OP_SSM_CONV_TREE: ggml_ext_cuda_ssm_conv_tree(ctx, dst); break;
+        case GGML_OP_GATED_DELTA_NET_TREE: ggml_ext_cuda_gated_delta_net_tree(ctx, dst); break;
+        case GGML_OP_GATED_DELTA_NET_TREE_PERSIST: ggml_ext_cuda_gated_delta_net_tree_persist(ctx, dst); break;
         default: GGML_ABORT("ggml_ext: no CUDA kernel for %s", ggml_op_name(dst->op));
     }
 }
@@ -14,7 +16,10 @@ bool ggml_ext_cuda_supports_op(int device, const ggml_tensor * op) {
     GGML_UNUSED(device);
     switch (op->op) {
         case GGML_OP_SSM_CONV_TREE:
-            return op->src[1]->ne[0] == 4 && op->src[0]->nb[0] == sizeof(float);
+            return op->src[1]->ne[0] == 4 && op->src[0]->nb[0] == sizeof(float) && op->src[1]->nb[0] == sizeof(float);
+        case GGML_OP_GATED_DELTA_NET_TREE:
+        case GGML_OP_GATED_DELTA_NET_TREE_PERSIST:
+            return ggml_ext_cuda_gated_delta_net_tree_supported(op);
         default:
             return false;
     }

@@ -27,3 +27,7 @@ void ggml_ext_cuda_tq3_0_to_fp16_nc(const void * x, half * y, int64_t ne00, int6
 // decode flash attention over TQ3_0 K and V (tq3_0_fattn.cu); fattn.cu uses it where it applies
 bool ggml_ext_cuda_fattn_tq3_0_applies(const ggml_tensor * dst);
 void ggml_ext_cuda_fattn_tq3_0(ggml_backend_cuda_context & ctx, ggml_tensor * dst);
+
+void ggml_ext_cuda_gated_delta_net_tree(ggml_backend_cuda_context & ctx, ggml_tensor * dst);
+void ggml_ext_cuda_gated_delta_net_tree_persist(ggml_backend_cuda_context & ctx, ggml_tensor * dst);
+bool ggml_ext_cuda_gated_delta_net_tree_supported(const ggml_tensor * op);

@@ -1,30 +1,50 @@
-// ggml_ssm_conv_tree on CUDA: one thread per (channel, token, sequence); d_conv is a template parameter.
+// ggml_ssm_conv_tree on CUDA. A block takes 128 channels of one sequence over SSM_CONV_TREE_TOKENS tokens: its
+// first threads walk the tree once for each token (the window's sx columns, into shared memory), then each
+// thread convolves its channel for every token, the kernel row in registers; the output stores are coalesced
+// over channels. d_conv is a template parameter.
 
 #include "ggml-ext-cuda.cuh"
 #include "../src/tree-walk.h"
 
+#define SSM_CONV_TREE_THREADS 128
+#define SSM_CONV_TREE_TOKENS  8
+
 template <int D_CONV>
-static __global__ void ssm_conv_tree_kernel(
-        const char * sx, const float * c, const int * parent, float * dst,
-        int d_inner, int n_t, size_t sx_nb1, size_t sx_nb2, size_t c_nb1, size_t par_nb1,
-        size_t dst_nb1, size_t dst_nb2) {
-    const int r = blockIdx.x * blockDim.x + threadIdx.x;
-    const int t = blockIdx.y;
-    const int s = blockIdx.z;
+static __global__ void __launch_bounds__(SSM_CONV_TREE_THREADS)
+ssm_conv_tree_kernel(const char * sx, const float * c, const int * parent, float * dst,
+                     int d_inner, int n_t, size_t sx_nb1, size_t sx_nb2, size_t c_nb1, size_t par_nb1,
+                     size_t dst_nb1, size_t dst_nb2) {
+    __shared__ int cols[SSM_CONV_TREE_TOKENS][D_CONV];
+
+    const int r  = blockIdx.x * SSM_CONV_TREE_THREADS + threadIdx.x;
+    const int t0 = blockIdx.y * SSM_CONV_TREE_TOKENS;
+    const int s  = blockIdx.z;
+    const int tc = min(SSM_CONV_TREE_TOKENS, n_t - t0);
+
+    ggml_cuda_pdl_sync();
+    if (threadIdx.x < tc) {
+        ggml_ext_conv_tree_window((const int *) ((const char *) parent + s * par_nb1), t0 + threadIdx.x, D_CONV,
+                                  cols[threadIdx.x]);
+    }
+    __syncthreads();
     if (r >= d_inner) {
         return;
     }
-    int cols[D_CONV];
-    ggml_ext_conv_tree_window((const int *) ((const char *) parent + s * par_nb1), t, D_CONV, cols);
 
-    const float * x = (const float *) (sx + r * sx_nb1 + s * sx_nb2);
-    const float * w = (const float *) ((const char *) c + r * c_nb1);
-    float sum = 0.0f;
+    float w[D_CONV];
 #pragma unroll
     for (int j = 0; j < D_CONV; ++j) {
-        sum += x[cols[j]] * w[j];
+        w[j] = ((const float *) ((const char *) c + r * c_nb1))[j];
     }
-    *(float *) ((char *) dst + r * sizeof(float) + t * dst_nb1 + s * dst_nb2) = sum;
+    const float * x = (const float *) (sx + r * sx_nb1 + s * sx_nb2);
+    for (int tt = 0; tt < tc; ++tt) {
+        float sum = 0.0f;
+#pragma unroll
+        for (int j = 0; j < D_CONV; ++j) {
+            sum += x[cols[tt][j]] * w[j];
+        }
+        *(float *) ((char *) dst + r * sizeof(float) + (t0 + tt) * dst_nb1 + s * dst_nb2) = sum;
+    }
 }
 
 void ggml_ext_cuda_ssm_conv_tree(ggml_backend_cuda_context & ctx, ggml_tensor * dst) {
@@ -36,9 +56,9 @@ void ggml_ext_cuda_ssm_conv_tree(ggml_backend_cuda_context & ctx, ggml_tensor * 
     const int d_inner = (int) c->ne[1];
     const int n_t     = (int) dst->ne[1];
     const int n_s     = (int) dst->ne[2];
-    const int threads = 128;
-    const dim3 grid((d_inner + threads - 1) / threads, n_t, n_s);
-    ssm_conv_tree_kernel<4><<<grid, threads, 0, ctx.stream()>>>(
+    const dim3 grid((d_inner + SSM_CONV_TREE_THREADS - 1) / SSM_CONV_TREE_THREADS,
+                    (n_t + SSM_CONV_TREE_TOKENS - 1) / SSM_CONV_TREE_TOKENS, n_s);
+    ggml_cuda_kernel_launch(ssm_conv_tree_kernel<4>, ggml_cuda_kernel_launch_params(grid, SSM_CONV_TREE_THREADS, 0, ctx.stream()),
         (const char *) sx->data, (const float *) c->data, (const int *) parent->data, (float *) dst->data,
         d_inner, n_t, sx->nb[1], sx->nb[2], c->nb[1], parent->nb[1], dst->nb[1], dst->nb[2]);
 }

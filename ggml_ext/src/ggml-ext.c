@@ -31,3 +31,95 @@ struct ggml_tensor * ggml_ssm_conv_tree(
     result->src[2] = parent;
     return result;
 }
+
+// Checks shared by both gated delta net tree ops (the Python wrappers raise on the same conditions first).
+static void ggml_ext_check_gdn_tree(
+        const struct ggml_tensor * q, const struct ggml_tensor * k, const struct ggml_tensor * v,
+        const struct ggml_tensor * g, const struct ggml_tensor * beta, const struct ggml_tensor * state,
+        const struct ggml_tensor * parent) {
+    GGML_ASSERT(q->type == GGML_TYPE_F32 && k->type == GGML_TYPE_F32 && v->type == GGML_TYPE_F32);
+    GGML_ASSERT(g->type == GGML_TYPE_F32 && beta->type == GGML_TYPE_F32 && state->type == GGML_TYPE_F32);
+    GGML_ASSERT(parent->type == GGML_TYPE_I32);
+    GGML_ASSERT(ggml_is_contiguous_rows(q) && ggml_is_contiguous_rows(k) && ggml_is_contiguous_rows(v));
+    GGML_ASSERT(ggml_is_contiguous(g) && ggml_is_contiguous(beta) && ggml_is_contiguous(state));
+    GGML_ASSERT(ggml_is_contiguous(parent));
+
+    const int64_t S_v = v->ne[0];
+    const int64_t H   = v->ne[1];
+    const int64_t n_t = v->ne[2];
+    const int64_t n_s = v->ne[3];
+
+    GGML_ASSERT(q->ne[0] == S_v && k->ne[0] == S_v);
+    GGML_ASSERT(H % q->ne[1] == 0 && H % k->ne[1] == 0);
+    GGML_ASSERT(q->ne[2] == n_t && k->ne[2] == n_t);
+    GGML_ASSERT(n_s % q->ne[3] == 0 && n_s % k->ne[3] == 0);
+    GGML_ASSERT(g->ne[0] == 1 || g->ne[0] == S_v);
+    GGML_ASSERT(g->ne[1] == H && g->ne[2] == n_t && g->ne[3] == n_s);
+    GGML_ASSERT(beta->ne[0] == 1 && beta->ne[1] == H && beta->ne[2] == n_t && beta->ne[3] == n_s);
+    GGML_ASSERT(state->ne[0] == S_v && state->ne[1] == S_v && state->ne[2] == H && state->ne[3] == n_s);
+    GGML_ASSERT(parent->ne[0] == n_t && parent->ne[1] == n_s && parent->ne[2] == 1 && parent->ne[3] == 1);
+}
+
+// Makes `result` the node of a gated delta net tree op over its sources (src[0..6]).
+static struct ggml_tensor * ggml_ext_gdn_tree_op(
+        struct ggml_tensor * result, enum ggml_op op, struct ggml_tensor * q, struct ggml_tensor * k,
+        struct ggml_tensor * v, struct ggml_tensor * g, struct ggml_tensor * beta, struct ggml_tensor * state,
+        struct ggml_tensor * parent) {
+    result->op     = op;
+    result->src[0] = q;
+    result->src[1] = k;
+    result->src[2] = v;
+    result->src[3] = g;
+    result->src[4] = beta;
+    result->src[5] = state;
+    result->src[6] = parent;
+    return result;
+}
+
+struct ggml_tensor * ggml_gated_delta_net_tree(
+        struct ggml_context * ctx,
+        struct ggml_tensor  * q,
+        struct ggml_tensor  * k,
+        struct ggml_tensor  * v,
+        struct ggml_tensor  * g,
+        struct ggml_tensor  * beta,
+        struct ggml_tensor  * state,
+        struct ggml_tensor  * parent) {
+    ggml_ext_check_gdn_tree(q, k, v, g, beta, state, parent);
+
+    const int64_t S_v = v->ne[0];
+    const int64_t H   = v->ne[1];
+    const int64_t n_t = v->ne[2];
+    const int64_t n_s = v->ne[3];
+
+    // o [S_v*H, n_t*n_s] followed by the node states [S_v*S_v, H, n_t, n_s] = S_v*n_t*n_s rows of S_v*H
+    struct ggml_tensor * result = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, S_v * H, n_t * n_s * (1 + S_v));
+    return ggml_ext_gdn_tree_op(result, GGML_OP_GATED_DELTA_NET_TREE, q, k, v, g, beta, state, parent);
+}
+
+struct ggml_tensor * ggml_gated_delta_net_tree_persist(
+        struct ggml_context * ctx,
+        struct ggml_tensor  * q,
+        struct ggml_tensor  * k,
+        struct ggml_tensor  * v,
+        struct ggml_tensor  * g,
+        struct ggml_tensor  * beta,
+        struct ggml_tensor  * state,
+        struct ggml_tensor  * parent,
+        struct ggml_tensor  * inter) {
+    ggml_ext_check_gdn_tree(q, k, v, g, beta, state, parent);
+
+    const int64_t S_v = v->ne[0];
+    const int64_t H   = v->ne[1];
+    const int64_t n_t = v->ne[2];
+    const int64_t n_s = v->ne[3];
+
+    GGML_ASSERT(inter->type == GGML_TYPE_F32 || inter->type == GGML_TYPE_F16);
+    GGML_ASSERT(ggml_is_contiguous(inter));
+    GGML_ASSERT(inter->ne[0] == S_v * S_v && inter->ne[1] == H && inter->ne[2] >= n_t && inter->ne[3] == n_s);
+
+    struct ggml_tensor * result = ggml_new_tensor_4d(ctx, GGML_TYPE_F32, S_v, H, n_t, n_s);
+    ggml_ext_gdn_tree_op(result, GGML_OP_GATED_DELTA_NET_TREE_PERSIST, q, k, v, g, beta, state, parent);
+    result->src[7] = inter;
+    return result;
+}

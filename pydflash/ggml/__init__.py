@@ -5,7 +5,9 @@ Tiers: `_ffi` is the generated 1:1 layer (private), `core` the thin owning layer
 """
 from .core import (Allocator, Backend, Buffer, Context, GGMLError, Graph, Op, Tensor, Type, devices, quantize,
                    row_size, type_of)
-from .ext import ssm_conv_tree
+from .ext import (check_parents, gated_delta_net_tree, gated_delta_net_tree_persist, set_parents,
+                  ssm_conv_tree)
 
 __all__ = ["Allocator", "Backend", "Buffer", "Context", "GGMLError", "Graph", "Op", "Tensor", "Type", "devices",
-           "quantize", "row_size", "type_of", "ssm_conv_tree"]
+           "quantize", "row_size", "type_of",
+           "check_parents", "gated_delta_net_tree", "gated_delta_net_tree_persist", "set_parents", "ssm_conv_tree"]

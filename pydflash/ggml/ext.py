@@ -24,11 +24,34 @@ def check_parents(parent: np.ndarray) -> np.ndarray:
     return parent.astype(np.int32)
 
 
-def _expect(t: Tensor, what: str, type_: Type, ne: tuple[int, ...]) -> None:
-    if t.type != type_:
-        raise TypeError(f"{what} must be {type_.name}, got {t.type.name}")
+def set_parents(parent: Tensor, values) -> None:
+    """Check a parent array with `check_parents` and copy it into the i32 tensor `parent` [n_t, n_s]
+    (numpy [n_s, n_t], or [n_t] when n_s is 1). The only way tree ops should receive parent values."""
+    arr = check_parents(values)
+    n_t, n_s = parent.ne[0], parent.ne[1]
+    if parent.type != Type.I32 or parent.ne[2:] != (1, 1):
+        raise TypeError(f"parent must be an I32 tensor [n_t, n_s], got {parent.type.name} {parent.shape}")
+    if arr.shape != (n_s, n_t):
+        raise ValueError(f"parent tensor holds [n_s={n_s}, n_t={n_t}] values, got an array of shape {arr.shape}")
+    parent.set(arr)
+
+
+def _expect(t: Tensor, what: str, type_: Type | tuple[Type, ...], ne: tuple[int, ...]) -> None:
+    types = type_ if isinstance(type_, tuple) else (type_,)
+    if t.type not in types:
+        raise TypeError(f"{what} must be {' or '.join(x.name for x in types)}, got {t.type.name}")
     if t.ne[: len(ne)] != ne or any(n != 1 for n in t.ne[len(ne):]):
         raise ValueError(f"{what} must have ne {ne}, got {t.shape}")
+
+
+def _expect_rows(t: Tensor, what: str) -> None:
+    if t.ne[0] > 1 and t.nb[0] != lib.ggml_type_size(t.type):
+        raise ValueError(f"{what} must have contiguous rows (nb[0] = element size), got nb {t.nb}")
+
+
+def _expect_contiguous(t: Tensor, what: str) -> None:
+    if not lib.ggml_is_contiguous(t._ptr):
+        raise ValueError(f"{what} must be contiguous, got ne {t.ne} nb {t.nb}")
 
 
 def ssm_conv_tree(ctx: Context, sx: Tensor, c: Tensor, parent: Tensor) -> Tensor:
@@ -40,7 +63,10 @@ def ssm_conv_tree(ctx: Context, sx: Tensor, c: Tensor, parent: Tensor) -> Tensor
     if n_t < 1:
         raise ValueError(f"sx needs d_conv-1={d_conv - 1} state columns plus at least one token, has {sx.ne[0]}")
     _expect(sx, "sx", Type.F32, (sx.ne[0], d_inner, sx.ne[2]))
+    _expect_rows(sx, "sx")
+    _expect_rows(c, "c (conv kernel)")
     _expect(parent, "parent", Type.I32, (n_t, sx.ne[2]))
+    _expect_contiguous(parent, "parent")
     if d_conv > 16:
         raise ValueError(f"conv kernel size {d_conv} > 16 is not supported")
     return Tensor(lib.ggml_ssm_conv_tree(ctx._ptr, sx._ptr, c._ptr, parent._ptr), ctx)
@@ -55,3 +81,59 @@ def tq3_0_rotate(x: np.ndarray, inverse: bool = False) -> np.ndarray:
     y = np.empty_like(x)
     lib.ggml_ext_tq3_0_rotate(ffi.from_buffer("float[]", x), ffi.from_buffer("float[]", y), x.size, inverse)
     return y
+
+def _check_gdn_tree(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor,
+                    parent: Tensor) -> tuple[int, int, int, int]:
+    """The checks of ggml_gated_delta_net_tree(_persist); returns (S_v, H_v, n_t, n_s)."""
+    S_v, H, n_t, n_s = v.ne
+    _expect(v, "v", Type.F32, (S_v, H, n_t, n_s))
+    for t, what in ((q, "q"), (k, "k")):
+        if t.type != Type.F32:
+            raise TypeError(f"{what} must be F32, got {t.type.name}")
+        if t.ne[0] != S_v or t.ne[2] != n_t or H % t.ne[1] or n_s % t.ne[3]:
+            raise ValueError(f"{what} must be [S_v={S_v}, H_k, n_t={n_t}, n_s_qk] with H_k dividing H_v={H} and "
+                             f"n_s_qk dividing n_s={n_s}, got ne {t.ne}")
+        _expect_rows(t, what)
+    _expect_rows(v, "v")
+    if g.ne[0] not in (1, S_v):
+        raise ValueError(f"g must be [1 or S_v={S_v}, H_v, n_t, n_s], got ne {g.ne}")
+    _expect(g, "g", Type.F32, (g.ne[0], H, n_t, n_s))
+    _expect(beta, "beta", Type.F32, (1, H, n_t, n_s))
+    _expect(state, "state", Type.F32, (S_v, S_v, H, n_s))
+    _expect(parent, "parent", Type.I32, (n_t, n_s))
+    for t, what in ((g, "g"), (beta, "beta"), (state, "state"), (parent, "parent")):
+        _expect_contiguous(t, what)
+    return S_v, H, n_t, n_s
+
+
+def gated_delta_net_tree(ctx: Context, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor,
+                         parent: Tensor) -> Tensor:
+    """The gated delta rule over a token tree. Shapes as `ctx.gated_delta_net` (q, k [S_v, H_k, n_t, n_s_qk],
+    v [S_v, H_v, n_t, n_s], g [1 or S_v, H_v, n_t, n_s], beta [1, H_v, n_t, n_s], state [S_v, S_v, H_v, n_s])
+    plus parent i32 [n_t, n_s] (set it with `set_parents`). Returns f32 [S_v*H_v, n_t*n_s*(1+S_v)]: o
+    [S_v, H_v, n_t, n_s], then every node's state [S_v*S_v, H_v, n_t, n_s]."""
+    _check_gdn_tree(q, k, v, g, beta, state, parent)
+    return Tensor(lib.ggml_gated_delta_net_tree(ctx._ptr, q._ptr, k._ptr, v._ptr, g._ptr, beta._ptr, state._ptr,
+                                                parent._ptr), ctx)
+
+
+def gated_delta_net_tree_persist(ctx: Context, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
+                                 state: Tensor, parent: Tensor, inter: Tensor) -> Tensor:
+    """`gated_delta_net_tree` whose node states are written to (and parent states read from) `inter`, an
+    f32 or f16 tensor [S_v*S_v, H_v, n_t_max >= n_t, n_s] (or a contiguous view of one) that must already live in
+    a buffer of its own (a cache buffer of the computing backend, see `Backend.alloc_tensors`), never in graph
+    scratch. Returns o only,
+    f32 [S_v, H_v, n_t, n_s]. Read `inter` back in a later graph."""
+    S_v, H, n_t, n_s = _check_gdn_tree(q, k, v, g, beta, state, parent)
+    _expect(inter, "inter", (Type.F32, Type.F16), (S_v * S_v, H, inter.ne[2], n_s))
+    if inter.ne[2] < n_t:
+        raise ValueError(f"inter holds {inter.ne[2]} node states per sequence, the tree has n_t={n_t}")
+    _expect_contiguous(inter, "inter")
+    root = inter._ptr
+    while root.view_src != ffi.NULL:
+        root = root.view_src
+    if root.buffer == ffi.NULL:
+        raise ValueError("inter must be allocated in a persistent buffer (Backend.alloc_tensors) before the graph "
+                         "is built: the graph allocator would put it in scratch memory and the states would be lost")
+    return Tensor(lib.ggml_gated_delta_net_tree_persist(ctx._ptr, q._ptr, k._ptr, v._ptr, g._ptr, beta._ptr,
+                                                        state._ptr, parent._ptr, inter._ptr), ctx)

@@ -1,0 +1,150 @@
+// ggml_gated_delta_net_tree and ggml_gated_delta_net_tree_persist on the CPU. Threads split the (head, sequence)
+// pairs; each pair walks its tree in node order with the state in a per-thread f32 scratch matrix, using the
+// same vector primitives in the same order as upstream's ggml_gated_delta_net, so a chain gives its numbers.
+
+#include "ggml-ext-cpu.h"
+#include "ggml-cpu-impl.h"
+#include "ggml-impl.h"
+#include "ggml-cpu.h"
+#include "vec.h"
+#include "../src/tree-walk.h"
+
+#include <math.h>
+#include <string.h>
+
+// Per-thread scratch: the state (S_v*S_v) and one vector (S_v), rounded up to whole cache lines.
+#define GGML_EXT_LINE_F32 64
+
+static int64_t gdn_tree_scratch_f32(const struct ggml_tensor * node) {
+    const int64_t S_v = node->src[2]->ne[0];
+    const int64_t n   = S_v * S_v + S_v;
+    return (n + GGML_EXT_LINE_F32 - 1) / GGML_EXT_LINE_F32 * GGML_EXT_LINE_F32;
+}
+
+size_t ggml_ext_cpu_gated_delta_net_tree_work_size(const struct ggml_tensor * node, int n_tasks) {
+    return (size_t) (gdn_tree_scratch_f32(node) * n_tasks + GGML_EXT_LINE_F32) * sizeof(float);
+}
+
+// inter: NULL for ggml_gated_delta_net_tree (node states go to dst after o), else the persistent tensor.
+static void gdn_tree(const struct ggml_compute_params * params, struct ggml_tensor * dst,
+                     const struct ggml_tensor * inter) {
+    const struct ggml_tensor * q      = dst->src[0];
+    const struct ggml_tensor * k      = dst->src[1];
+    const struct ggml_tensor * v      = dst->src[2];
+    const struct ggml_tensor * g      = dst->src[3];
+    const struct ggml_tensor * beta   = dst->src[4];
+    const struct ggml_tensor * state  = dst->src[5];
+    const struct ggml_tensor * parent = dst->src[6];
+
+    const int64_t S_v = v->ne[0];
+    const int64_t H   = v->ne[1];
+    const int64_t n_t = v->ne[2];
+    const int64_t n_s = v->ne[3];
+    const int64_t D   = S_v * S_v;
+    const bool    kda = g->ne[0] == S_v;
+
+    // o: [S_v, H, n_t, n_s] at the start of dst in both ops
+    float * o_base = (float *) dst->data;
+
+    // node states, [S_v*S_v, H, n_t, n_s]: byte strides per head, node, sequence
+    char * node_base;
+    size_t node_nb1, node_nb2, node_nb3;
+    bool   f16 = false;
+    if (inter != NULL) {
+        node_base = (char *) inter->data;
+        node_nb1  = inter->nb[1];
+        node_nb2  = inter->nb[2];
+        node_nb3  = inter->nb[3];
+        f16       = inter->type == GGML_TYPE_F16;
+    } else {
+        node_base = (char *) dst->data + S_v * H * n_t * n_s * sizeof(float);
+        node_nb1  = D * sizeof(float);
+        node_nb2  = node_nb1 * H;
+        node_nb3  = node_nb2 * n_t;
+    }
+
+    const int64_t rq3 = n_s / q->ne[3];
+    const int64_t rk3 = n_s / k->ne[3];
+    const float scale = 1.0f / sqrtf((float) S_v);
+
+    float * S     = (float *) params->wdata + params->ith * gdn_tree_scratch_f32(dst);
+    float * delta = S + D;
+
+    const int64_t nr = H * n_s;
+    const int64_t dr = (nr + params->nth - 1) / params->nth;
+    const int64_t ir0 = dr * params->ith;
+    const int64_t ir1 = MIN(ir0 + dr, nr);
+
+    for (int64_t ir = ir0; ir < ir1; ++ir) {
+        const int64_t h = ir % H;
+        const int64_t s = ir / H;
+        const int64_t iq1 = h % q->ne[1], iq3 = s / rq3;
+        const int64_t ik1 = h % k->ne[1], ik3 = s / rk3;
+
+        const int * par = (const int *) ((const char *) parent->data + s * parent->nb[1]);
+        const float * s_committed = (const float *) ((const char *) state->data + s * state->nb[3] + h * state->nb[2]);
+        char * nodes = node_base + s * node_nb3 + h * node_nb1;
+
+        for (int64_t t = 0; t < n_t; ++t) {
+            const int p = ggml_ext_parent(par, (int) t);
+            // The scratch still holds node t-1's state as computed; an f16 child must start from the rounded one.
+            if (p < 0) {
+                memcpy(S, s_committed, D * sizeof(float));
+            } else if (p != t - 1 || f16) {
+                const void * src = nodes + p * node_nb2;
+                if (f16) {
+                    ggml_cpu_fp16_to_fp32((const ggml_fp16_t *) src, S, D);
+                } else {
+                    memcpy(S, src, D * sizeof(float));
+                }
+            }
+
+            const float * q_d = (const float *) ((const char *) q->data + iq3 * q->nb[3] + t * q->nb[2] + iq1 * q->nb[1]);
+            const float * k_d = (const float *) ((const char *) k->data + ik3 * k->nb[3] + t * k->nb[2] + ik1 * k->nb[1]);
+            const float * v_d = (const float *) ((const char *) v->data + s * v->nb[3] + t * v->nb[2] + h * v->nb[1]);
+            const float * g_d = (const float *) ((const char *) g->data + s * g->nb[3] + t * g->nb[2] + h * g->nb[1]);
+            const float beta_val = *(const float *) ((const char *) beta->data + s * beta->nb[3] + t * beta->nb[2] + h * beta->nb[1]);
+
+            // S is stored transposed: S[j*S_v + i] = S[key i][value j], row j contiguous.
+            if (kda) {
+                for (int64_t i = 0; i < S_v; ++i) {
+                    delta[i] = expf(g_d[i]);
+                }
+                for (int64_t j = 0; j < S_v; ++j) {
+                    ggml_vec_mul_f32((int) S_v, &S[j * S_v], &S[j * S_v], delta);
+                }
+            } else {
+                ggml_vec_scale_f32((int) D, S, expf(g_d[0]));
+            }
+            for (int64_t j = 0; j < S_v; ++j) {
+                float sum = 0.0f;
+                ggml_vec_dot_f32((int) S_v, &sum, 0, &S[j * S_v], 0, k_d, 0, 1);
+                delta[j] = (v_d[j] - sum) * beta_val;
+            }
+            for (int64_t j = 0; j < S_v; ++j) {
+                ggml_vec_mad_f32((int) S_v, &S[j * S_v], k_d, delta[j]);
+            }
+            float * o = o_base + ((s * n_t + t) * H + h) * S_v;
+            for (int64_t j = 0; j < S_v; ++j) {
+                float sum = 0.0f;
+                ggml_vec_dot_f32((int) S_v, &sum, 0, &S[j * S_v], 0, q_d, 0, 1);
+                o[j] = sum * scale;
+            }
+
+            void * out = nodes + t * node_nb2;
+            if (f16) {
+                ggml_cpu_fp32_to_fp16(S, (ggml_fp16_t *) out, D);
+            } else {
+                memcpy(out, S, D * sizeof(float));
+            }
+        }
+    }
+}
+
+void ggml_ext_cpu_gated_delta_net_tree(const struct ggml_compute_params * params, struct ggml_tensor * dst) {
+    gdn_tree(params, dst, NULL);
+}
+
+void ggml_ext_cpu_gated_delta_net_tree_persist(const struct ggml_compute_params * params, struct ggml_tensor * dst) {
+    gdn_tree(params, dst, dst->src[7]);
+}

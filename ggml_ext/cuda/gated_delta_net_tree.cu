@@ -1,0 +1,374 @@
+// ggml_gated_delta_net_tree and ggml_gated_delta_net_tree_persist on CUDA.
+//
+// The delta rule keeps the value columns of the state independent: column j of S (S[:, j], over the keys) only
+// needs k, q, v[j], beta and the decay. Each column is held in registers by LPC = S_v/RPL neighbouring lanes, RPL
+// (GDN_TREE_RPL) rows each, so one warp carries 32/LPC columns and a dot product over the keys is RPL FMAs per
+// lane plus log2(LPC) shuffles. A block of W (GDN_TREE_WARPS) warps takes CB columns of one head of one
+// sequence: grid (H_v, n_s, S_v/CB).
+// The block stages the inputs of GDN_TREE_CHUNK tokens at a time in shared memory (q, k, exp(g), beta, the
+// parents and its columns of v) with coalesced loads, then walks the tree in node order: a node whose parent is
+// the node just computed continues from the registers; any other node reloads its start column, from the
+// committed state (parent -1) or from its parent's stored state, which the same lane wrote earlier (so no
+// synchronisation is needed). After each node the column is stored to the node states (the output tail, or
+// `inter` in f32 or f16, with 16-byte stores; with f16 the registers keep the rounded values, so children start
+// from what is stored, as on the CPU). The node-state stores dominate the memory traffic: 23 nodes of the 27B
+// layer are 72 MB in f32, 36 MB in f16.
+
+#include "ggml-ext-cuda.cuh"
+#include "../src/tree-walk.h"
+
+#include <cuda_fp16.h>
+
+#define GDN_TREE_CHUNK 16  // tokens staged in shared memory at once
+// Rows per lane and warps per block. Measured on an H100 at the 27B shape (docs/benchmarks.md), 8, 16 and 32 rows
+// with 4 or 8 warps were within 5% of each other; 32 rows and 4 warps keeps the most columns per warp.
+#define GDN_TREE_RPL   32
+#define GDN_TREE_WARPS 4
+
+namespace {
+
+struct gdn_tree_args {
+    const float * q;
+    const float * k;
+    const float * v;
+    const float * g;       // contiguous [1 or S_v, H, n_t, n_s]
+    const float * beta;    // contiguous [1, H, n_t, n_s]
+    const float * state;   // contiguous [S_v, S_v, H, n_s]
+    const int   * parent;  // [n_t, n_s]
+    float       * o;       // [S_v, H, n_t, n_s]
+    void        * nodes;   // [S_v*S_v, H, n_t(_max), n_s] of float or half
+    int H, n_t, H_q, H_k, rq3, rk3;
+    int64_t sq1, sq2, sq3, sk1, sk2, sk3, sv1, sv2, sv3;  // in floats
+    int64_t node_s1, node_s2, node_s3;                     // in elements: per head, node, sequence
+    int64_t par_s1;                                        // in ints: per sequence
+    float scale;
+};
+
+// A lane's 32 rows of a column are NCH chunks of CH consecutive rows, CH = 16 bytes of the node type (4 f32 or
+// 8 f16), chunk c of lane seg at rows (c*LPC + seg)*CH: the LPC lanes of a column move LPC*16 contiguous bytes
+// per instruction (whole sectors: partial-sector stores halved the f32 bandwidth). Loads and stores go 16 bytes
+// at a time where VEC (the caller checked alignment). `p` points at the lane's first chunk; chunks are
+// LPC*CH elements apart.
+template <bool VEC, int CH, int LPC, int RPL>
+static __device__ __forceinline__ void load_rows(const float * p, float (&x)[RPL]) {
+#pragma unroll
+    for (int c = 0; c < RPL / CH; ++c) {
+#pragma unroll
+        for (int e = 0; e < CH; e += 4) {
+            const float * src = p + c * LPC * CH + e;
+            if constexpr (VEC) {
+                const float4 f = *(const float4 *) src;
+                x[c * CH + e] = f.x; x[c * CH + e + 1] = f.y; x[c * CH + e + 2] = f.z; x[c * CH + e + 3] = f.w;
+            } else {
+                x[c * CH + e] = src[0]; x[c * CH + e + 1] = src[1]; x[c * CH + e + 2] = src[2]; x[c * CH + e + 3] = src[3];
+            }
+        }
+    }
+}
+
+template <bool VEC, int CH, int LPC, int RPL>
+static __device__ __forceinline__ void load_rows(const half * p, float (&x)[RPL]) {
+    static_assert(CH == 8, "f16 chunks are 8 rows");
+#pragma unroll
+    for (int c = 0; c < RPL / CH; ++c) {
+        const half * src = p + c * LPC * CH;
+        half2 h[4];
+        if constexpr (VEC) {
+            *(uint4 *) h = *(const uint4 *) src;
+        } else {
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                h[j] = __halves2half2(src[2 * j], src[2 * j + 1]);
+            }
+        }
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            const float2 f = __half22float2(h[j]);
+            x[c * CH + 2 * j] = f.x; x[c * CH + 2 * j + 1] = f.y;
+        }
+    }
+}
+
+// Stores x; x becomes what a reader of the stored node will see (the f16 rounding).
+template <bool VEC, int CH, int LPC, int RPL>
+static __device__ __forceinline__ void store_rows(float * p, const float (&x)[RPL]) {
+#pragma unroll
+    for (int c = 0; c < RPL / CH; ++c) {
+#pragma unroll
+        for (int e = 0; e < CH; e += 4) {
+            float * dst = p + c * LPC * CH + e;
+            if constexpr (VEC) {
+                *(float4 *) dst = make_float4(x[c * CH + e], x[c * CH + e + 1], x[c * CH + e + 2], x[c * CH + e + 3]);
+            } else {
+                dst[0] = x[c * CH + e]; dst[1] = x[c * CH + e + 1]; dst[2] = x[c * CH + e + 2]; dst[3] = x[c * CH + e + 3];
+            }
+        }
+    }
+}
+
+template <bool VEC, int CH, int LPC, int RPL>
+static __device__ __forceinline__ void store_rows(half * p, float (&x)[RPL]) {
+    static_assert(CH == 8, "f16 chunks are 8 rows");
+#pragma unroll
+    for (int c = 0; c < RPL / CH; ++c) {
+        half2 h[4];
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            h[j] = __floats2half2_rn(x[c * CH + 2 * j], x[c * CH + 2 * j + 1]);
+            const float2 f = __half22float2(h[j]);
+            x[c * CH + 2 * j] = f.x; x[c * CH + 2 * j + 1] = f.y;
+        }
+        half * dst = p + c * LPC * CH;
+        if constexpr (VEC) {
+            *(uint4 *) dst = *(const uint4 *) h;
+        } else {
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                dst[2 * j] = __low2half(h[j]); dst[2 * j + 1] = __high2half(h[j]);
+            }
+        }
+    }
+}
+
+template <int LPC>
+static __device__ __forceinline__ float column_sum(float x) {
+#pragma unroll
+    for (int offset = 1; offset < LPC; offset <<= 1) {
+        x += __shfl_xor_sync(0xffffffff, x, offset, WARP_SIZE);
+    }
+    return x;
+}
+
+template <int S_v, bool KDA, typename node_t, bool VEC, int W, int RPL>
+__global__ void __launch_bounds__(WARP_SIZE * W)
+gdn_tree_kernel(const gdn_tree_args a) {
+    constexpr int LPC = S_v / RPL;              // lanes per column
+    constexpr int CPW = WARP_SIZE / LPC;        // columns per warp
+    constexpr int CB  = CPW * W;                // columns per block
+    constexpr int CH  = 16 / sizeof(node_t);    // rows per chunk
+    constexpr int NCH = RPL / CH;               // chunks per lane
+    constexpr int TC  = GDN_TREE_CHUNK;
+    constexpr int NT  = WARP_SIZE * W;
+    static_assert(S_v % RPL == 0 && WARP_SIZE % LPC == 0 && RPL % CH == 0, "unsupported head size");
+
+    __shared__ float sq[TC][S_v];
+    __shared__ float sk[TC][S_v];
+    __shared__ float sg[TC][KDA ? S_v : 1];
+    __shared__ float sv[TC][CB];
+    __shared__ float sb[TC];
+    __shared__ int   sp[TC];
+
+    const int h    = blockIdx.x;
+    const int s    = blockIdx.y;
+    const int tid  = threadIdx.y * WARP_SIZE + threadIdx.x;
+    const int seg  = threadIdx.x % LPC;
+    const int cb   = threadIdx.y * CPW + threadIdx.x / LPC;  // column within the block
+    const int col0 = blockIdx.z * CB;
+    const int col  = col0 + cb;
+
+    // Wait for the kernels before this one (programmatic dependent launch): also before any write, since an
+    // earlier kernel may still read `inter` (a rollback copy).
+    ggml_cuda_pdl_sync();
+
+    const float * q_s = a.q + (s / a.rq3) * a.sq3 + (h % a.H_q) * a.sq1;
+    const float * k_s = a.k + (s / a.rk3) * a.sk3 + (h % a.H_k) * a.sk1;
+    const float * v_s = a.v + s * a.sv3 + h * a.sv1 + col0;
+    const int   * par = a.parent + s * a.par_s1;
+    const int64_t gb  = (int64_t) s * a.n_t * a.H + h;  // + t*H: the (h, t, s) index of g and beta
+
+    const float * committed = a.state + (((int64_t) s * a.H + h) * S_v + col) * S_v + seg * CH;
+    node_t      * nodes     = (node_t *) a.nodes + s * a.node_s3 + h * a.node_s1 + col * S_v + seg * CH;
+    float       * o         = a.o + gb * S_v + col;
+
+    float S[RPL];  // S[c*CH + e] is row (c*LPC + seg)*CH + e of the column
+
+    for (int t0 = 0; t0 < a.n_t; t0 += TC) {
+        const int tc = min(TC, a.n_t - t0);
+        __syncthreads();  // the previous chunk is consumed
+        for (int i = tid; i < tc * S_v; i += NT) {
+            const int tt = i / S_v, r = i % S_v;
+            sq[tt][r] = q_s[(t0 + tt) * a.sq2 + r];
+            sk[tt][r] = k_s[(t0 + tt) * a.sk2 + r];
+            if constexpr (KDA) {
+                sg[tt][r] = expf(a.g[(gb + (int64_t) (t0 + tt) * a.H) * S_v + r]);
+            }
+        }
+        for (int i = tid; i < tc * CB; i += NT) {
+            const int tt = i / CB, c = i % CB;
+            sv[tt][c] = v_s[(t0 + tt) * a.sv2 + c];
+        }
+        for (int tt = tid; tt < tc; tt += NT) {
+            const int64_t gbt = gb + (int64_t) (t0 + tt) * a.H;
+            sb[tt] = a.beta[gbt];
+            if constexpr (!KDA) {
+                sg[tt][0] = expf(a.g[gbt]);
+            }
+            sp[tt] = ggml_ext_parent(par, t0 + tt);
+        }
+        __syncthreads();
+
+        for (int tt = 0; tt < tc; ++tt) {
+            const int t = t0 + tt;
+            const int p = sp[tt];
+            if (p < 0) {
+                load_rows<VEC, CH, LPC, RPL>(committed, S);
+            } else if (p != t - 1) {
+                load_rows<VEC, CH, LPC, RPL>(nodes + p * a.node_s2, S);
+            }
+
+            // the lane's rows of q, k, exp(g): float4 e/4 of chunk c
+            const float * qt = &sq[tt][seg * CH];
+            const float * kt = &sk[tt][seg * CH];
+            const float * gt = &sg[tt][KDA ? seg * CH : 0];
+
+            // decay, then kv = S^T k over this lane's rows (4 partial sums), summed over the column's lanes
+            float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+            for (int c = 0; c < NCH; ++c) {
+#pragma unroll
+                for (int e = 0; e < CH; e += 4) {
+                    const int i = c * CH + e;
+                    const float4 kk = *(const float4 *) (kt + c * LPC * CH + e);
+                    if constexpr (KDA) {
+                        const float4 gg = *(const float4 *) (gt + c * LPC * CH + e);
+                        S[i] *= gg.x; S[i + 1] *= gg.y; S[i + 2] *= gg.z; S[i + 3] *= gg.w;
+                    } else {
+                        const float gs = gt[0];
+                        S[i] *= gs; S[i + 1] *= gs; S[i + 2] *= gs; S[i + 3] *= gs;
+                    }
+                    acc[0] += S[i] * kk.x; acc[1] += S[i + 1] * kk.y; acc[2] += S[i + 2] * kk.z; acc[3] += S[i + 3] * kk.w;
+                }
+            }
+            const float kv    = column_sum<LPC>((acc[0] + acc[1]) + (acc[2] + acc[3]));
+            const float delta = (sv[tt][cb] - kv) * sb[tt];
+
+            // S += k delta; o = S^T q
+            acc[0] = acc[1] = acc[2] = acc[3] = 0.0f;
+#pragma unroll
+            for (int c = 0; c < NCH; ++c) {
+#pragma unroll
+                for (int e = 0; e < CH; e += 4) {
+                    const int i = c * CH + e;
+                    const float4 kk = *(const float4 *) (kt + c * LPC * CH + e);
+                    const float4 qq = *(const float4 *) (qt + c * LPC * CH + e);
+                    S[i]     += kk.x * delta; acc[0] += S[i]     * qq.x;
+                    S[i + 1] += kk.y * delta; acc[1] += S[i + 1] * qq.y;
+                    S[i + 2] += kk.z * delta; acc[2] += S[i + 2] * qq.z;
+                    S[i + 3] += kk.w * delta; acc[3] += S[i + 3] * qq.w;
+                }
+            }
+            const float oq = column_sum<LPC>((acc[0] + acc[1]) + (acc[2] + acc[3]));
+            if (seg == 0) {
+                o[(int64_t) t * a.H * S_v] = oq * a.scale;
+            }
+            store_rows<VEC, CH, LPC, RPL>(nodes + t * a.node_s2, S);
+        }
+    }
+}
+
+template <int S_v, bool KDA, typename node_t, bool VEC, int W, int RPL>
+static void launch(const gdn_tree_args & a, int n_s, cudaStream_t stream) {
+    constexpr int CB = WARP_SIZE / (S_v / RPL) * W;
+    static_assert(S_v % CB == 0, "columns per block must divide the head size");
+    const dim3 grid(a.H, n_s, S_v / CB);
+    const dim3 block(WARP_SIZE, W, 1);
+    ggml_cuda_kernel_launch(gdn_tree_kernel<S_v, KDA, node_t, VEC, W, RPL>,
+                            ggml_cuda_kernel_launch_params(grid, block, 0, stream), a);
+}
+
+template <typename node_t>
+static void launch_for(const gdn_tree_args & a, int S_v, bool kda, bool vec, int n_s, cudaStream_t stream) {
+#define GDN_TREE_LAUNCH(SV, KDA_)                                                                              \
+    (vec ? launch<SV, KDA_, node_t, true, GDN_TREE_WARPS, GDN_TREE_RPL>(a, n_s, stream)                         \
+         : launch<SV, KDA_, node_t, false, GDN_TREE_WARPS, GDN_TREE_RPL>(a, n_s, stream))
+    switch (S_v) {
+        case 64:  kda ? GDN_TREE_LAUNCH(64,  true) : GDN_TREE_LAUNCH(64,  false); break;
+        case 128: kda ? GDN_TREE_LAUNCH(128, true) : GDN_TREE_LAUNCH(128, false); break;
+        default:  GGML_ABORT("ggml_ext: gated_delta_net_tree on CUDA takes head size 64 or 128, not %d", S_v);
+    }
+#undef GDN_TREE_LAUNCH
+}
+
+// Whether a lane's 32 rows can move 16 bytes at a time: every column starts a multiple of S_v elements after the
+// base (S_v = 64 or 128), so the base decides.
+static bool aligned16(const void * p) {
+    return ((uintptr_t) p) % 16 == 0;
+}
+
+static void gdn_tree(ggml_backend_cuda_context & ctx, ggml_tensor * dst, const ggml_tensor * inter) {
+    const ggml_tensor * q      = dst->src[0];
+    const ggml_tensor * k      = dst->src[1];
+    const ggml_tensor * v      = dst->src[2];
+    const ggml_tensor * g      = dst->src[3];
+    const ggml_tensor * beta   = dst->src[4];
+    const ggml_tensor * state  = dst->src[5];
+    const ggml_tensor * parent = dst->src[6];
+
+    const int64_t S_v = v->ne[0];
+    const int64_t H   = v->ne[1];
+    const int64_t n_t = v->ne[2];
+    const int64_t n_s = v->ne[3];
+
+    gdn_tree_args a;
+    a.q      = (const float *) q->data;
+    a.k      = (const float *) k->data;
+    a.v      = (const float *) v->data;
+    a.g      = (const float *) g->data;
+    a.beta   = (const float *) beta->data;
+    a.state  = (const float *) state->data;
+    a.parent = (const int *) parent->data;
+    a.o      = (float *) dst->data;
+    a.H      = (int) H;
+    a.n_t    = (int) n_t;
+    a.H_q    = (int) q->ne[1];
+    a.H_k    = (int) k->ne[1];
+    a.rq3    = (int) (n_s / q->ne[3]);
+    a.rk3    = (int) (n_s / k->ne[3]);
+    a.sq1 = q->nb[1] / sizeof(float); a.sq2 = q->nb[2] / sizeof(float); a.sq3 = q->nb[3] / sizeof(float);
+    a.sk1 = k->nb[1] / sizeof(float); a.sk2 = k->nb[2] / sizeof(float); a.sk3 = k->nb[3] / sizeof(float);
+    a.sv1 = v->nb[1] / sizeof(float); a.sv2 = v->nb[2] / sizeof(float); a.sv3 = v->nb[3] / sizeof(float);
+    a.par_s1 = parent->nb[1] / sizeof(int);
+    a.scale  = 1.0f / sqrtf((float) S_v);
+
+    const bool kda = g->ne[0] == S_v;
+    cudaStream_t stream = ctx.stream();
+    if (inter == nullptr) {
+        a.nodes   = (float *) dst->data + S_v * H * n_t * n_s;
+        a.node_s1 = S_v * S_v;
+        a.node_s2 = a.node_s1 * H;
+        a.node_s3 = a.node_s2 * n_t;
+        launch_for<float>(a, (int) S_v, kda, aligned16(a.state) && aligned16(a.nodes), (int) n_s, stream);
+    } else {
+        const size_t elem = ggml_type_size(inter->type);
+        a.nodes   = inter->data;
+        a.node_s1 = inter->nb[1] / elem;
+        a.node_s2 = inter->nb[2] / elem;
+        a.node_s3 = inter->nb[3] / elem;
+        const bool vec = aligned16(a.state) && aligned16(a.nodes);
+        if (inter->type == GGML_TYPE_F16) {
+            launch_for<half>(a, (int) S_v, kda, vec, (int) n_s, stream);
+        } else {
+            launch_for<float>(a, (int) S_v, kda, vec, (int) n_s, stream);
+        }
+    }
+}
+
+} // namespace
+
+bool ggml_ext_cuda_gated_delta_net_tree_supported(const ggml_tensor * op) {
+    const int64_t S_v = op->src[2]->ne[0];
+    if (S_v != 64 && S_v != 128) {
+        return false;
+    }
+    // q, k, v rows, and the contiguous g, beta, state, parent, inter are checked by the constructor
+    return op->op != GGML_OP_GATED_DELTA_NET_TREE_PERSIST ||
+           op->src[7]->type == GGML_TYPE_F32 || op->src[7]->type == GGML_TYPE_F16;
+}
+
+void ggml_ext_cuda_gated_delta_net_tree(ggml_backend_cuda_context & ctx, ggml_tensor * dst) {
+    gdn_tree(ctx, dst, nullptr);
+}
+
+void ggml_ext_cuda_gated_delta_net_tree_persist(ggml_backend_cuda_context & ctx, ggml_tensor * dst) {
+    gdn_tree(ctx, dst, dst->src[7]);
+}

@@ -1,0 +1,151 @@
+"""ggml_ssm_conv_tree against its float64 reference, against upstream ggml_ssm_conv on chains, and its wrapper's
+checks. Runs on the CPU in CI and on CUDA with `-m cuda`."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from conftest import rel_err, run_graph
+from pydflash import ggml
+from tree_ref import TREE_KINDS, chain, make_tree, ssm_conv_tree_ref
+
+TOL = 1e-6  # f32 sums of d_conv products against float64
+
+
+def conv_inputs(rng, d_conv, d_inner, n_t, n_s, parents):
+    return {
+        "sx": rng.standard_normal((n_s, d_inner, d_conv - 1 + n_t)).astype(np.float32),
+        "c": rng.standard_normal((d_inner, d_conv)).astype(np.float32),
+        "parent": np.asarray(parents, dtype=np.int32).reshape(n_s, n_t),
+    }
+
+
+def run_tree(backend, inputs):
+    """Compute the op; on a backend that refuses the shape, check that it says so and skip."""
+    def build(ctx, t):
+        out = ggml.ssm_conv_tree(ctx, t["sx"], t["c"], t["parent"])
+        if not backend.supports(out):
+            pytest.skip(f"{backend.name} refuses d_conv={inputs['c'].shape[1]} (checked in test_supports)")
+        return out
+    n_s, d_inner, cols = inputs["sx"].shape
+    return run_graph(backend, build, inputs).reshape(n_s, cols - inputs["c"].shape[1] + 1, d_inner)
+
+
+@pytest.mark.parametrize("kind", TREE_KINDS)
+def test_random_trees(backend, rng, kind):
+    n_t, d_inner, d_conv = 17, 200, 4
+    inputs = conv_inputs(rng, d_conv, d_inner, n_t, 1, make_tree(kind, n_t, rng))
+    got = run_tree(backend, inputs)
+    assert rel_err(got, ssm_conv_tree_ref(**inputs)) < TOL
+
+
+@pytest.mark.parametrize("d_conv", [2, 3, 4, 5, 8])
+def test_kernel_sizes(backend, rng, d_conv):
+    n_t, d_inner = 11, 64
+    inputs = conv_inputs(rng, d_conv, d_inner, n_t, 1, make_tree("deep", n_t, rng))
+    got = run_tree(backend, inputs)
+    assert rel_err(got, ssm_conv_tree_ref(**inputs)) < TOL
+
+
+def test_supports(backend):
+    """CUDA takes kernel size 4 and refuses others through supports_op; the CPU takes any size up to 16."""
+    ctx = ggml.Context(n_tensors=16)
+    for d_conv in (2, 3, 4, 5):
+        sx = ctx.new_tensor(np.float32, (d_conv - 1 + 5, 32, 1))
+        c = ctx.new_tensor(np.float32, (d_conv, 32))
+        parent = ctx.new_tensor(np.int32, (5, 1))
+        out = ggml.ssm_conv_tree(ctx, sx, c, parent)
+        assert backend.supports(out) == (backend.is_cpu or d_conv == 4), d_conv
+
+
+def test_several_sequences(backend, rng):
+    """Each sequence has its own tree and its own state columns."""
+    n_t, d_inner, d_conv, n_s = 9, 130, 4, 4
+    parents = np.stack([make_tree(kind, n_t, rng) for kind in ("bushy", "chain", "star", "padded")])
+    inputs = conv_inputs(rng, d_conv, d_inner, n_t, n_s, parents)
+    got = run_tree(backend, inputs)
+    assert rel_err(got, ssm_conv_tree_ref(**inputs)) < TOL
+
+
+@pytest.mark.parametrize("kind", ["ddtree", "chain"])
+def test_27b_layer_shape(backend, rng, kind):
+    """The Qwen3.5-27B conv: d_inner 10240, kernel 4, a 23-node verify tree."""
+    n_t, d_inner, d_conv = 23, 10240, 4
+    inputs = conv_inputs(rng, d_conv, d_inner, n_t, 1, make_tree(kind, n_t, rng))
+    got = run_tree(backend, inputs)
+    assert rel_err(got, ssm_conv_tree_ref(**inputs)) < TOL
+
+
+@pytest.mark.parametrize("n_s", [1, 3])
+@pytest.mark.parametrize("n_t", [1, 2, 23])
+def test_chain_equals_ssm_conv(backend, rng, n_t, n_s):
+    """parent[t] = t-1 gives upstream ggml_ssm_conv's numbers."""
+    d_inner, d_conv = 256, 4
+    inputs = conv_inputs(rng, d_conv, d_inner, n_t, n_s, np.tile(chain(n_t), (n_s, 1)))
+    tree, upstream = run_graph(
+        backend, lambda ctx, t: [ggml.ssm_conv_tree(ctx, t["sx"], t["c"], t["parent"]), ctx.ssm_conv(t["sx"], t["c"])],
+        inputs)
+    assert tree.shape == upstream.shape
+    tree, upstream = tree.reshape(n_s, n_t, d_inner), upstream.reshape(n_s, n_t, d_inner)
+    assert rel_err(tree, upstream) < 1e-7
+    assert rel_err(tree, ssm_conv_tree_ref(**inputs)) < TOL
+
+
+def test_padding_slots_do_not_touch_real_nodes(backend, rng):
+    """Unused slots after a tree (whatever their inputs) leave the real nodes' outputs as without them."""
+    used, n_t, d_inner, d_conv = 6, 23, 64, 4
+    parents = make_tree("bushy", used, rng)
+    full = conv_inputs(rng, d_conv, d_inner, n_t, 1, np.concatenate([parents, np.full(n_t - used, -1, np.int32)]))
+    small = {"sx": full["sx"][:, :, : d_conv - 1 + used].copy(), "c": full["c"], "parent": parents[None]}
+    got_full = run_tree(backend, full)
+    got_small = run_tree(backend, small)
+    np.testing.assert_array_equal(got_full[:, :used], got_small)
+
+
+# --- the wrapper's checks (no compute) ------------------------------------------------------------------------------
+
+def test_wrapper_rejects_bad_inputs():
+    ctx = ggml.Context(n_tensors=32)
+    sx = ctx.new_tensor(np.float32, (3 + 5, 16, 2))
+    c = ctx.new_tensor(np.float32, (4, 16))
+    parent = ctx.new_tensor(np.int32, (5, 2))
+    ggml.ssm_conv_tree(ctx, sx, c, parent)  # fine
+    with pytest.raises(TypeError, match="parent"):
+        ggml.ssm_conv_tree(ctx, sx, c, ctx.new_tensor(np.float32, (5, 2)))
+    with pytest.raises(ValueError, match="parent"):
+        ggml.ssm_conv_tree(ctx, sx, c, ctx.new_tensor(np.int32, (5, 1)))
+    with pytest.raises(ValueError, match="sx"):
+        ggml.ssm_conv_tree(ctx, ctx.new_tensor(np.float32, (8, 17, 2)), c, parent)
+    with pytest.raises(TypeError, match="sx"):
+        ggml.ssm_conv_tree(ctx, ctx.new_tensor(np.float16, (8, 16, 2)), c, parent)
+    with pytest.raises(ValueError, match="state columns"):
+        ggml.ssm_conv_tree(ctx, ctx.new_tensor(np.float32, (3, 16, 2)), c, parent)
+    with pytest.raises(ValueError, match="contiguous rows"):
+        ggml.ssm_conv_tree(ctx, ctx.transpose(ctx.new_tensor(np.float32, (16, 8))), c, parent)
+    with pytest.raises(ValueError, match="> 16"):
+        ggml.ssm_conv_tree(ctx, ctx.new_tensor(np.float32, (16 + 5, 16, 2)), ctx.new_tensor(np.float32, (17, 16)),
+                           parent)
+
+
+@pytest.mark.parametrize("bad, where", [([0, 0, 1], "parent\\[0, 0\\] = 0"), ([-1, 1, 0], "parent\\[0, 1\\] = 1"),
+                                        ([-1, 0, -2], "parent\\[0, 2\\] = -2"), ([-1, 0, 5], "parent\\[0, 2\\] = 5")])
+def test_parent_values_are_checked(bad, where):
+    with pytest.raises(ValueError, match=where):
+        ggml.check_parents(np.array(bad))
+    ctx = ggml.Context(n_tensors=1)
+    parent = ctx.new_tensor(np.int32, (3, 1))
+    with pytest.raises(ValueError, match=where):
+        ggml.set_parents(parent, bad)  # rejected before the tensor (unallocated here) is touched
+
+
+def test_set_parents(backend):
+    ctx = ggml.Context(n_tensors=1)
+    parent = ctx.new_tensor(np.int32, (4, 2))
+    buf = backend.alloc_tensors(ctx)
+    with pytest.raises(ValueError, match="n_s=2, n_t=4"):
+        ggml.set_parents(parent, [-1, 0, 1, 2])
+    with pytest.raises(ValueError, match="integer"):
+        ggml.set_parents(parent, np.zeros((2, 4)))
+    ggml.set_parents(parent, [[-1, 0, 0, 1], [-1, -1, 1, 2]])
+    np.testing.assert_array_equal(parent.numpy(), [[-1, 0, 0, 1], [-1, -1, 1, 2]])
+    del buf
