@@ -159,7 +159,8 @@ def main(argv=None) -> int:
     per = {k: 1e3 * stats[k] / steps for k in ("draft_s", "verify_s", "commit_s", "host_s")}
     step_ms = sum(per.values())
     same = tokens == ar_tokens
-    print(f"\nddtree run: {steps} steps, acceptance length {stats['acceptance_length']:.2f} (oracle-controlled), "
+    al_note = "this draft's" if args.draft else "oracle-controlled"
+    print(f"\nddtree run: {steps} steps, acceptance length {stats['acceptance_length']:.2f} ({al_note}), "
           f"{stats['decode_tok_s']:.1f} tok/s measured, output {'equals' if same else 'DIFFERS from'} AR\n")
     print("| per step | draft | verify | commit | host (Python) | total |\n|---|---|---|---|---|---|")
     print(f"| ms | {per['draft_s']:.2f} | {per['verify_s']:.2f} | {per['commit_s']:.2f} | {per['host_s']:.2f} "
