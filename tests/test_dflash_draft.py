@@ -45,9 +45,11 @@ def models(tmp_path_factory):
     swa = d / "draft_swa"
     testing.write_dflash_draft(swa, target, target_layer_ids=list(CAPTURE), seed=2,
                                layer_types=["sliding_attention", "full_attention"], sliding_window=8)
-    odd = d / "draft_odd"     # every maths-changing size differs from the defaults
+    # every maths-changing size differs from the defaults; head 128 rather than 32, which CUDA's flash
+    # attention has no kernel for (the H100 run refused it)
+    odd = d / "draft_odd"
     testing.write_dflash_draft(odd, target, target_layer_ids=list(CAPTURE), seed=3, n_layer=3, n_head=8,
-                               n_head_kv=2, head_dim=32, n_ff=96, block_size=8, rope_theta=1e6, rms_eps=1e-5,
+                               n_head_kv=2, head_dim=128, n_ff=96, block_size=8, rope_theta=1e6, rms_eps=1e-5,
                                mask_token_id=300)
     gguf_draft = d / "draft.gguf"
     testing.write_dflash_gguf(gguf_draft, full)
@@ -164,11 +166,17 @@ def test_cache_appends_equal_recomputation_across_wrap(models, backend, target_c
     scratch = DFlashDraft(models["swa"], target, window=WINDOW)
     features = rng.standard_normal((3 * WINDOW + 5, len(CAPTURE), 64)).astype(np.float32)
     done, checks = 0, 0
+    # compare when first reaching each mark (before the ring fills, as it wraps, after, at the end) and at
+    # random points; commit sizes are random, so the marks are crossed rather than hit exactly
+    marks = [40, WINDOW, WINDOW + 7, len(features)]
     while done < len(features):
         m = int(rng.integers(1, 17))          # commits of 1..B positions, as after verify steps
         incremental.append_features(features[done: done + m])
         done = min(done + m, len(features))
-        if done in (40, WINDOW, WINDOW + 7) or done == len(features) or rng.random() < 0.1:
+        crossed = bool(marks) and done >= marks[0]
+        while marks and done >= marks[0]:
+            marks.pop(0)
+        if crossed or rng.random() < 0.1:
             scratch.reset()
             scratch.append_features(features[:done])     # recompute the last WINDOW positions in one batch
             a, b = incremental.logits(7), scratch.logits(7)
@@ -176,7 +184,8 @@ def test_cache_appends_equal_recomputation_across_wrap(models, backend, target_c
             # reorder sums), so agreement is to f32/f16 rounding, not to the bf16 tolerance above
             assert _max_rel(a, b) < 1e-3, done
             checks += 1
-    assert incremental.n_ctx == len(features) and checks >= 4
+    # one commit can cross both WINDOW and WINDOW + 7; the other marks are more than 16 apart: >= 3 checks
+    assert incremental.n_ctx == len(features) and checks >= 3
 
 
 def test_append_from_target_device_path(models, backend, target_cache, rng):
