@@ -3,7 +3,6 @@ acceptance bookkeeping matches what an oracle draft with known errors must produ
 import numpy as np
 import pytest
 
-from pydflash import ggml
 from pydflash.engine import Decoder
 from pydflash.models.qwen35 import Qwen35Target
 from pydflash.testing import OracleDraft, write_qwen35_gguf
@@ -12,8 +11,6 @@ N_GEN = 136                  # over 128 new tokens per run
 BLOCK = 16                   # the draft's block: 15 proposed positions per step
 MARGIN = 1e-4                # the only excuse for a mismatch: AR's top-2 logits closer than this
 ERRORS = (27, 40, 41, 58, 80, 81, 82, 99, 130)   # positions (into prompt + output) where the oracle's top-1 is wrong
-HAS_TREE_OPS = hasattr(ggml, "gated_delta_net_tree_persist")
-needs_tree_ops = pytest.mark.skipif(not HAS_TREE_OPS, reason="the tree ops (treeops branch) are not in this build")
 
 
 @pytest.fixture(scope="module")
@@ -76,7 +73,6 @@ def test_chain_lossless(target, prompt, reference, budget):
     assert stats["acceptance_length"] > 1.0
 
 
-@needs_tree_ops
 @pytest.mark.parametrize("budget", [1, 8, 15, 22, 40])
 @pytest.mark.parametrize("seed_chain", [False, True])
 def test_ddtree_lossless(target, prompt, reference, budget, seed_chain):
@@ -100,7 +96,7 @@ def expected_chain_commits(n_prompt, n_gen, budget, errors):
     return out
 
 
-@pytest.mark.parametrize("mode,budget", [("chain", 4), ("chain", 15), pytest.param("ddtree", 1, marks=needs_tree_ops)])
+@pytest.mark.parametrize("mode,budget", [("chain", 4), ("chain", 15), ("ddtree", 1)])
 def test_acceptance_bookkeeping(target, prompt, reference, mode, budget):
     """A chain (and a one-node tree, which is a chain) must accept exactly the run of right proposals."""
     out, stats = Decoder(target, oracle(prompt, reference, target), mode=mode, budget=budget).generate_ids(
@@ -115,7 +111,6 @@ def test_acceptance_bookkeeping(target, prompt, reference, mode, budget):
     assert sum(stats["acceptance_histogram"][i] * i for i in range(len(stats["acceptance_histogram"]))) == sum(got)
 
 
-@needs_tree_ops
 def test_ddtree_recovers_second_rank(target, prompt, reference):
     """Where the oracle's right token is its second proposal, a tree with room for siblings accepts through it,
     so it needs fewer steps than the chain of the same depth."""
@@ -172,7 +167,7 @@ def cache_state(target):
 STATE_ATOL = 1e-4
 
 
-@pytest.mark.parametrize("mode,budget", [("chain", 15), pytest.param("ddtree", 22, marks=needs_tree_ops)])
+@pytest.mark.parametrize("mode,budget", [("chain", 15), ("ddtree", 22)])
 def test_state_equals_ar_after_every_step(model, target, prompt, reference, mode, budget):
     ar = Qwen35Target(model, "cpu", n_ctx=512, n_ubatch=64)
     ar.prefill(prompt, return_logits=False)
@@ -214,7 +209,6 @@ def test_rejects_bad_configuration(target):
         Decoder(target, mode="ar").generate_ids([1, 2, 3], 600)
 
 
-@needs_tree_ops
 @pytest.mark.parametrize("kv_type", ["q8_0", "q4_0"])
 def test_ddtree_lossless_quantised_kv(model, prompt, kv_type):
     """Compacting KV rows goes through f32 and back into the quantised cache: the rows must survive that, so
@@ -266,7 +260,6 @@ def test_cuda_lossless(tmp_path, prompt, mode, budget):
 F16_STATE_MARGIN = 1e-2
 
 
-@needs_tree_ops
 def test_ddtree_f16_states(target, prompt, reference):
     engine = Decoder(target, oracle(prompt, reference, target), mode="ddtree", budget=22, state_type="f16")
     out, stats = engine.generate_ids(prompt, N_GEN)
@@ -284,7 +277,6 @@ def test_ddtree_f16_states(target, prompt, reference):
 
 @pytest.fixture(scope="module")
 def dflash(model, tmp_path_factory):
-    pytest.importorskip("pydflash.models.dflash_draft", reason="the draft branch is not in this build")
     from pydflash.testing import write_dflash_draft
     out = tmp_path_factory.mktemp("dflash") / "draft"
     config = write_dflash_draft(out, model, seed=2)
@@ -293,7 +285,7 @@ def dflash(model, tmp_path_factory):
     return out, target
 
 
-@pytest.mark.parametrize("mode,budget", [("chain", 15)] + [pytest.param("ddtree", b, marks=needs_tree_ops)
+@pytest.mark.parametrize("mode,budget", [("chain", 15)] + [("ddtree", b)
                                                             for b in (1, 8, 15, 22, 40)])
 def test_real_draft_lossless(dflash, prompt, reference, mode, budget):
     from pydflash.models.dflash_draft import DFlashDraft
@@ -304,7 +296,7 @@ def test_real_draft_lossless(dflash, prompt, reference, mode, budget):
     assert draft.n_ctx == target.n_past          # every committed position went into the draft's context
 
 
-@pytest.mark.parametrize("mode", ["chain", pytest.param("ddtree", marks=needs_tree_ops)])
+@pytest.mark.parametrize("mode", ["chain", "ddtree"])
 def test_real_draft_ring_wraps_state_equals_ar(model, dflash, prompt, reference, mode):
     """A 32-position draft ring wraps several times in 136 tokens; the target state still equals AR's."""
     from pydflash.models.dflash_draft import DFlashDraft

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .. import ggml
-from ..gguf_io import GGUFError, GGUFFile, upload
+from ..gguf_io import GGUFFile
 
 KV_BUCKET = 256             # attended rows are padded to this (what the GPU flash attention kernels want)
 GRAPH_TENSORS_PER_LAYER = 48
