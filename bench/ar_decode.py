@@ -93,7 +93,7 @@ def main(argv=None) -> int:
     p.add_argument("--n-gen", type=int, default=128)
     p.add_argument("--n-depth", type=int, default=0)
     p.add_argument("--reps", type=int, default=5)
-    p.add_argument("--kv", default="f16", choices=["f16", "q8_0", "q4_0"])
+    p.add_argument("--kv", default="f16", choices=["f16", "q8_0", "q4_0", "tq3_0"])
     p.add_argument("--n-ctx", type=int, default=1024)
     p.add_argument("--n-ubatch", type=int, default=512)
     p.add_argument("--llama-bench", help="path to llama-bench built from the same pinned llama.cpp")

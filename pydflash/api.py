@@ -133,7 +133,7 @@ def load(target, draft=None, *, device: str = "auto", kv_type: str = "f16", max_
          mode: str | None = None, budget: int = 22, tokenizer: bool = True, progress: bool | None = None) -> Engine:
     """Load a target GGUF (and a DFlash draft: its directory or config.json) and return an `Engine`.
 
-    device: 'auto', 'cpu', 'cuda' or 'cuda:N'. kv_type: 'f16', 'q8_0' or 'q4_0'. max_ctx: positions of the
+    device: 'auto', 'cpu', 'cuda' or 'cuda:N'. kv_type: 'f16', 'q8_0', 'q4_0' or 'tq3_0' (mode 'ar' only for now). max_ctx: positions of the
     KV cache (None: 8192, capped by the model's training context). mode: 'ar', 'chain' or 'ddtree' (None:
     'ddtree' with a draft, 'ar' without). budget: tree nodes per step (ddtree) or chain length (chain).
     tokenizer: load the GGUF's tokenizer (through llama-cpp-python, vocabulary only) for text in and out."""

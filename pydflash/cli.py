@@ -130,7 +130,8 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--n-gen", type=int, default=256, help="new tokens at most (default 256)")
     run.add_argument("--mode", choices=["ar", "chain", "ddtree"], help="default: ddtree with a draft, else ar")
     run.add_argument("--budget", type=int, default=22, help="tree nodes (ddtree) or chain length (default 22)")
-    run.add_argument("--kv", default="f16", choices=["f16", "q8_0", "q4_0"], help="KV cache type (default f16)")
+    run.add_argument("--kv", default="f16", choices=["f16", "q8_0", "q4_0", "tq3_0"],
+                     help="KV cache type (default f16; tq3_0 with --mode ar only)")
     run.add_argument("--max-ctx", type=int, help="KV cache positions (default 8192)")
     run.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (default: auto)")
     run.set_defaults(func=cmd_run)

@@ -191,7 +191,7 @@ class _CommitGraph:
 class Qwen35Target:
     """A loaded qwen35 model with its cache: `prefill`, `decode`, `reset`, captured hidden states.
 
-    n_ctx: positions of the KV cache. kv_type: 'f16', 'q8_0' or 'q4_0'. n_ubatch: tokens per prefill
+    n_ctx: positions of the KV cache. kv_type: 'f16', 'q8_0', 'q4_0' or 'tq3_0' (AR only). n_ubatch: tokens per prefill
     micro-batch. capture_layers: 0-based layer ids whose outputs (the residual stream after the layer) are kept
     on the device for every token of the last forward, in `captured` ([n_embd * n_capture, n_ubatch]).
     """
@@ -304,6 +304,10 @@ class Qwen35Target:
         hp = self.hp
         if not 1 <= n_slots <= self.n_ubatch:
             raise ValueError(f"n_slots must be 1..n_ubatch ({self.n_ubatch}), got {n_slots}")
+        if self.cache.kv_type == ggml.Type.TQ3_0:
+            # commit moves KV rows through f32, and TQ3_0 would rotate the already-rotated rows again
+            raise ValueError("speculative decoding with a tq3_0 KV cache is not supported yet: use mode 'ar' or "
+                             "another kv type")
         persist = getattr(ggml, "gated_delta_net_tree_persist", None)
         if tree and persist is None:
             raise RuntimeError("tree verify needs ggml.gated_delta_net_tree_persist (the tree ops are not in this "
@@ -545,6 +549,8 @@ class Qwen35Target:
             q = self._rotate(ctx, q, cache.k_rot)
             k = self._rotate(ctx, k, cache.k_rot)
             v = self._rotate(ctx, v, cache.v_rot)
+        elif cache.tq3_q_rot is not None:   # TQ3_0 rotates K and V as it quantises them: Q follows
+            q = self._rotate(ctx, q, cache.tq3_q_rot, hadamard=False)
         kv_row = hd * hp.n_head_kv
         k_cache, v_cache = cache.k[il], cache.v[il]
         # write this batch's rows, then read the first n_kv cells through views of the writes (so the reads
@@ -559,16 +565,21 @@ class Qwen35Target:
         out = ctx.reshape_2d(out, hd * hp.n_head, n)                 # [hd n_head, n]
         if cache.v_rot is not None:
             out = self._rotate(ctx, out, cache.v_rot)
+        elif cache.tq3_out_rot is not None:   # attention over rotated V gives the rotated output
+            out = self._rotate(ctx, out, cache.tq3_out_rot, hadamard=False)
         out = ctx.mul(out, ctx.sigmoid(gate)).named(f"l{il}.attn_gated")
         return ctx.mul_mat(w[p + "attn_output.weight"], out).named(f"l{il}.attn_out")
 
     @staticmethod
-    def _rotate(ctx, x, rot):
-        """x @ H per group of H's size along ne[0] (H symmetric and orthonormal)."""
+    def _rotate(ctx, x, rot, hadamard=True):
+        """rot applied to every group of rot's size along ne[0]. hadamard: rot is a Walsh-Hadamard matrix,
+        which ggml may then apply as a fast transform (TQ3_0's rotation has sign flips, so it may not)."""
         m = rot.ne[0]
         n_elem = int(np.prod(x.ne))
         flat = ctx.reshape_2d(x if _is_contiguous(x) else ctx.cont(x), m, n_elem // m)
-        y = ctx.mul_mat(rot, flat).hint_src0_hadamard()
+        y = ctx.mul_mat(rot, flat)
+        if hadamard:
+            y.hint_src0_hadamard()
         return ctx.reshape_4d(y, *x.ne)
 
     def _gdn(self, ctx, x, il, n, side_effects, parent=None):
