@@ -410,6 +410,7 @@ class Graph:
             lib.ggml_build_forward_expand(self._ptr, out._ptr)
         self.outputs = outputs
         self._allocator: Allocator | None = None
+        self._supported_on: Backend | None = None   # the backend every node was checked against
         self._placed: list | None = None   # tensors the allocator gives addresses (set at first allocation)
 
     @property
@@ -432,11 +433,14 @@ class Allocator:
         self._current: Graph | None = None
 
     def allocate(self, graph: Graph) -> None:
-        # ggml would run an op the backend cannot do and abort the process mid-graph; refuse it here instead
-        for node in graph.nodes():
-            if not lib.ggml_backend_supports_op(self.backend._ptr, node._ptr):
-                raise GGMLError(f"{self.backend.name} cannot compute node {node.name or '?'} ({node.op.name}, "
-                                f"{node.type.name} {node.shape}) with these shapes/types")
+        # ggml would run an op the backend cannot do and abort the process mid-graph; refuse it here instead,
+        # once per graph and backend (a graph is re-allocated whenever another one used the buffer in between)
+        if graph._supported_on is not self.backend:
+            for node in graph.nodes():
+                if not lib.ggml_backend_supports_op(self.backend._ptr, node._ptr):
+                    raise GGMLError(f"{self.backend.name} cannot compute node {node.name or '?'} ({node.op.name}, "
+                                    f"{node.type.name} {node.shape}) with these shapes/types")
+            graph._supported_on = self.backend
         # gallocr places only tensors whose data is NULL and treats the rest as allocated elsewhere: a graph
         # allocated before still holds its old addresses, which dangle once another graph has grown the
         # buffer. Forget the addresses of the tensors it placed last time, so it places them again.

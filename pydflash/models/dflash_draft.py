@@ -742,8 +742,5 @@ class DFlashDraft:
         probs = ctx.reshape_3d(ctx.soft_max(logits), 1, V, B - 1)
         logp = ctx.log(ctx.get_rows(probs, top)).named("draft.out.top_logp")        # [1, K, B-1]
         g.outputs.update(logits=logits, top_ids=top, top_logp=logp)
-        g.graph = ctx.graph([logits, top, logp])
-        for node in g.graph.nodes():
-            if not self.backend.supports(node):
-                raise ggml.GGMLError(f"{self.backend.name} cannot run {node.op.name} ({node.name or '?'})")
+        g.graph = ctx.graph([logits, top, logp])   # Allocator.allocate checks every node
         return g

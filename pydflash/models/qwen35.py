@@ -490,11 +490,7 @@ class Qwen35Target:
         out = self._norm(ctx, h, w["output_norm.weight"], "out.norm")
         fg.logits = ctx.mul_mat(w["output.weight"], out).named("out.logits")  # [n_vocab, 1 or n (tree)]
         fg.argmax = ctx.argmax(fg.logits).named("out.argmax")
-        fg.graph = ctx.graph(side_effects + [fg.logits, fg.argmax])
-        for node in fg.graph.nodes():    # fail here, by name, rather than abort inside the backend
-            if not self.backend.supports(node):
-                raise ggml.GGMLError(f"{self.backend.name} cannot run {node.op.name} ({node.name or '?'}, "
-                                     f"{node.type.name} {node.ne})")
+        fg.graph = ctx.graph(side_effects + [fg.logits, fg.argmax])   # Allocator.allocate checks every node
         return fg
 
     def _build_commit(self, compact_kv: bool) -> _CommitGraph:
