@@ -8,6 +8,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import ggml
+from .tq3 import Rotation
 
 KV_TYPES = {"f16": ggml.Type.F16, "q8_0": ggml.Type.Q8_0, "q4_0": ggml.Type.Q4_0, "tq3_0": ggml.Type.TQ3_0}
 
@@ -38,7 +39,7 @@ class HybridCache:
     With Q8_0 / Q4_0, K and V rows are stored rotated by a Walsh-Hadamard matrix, as llama.cpp does (it spreads
     outliers across the block before quantising): k_rot / v_rot hold those matrices. TQ3_0 rotates inside its
     quantiser (DESIGN.md §7), so only the query needs rotating and the attention output un-rotating:
-    tq3_q_rot holds R and tq3_out_rot R^T (pydflash.tq3), both [128, 128].
+    tq3_rotation (a pydflash.tq3.Rotation, in a buffer of its own) does both.
     """
 
     def __init__(self, backend: ggml.Backend, hp, n_ctx: int, kv_type="f16"):
@@ -59,13 +60,12 @@ class HybridCache:
             else:
                 self.k[il] = self._ctx.new_tensor(self.kv_type, (kv_row, n_ctx), name=f"cache.l{il}.k")
                 self.v[il] = self._ctx.new_tensor(self.kv_type, (kv_row, n_ctx), name=f"cache.l{il}.v")
-        self.k_rot = self.v_rot = self.tq3_q_rot = self.tq3_out_rot = None
+        self.k_rot = self.v_rot = self.tq3_rotation = None
         if self.kv_type == ggml.Type.TQ3_0:
             if hp.head_dim % 128:
                 raise ValueError(f"kv type tq3_0 rotates groups of 128 values: head size {hp.head_dim} is not a "
                                  f"multiple of 128")
-            self.tq3_q_rot = self._ctx.new_tensor(ggml.Type.F32, (128, 128), name="cache.tq3_q_rot")
-            self.tq3_out_rot = self._ctx.new_tensor(ggml.Type.F32, (128, 128), name="cache.tq3_out_rot")
+            self.tq3_rotation = Rotation(backend)
         elif self.kv_type != ggml.Type.F16 and hp.head_dim % 64 == 0:
             n_k = 64   # the largest power of two (>= 64) dividing the head size, like llama.cpp
             while hp.head_dim % (2 * n_k) == 0:
@@ -81,11 +81,6 @@ class HybridCache:
         if self.k_rot is not None:
             self.k_rot.set(hadamard(self.k_rot.ne[0]))
             self.v_rot.set(hadamard(64))
-        if self.tq3_q_rot is not None:
-            from .tq3 import rotation_matrix
-            r = rotation_matrix()   # mul_mat(m, x) computes m_numpy @ x per 128-group
-            self.tq3_q_rot.set(r.astype(np.float32))
-            self.tq3_out_rot.set(np.ascontiguousarray(r.T, dtype=np.float32))
         self.n_past = 0
 
     @property

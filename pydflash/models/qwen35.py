@@ -545,8 +545,8 @@ class Qwen35Target:
             q = self._rotate(ctx, q, cache.k_rot)
             k = self._rotate(ctx, k, cache.k_rot)
             v = self._rotate(ctx, v, cache.v_rot)
-        elif cache.tq3_q_rot is not None:   # TQ3_0 rotates K and V as it quantises them: Q follows
-            q = self._rotate(ctx, q, cache.tq3_q_rot, hadamard=False)
+        elif cache.tq3_rotation is not None:   # TQ3_0 rotates K and V as it quantises them: Q follows
+            q = cache.tq3_rotation.rotate(ctx, q)
         kv_row = hd * hp.n_head_kv
         k_cache, v_cache = cache.k[il], cache.v[il]
         # write this batch's rows, then read the first n_kv cells through views of the writes (so the reads
@@ -561,21 +561,18 @@ class Qwen35Target:
         out = ctx.reshape_2d(out, hd * hp.n_head, n)                 # [hd n_head, n]
         if cache.v_rot is not None:
             out = self._rotate(ctx, out, cache.v_rot)
-        elif cache.tq3_out_rot is not None:   # attention over rotated V gives the rotated output
-            out = self._rotate(ctx, out, cache.tq3_out_rot, hadamard=False)
+        elif cache.tq3_rotation is not None:   # attention over rotated V gives the rotated output
+            out = cache.tq3_rotation.unrotate(ctx, out)
         out = ctx.mul(out, ctx.sigmoid(gate)).named(f"l{il}.attn_gated")
         return ctx.mul_mat(w[p + "attn_output.weight"], out).named(f"l{il}.attn_out")
 
     @staticmethod
-    def _rotate(ctx, x, rot, hadamard=True):
-        """rot applied to every group of rot's size along ne[0]. hadamard: rot is a Walsh-Hadamard matrix,
-        which ggml may then apply as a fast transform (TQ3_0's rotation has sign flips, so it may not)."""
+    def _rotate(ctx, x, rot):
+        """x @ H per group of H's size along ne[0] (H symmetric and orthonormal)."""
         m = rot.ne[0]
         n_elem = int(np.prod(x.ne))
         flat = ctx.reshape_2d(x if _is_contiguous(x) else ctx.cont(x), m, n_elem // m)
-        y = ctx.mul_mat(rot, flat)
-        if hadamard:
-            y.hint_src0_hadamard()
+        y = ctx.mul_mat(rot, flat).hint_src0_hadamard()
         return ctx.reshape_4d(y, *x.ne)
 
     def _gdn(self, ctx, x, il, n, side_effects, parent=None):
