@@ -97,6 +97,37 @@ def bench_verify_sizes(target, prompt, reps, rng):
     return rows
 
 
+def logit_gap(target, prompt, ar_tokens, n):
+    """Logits of AR's own next n tokens computed three ways against single-token decode at the same positions:
+    an n-slot tree verify (chain-shaped), a chain verify through upstream's GDN op, and a batched prefill of
+    prompt + prefix (last token). If all three differ from decode alike, the gap is the batched kernels'
+    rounding (GPUs pick other matmul/attention kernels by batch size), not the tree path."""
+    target.reset()
+    target.prefill(prompt, return_logits=False)
+    want = np.stack([target.decode(tok) for tok in ar_tokens[:n]])
+    got = {}
+    for name, tree in (("tree verify", True), ("chain verify (upstream GDN)", False)):
+        target.reset()
+        target.prefill(prompt, return_logits=False)
+        target.enable_verify(n, tree=tree)
+        target.verify(ar_tokens[:n], np.arange(-1, n - 1), np.arange(n))
+        got[name] = target.logits_of_slots()
+    rows = []
+    for k in range(n):
+        target.reset()
+        rows.append(target.prefill(prompt + ar_tokens[:k + 1]))
+    got["batched prefill"] = np.stack(rows)
+    top2 = np.sort(want, axis=1)[:, -2:]
+    margin = top2[:, 1] - top2[:, 0]
+    out = {}
+    for name, g in got.items():
+        gap = np.abs(g - want).max(axis=1)
+        flips = g.argmax(1) != want.argmax(1)
+        out[name] = {"max": float(gap.max()), "median": float(np.median(gap)), "argmax_differs": int(flips.sum()),
+                     "min_margin": float(margin[flips].min()) if flips.any() else float("nan")}
+    return out, float(want.std())
+
+
 def bench_steps(target, draft, prompt, n_gen, budget, seed_chain, state_type):
     from pydflash.engine import Decoder
     decoder = Decoder(target, draft, mode="ddtree", budget=budget, seed_chain=seed_chain, state_type=state_type)
@@ -134,6 +165,7 @@ def main(argv=None) -> int:
     prompt = [int(t) for t in rng.integers(1, min(target.hp.n_vocab, 30000), args.n_prompt)]
 
     ar_tokens, ar_ms = bench_ar(target, prompt, args.n_gen)
+    gap = logit_gap(target, prompt, ar_tokens, args.budget + 1)
     sizes = bench_verify_sizes(target, prompt, args.reps, rng)
     if args.draft:
         draft, draft_kind = _load_draft(args.draft, target), "DFlash draft " + os.path.basename(args.draft.rstrip("/"))
@@ -149,6 +181,13 @@ def main(argv=None) -> int:
           f"{' (top-1 chain seeded)' if args.seed_chain else ''}, {state_type} node states\n")
     print(f"target load {load_s:.1f} s; prompt {args.n_prompt} tokens; {args.n_gen} new tokens; draft: {draft_kind}\n")
     print(f"AR decode: {ar_ms:.2f} ms/token = {1e3 / ar_ms:.1f} tok/s\n")
+    gaps, logit_std = gap
+    print(f"Logits of AR's next {args.budget + 1} tokens against single-token decode (logit std {logit_std:.3g}):\n")
+    print("| computed by | max abs gap | median over positions | argmax differs at | smallest AR top-2 margin there |")
+    print("|---|---|---|---|---|")
+    for name, g in gaps.items():
+        print(f"| {name} | {g['max']:.3g} | {g['median']:.3g} | {g['argmax_differs']} | {g['min_margin']:.3g} |")
+    print()
 
     print("| tree nodes | max depth | verify ms | verify / AR step | commit ms (chain path) | commit ms (moved KV) |")
     print("|---|---|---|---|---|---|")
@@ -159,6 +198,15 @@ def main(argv=None) -> int:
     per = {k: 1e3 * stats[k] / steps for k in ("draft_s", "verify_s", "commit_s", "host_s")}
     step_ms = sum(per.values())
     same = tokens == ar_tokens
+    if not same:
+        first = next(i for i, (a, b) in enumerate(zip(tokens, ar_tokens)) if a != b)
+        target.reset()
+        logits = target.prefill(prompt)
+        for tok in ar_tokens[:first]:
+            logits = target.decode(tok)
+        top2 = np.sort(logits)[-2:]
+        print(f"\nfirst difference from AR at new token {first}: AR top-2 margin {top2[1] - top2[0]:.3g}, the "
+              f"speculative token's AR logit is {logits.max() - logits[tokens[first]]:.3g} below the max")
     al_note = "this draft's" if args.draft else "oracle-controlled"
     print(f"\nddtree run: {steps} steps, acceptance length {stats['acceptance_length']:.2f} ({al_note}), "
           f"{stats['decode_tok_s']:.1f} tok/s measured, output {'equals' if same else 'DIFFERS from'} AR\n")

@@ -58,7 +58,11 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--dir", default="/tmp/pydflash-draft-bench")
     ap.add_argument("--tiny", action="store_true", help="tiny shapes (checks the script, times nothing useful)")
+    ap.add_argument("--prepare-only", action="store_true", help="write the model files into --dir and stop")
     args = ap.parse_args(argv)
+    if args.prepare_only:
+        prepare(args)
+        return 0
 
     from pydflash.models.dflash_draft import DFlashDraft
     from pydflash.models.qwen35 import Qwen35Target

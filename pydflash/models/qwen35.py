@@ -174,6 +174,7 @@ class _ForwardGraph:
         self.parent = None            # tree verify only: i32 [n_tokens, 1] parent slot per slot (-1: committed)
         self.mask_host = None         # tree verify only: the host copy of the mask, reused
         self.logits = self.argmax = None
+        self.per_slot = False         # tree verify: logits for every slot, not only the last token
 
 
 class _CommitGraph:
@@ -278,6 +279,13 @@ class Qwen35Target:
         if self._last is None:
             raise RuntimeError("no forward has run yet")
         return self._last.logits.numpy().reshape(-1)
+
+    def logits_of_slots(self) -> np.ndarray:
+        """The last verify's logits for every slot: f32 [n_slots, n_vocab] (a diagnostic: the decode loop reads
+        only the argmaxes)."""
+        if self._last is None or not self._last.per_slot:
+            raise RuntimeError("the last forward was not a verify")
+        return self._last.logits.numpy().reshape(self._last.n_tokens, -1)
 
     def argmax(self) -> int:
         if self._last is None:
@@ -485,6 +493,7 @@ class Qwen35Target:
                 dst = ctx.view_2d(cap, hp.n_embd, n, cap.nb[1], j * hp.n_embd * 4)
                 side_effects.append(ctx.cpy(h, dst).named(f"l{il}.capture"))
 
+        fg.per_slot = tree
         if not tree:   # only the last token's logits
             h = ctx.view_2d(h, hp.n_embd, 1, h.nb[1], (n - 1) * h.nb[1])
         out = self._norm(ctx, h, w["output_norm.weight"], "out.norm")

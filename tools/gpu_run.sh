@@ -1,0 +1,118 @@
+#!/usr/bin/env bash
+# A GPU session's work in phases that survive the 10-minute limit of one device call: build pydflash with CUDA
+# and llama-bench on the same ggml, run the CUDA tests, run the benchmarks of docs/benchmarks.md. A finished
+# phase leaves a stamp under $STATE, so running the same command again (on the same, still warm machine) goes on
+# where the last call stopped; a phase that would not fit in the time left waits for the next call.
+#
+# Usage, in the repo root on the GPU machine:
+#   tools/gpu_run.sh WHEELS GGML_SRC LLAMA_SRC PYLIBS [SECONDS]
+#     WHEELS    wheels the machine lacks (cffi, pycparser, gguf, diskcache, dflash)
+#     GGML_SRC  the pristine pinned ggml tree (the 76 MB archive cannot travel)
+#     LLAMA_SRC the pinned llama.cpp tree for llama-bench (tools/build_llama_bench.sh says which parts)
+#     PYLIBS    folder holding llama_cpp (the oracle of the target tests)
+#     SECONDS   time this call may use (default 560)
+# Phases to skip: SKIP="bench_tq3 tests_rest". Logs: $STATE/logs; each call leaves $OUT/summary.md and
+# $OUT/logs.tgz.
+set -uo pipefail
+src=$(pwd)
+wheels=$(realpath "$1"); ggml_src=$(realpath "$2"); llama_src=$(realpath "$3"); pylibs=$(realpath "$4")
+deadline=$(( $(date +%s) + ${5:-560} ))
+state=${STATE:-/tmp/pydflash-gpu}; logs=$state/logs; data=$state/data
+out=${OUT:-$state/out}
+mkdir -p "$logs" "$data" "$out"
+build=$src/build/cp312-cp312-linux_x86_64          # pip's build folder (pyproject: build/{wheel_tag})
+export PYTHONPATH=$state/pyd:$state/site:$pylibs PYDFLASH_GGML_SOURCE=$ggml_src PYDFLASH_CUDA=1 PYTHONUNBUFFERED=1
+export CMAKE_ARGS="-DCMAKE_CUDA_ARCHITECTURES=90" CMAKE_BUILD_PARALLEL_LEVEL=$(nproc)
+export LD_LIBRARY_PATH=$state/pyd/pydflash/lib   # llama-bench runs on the same ggml libraries as pydflash
+
+finish() {
+    tar czf "$out/logs.tgz" -C "$state" logs
+    cp "$logs/summary.md" "$out/summary.md" 2>/dev/null
+    exit "$1"
+}
+left() { echo $(( deadline - $(date +%s) )); }
+
+# phase NAME SECONDS_NEEDED CMD...: run CMD (from /tmp, so the source tree never shadows the installed package)
+# unless it is stamped done; stamp it unless it timed out. Not enough time left: end this call.
+phase() {
+    local name=$1 need=$2; shift 2
+    [ -e "$state/$name.done" ] && return 0
+    case " ${SKIP:-} " in *" $name "*) return 0 ;; esac
+    if [ "$(left)" -lt "$need" ]; then
+        echo "[$name] needs ~${need} s, $(left) s left: run again" | tee -a "$logs/summary.md"
+        finish 0
+    fi
+    local t0 rc
+    t0=$(date +%s)
+    (cd /tmp && timeout "$(left)" bash -c '"$@"' _ "$@") > "$logs/$name.log" 2>&1
+    rc=$?
+    echo "[$name] rc=$rc in $(( $(date +%s) - t0 )) s" | tee -a "$logs/summary.md"
+    tail -n 25 "$logs/$name.log" | tee -a "$logs/summary.md"
+    if [ $rc -eq 124 ]; then echo "[$name] timed out: run again" | tee -a "$logs/summary.md"; finish 0; fi
+    touch "$state/$name.done"
+    return $rc
+}
+
+build_pydflash() {   # from the source root: pip's build folder is relative to it
+    cd "$src" && python3 -m pip install --no-build-isolation --no-deps --upgrade --target "$state/pyd" .
+}
+
+pytest_cuda() {
+    python3 -m pytest -q -s -p no:cacheprovider --rootdir "$src" -c "$src/pyproject.toml" -m cuda "$@"
+}
+
+write_models() {   # the 27B-shaped target and draft, and the draft bench's 5-layer pair
+    set -e
+    echo $$ > "$state/models.pid"
+    cd /tmp                          # not the source tree: it would shadow the installed package
+    python3 -m pydflash.testing write-qwen35 "$data/q27.gguf" --preset 27b
+    python3 -m pydflash.testing write-dflash "$data/d27" --target "$data/q27.gguf" --n-layer 5 --n-head 32 \
+        --n-head-kv 8 --head-dim 128 --n-ff 17408
+    python3 "$src/bench/draft_step.py" --prepare-only --dir "$data/dfb"
+    touch "$state/models.done"
+}
+
+writer_alive() { [ -e "$state/models.pid" ] && kill -0 "$(cat "$state/models.pid")" 2>/dev/null; }
+
+wait_models() {
+    while [ ! -e "$state/models.done" ]; do
+        writer_alive || { echo "the model writer stopped:"; tail -20 "$logs/models-writer.log"; return 1; }
+        sleep 5
+    done
+}
+
+export -f build_pydflash pytest_cuda write_models writer_alive wait_models
+export src state logs data
+
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee -a "$logs/summary.md"
+phase wheels 30 python3 -m pip install -q --no-index --no-deps --no-compile --target "$state/site" "$wheels"/*.whl \
+    || finish 1
+phase build 330 build_pydflash || finish 1
+if [ ! -e "$state/models.done" ] && ! writer_alive; then   # own session: outlives this call while the machine is warm
+    rm -f "$state/models.pid"
+    setsid bash -c write_models > "$logs/models-writer.log" 2>&1 < /dev/null &
+    sleep 2
+fi
+phase llama_bench 200 "$src/tools/build_llama_bench.sh" "$llama_src" "$build"
+phase tests_engine 120 pytest_cuda "$src/tests/test_engine.py"
+phase tests_draft 120 pytest_cuda "$src/tests/test_dflash_draft.py"
+phase tests_target 150 pytest_cuda "$src/tests/test_qwen35.py" "$src/tests/test_target_tq3.py"
+phase models 120 wait_models
+phase bench_ar 150 python3 "$src/bench/ar_decode.py" "$data/q27.gguf" --device cuda --n-gen 128 --reps 5 \
+    --llama-bench "$build/bin/llama-bench"
+phase bench_draft 120 python3 "$src/bench/draft_step.py" --device cuda --ctx 2048 --window 2048 --top-k 8 \
+    --reps 50 --dir "$data/dfb"
+phase bench_ddtree 240 python3 "$src/bench/ddtree_step.py" "$data/q27.gguf" --draft "$data/d27" --device cuda \
+    --budget 22 --n-gen 64 --reps 5
+phase bench_f16 150 python3 "$src/bench/ddtree_step.py" "$data/q27.gguf" --draft "$data/d27" --device cuda \
+    --budget 22 --n-gen 32 --reps 5 --f16-states
+# llama.cpp's own batched forwards of 1..40 tokens, beside our verify-size table
+phase bench_llama_pp 120 "$build/bin/llama-bench" -m "$data/q27.gguf" -p 1,2,4,8,16,23,32,40 -n 0 -r 5 -fa 1 \
+    -ngl 99 -o md
+phase bench_tq3 150 python3 "$src/bench/ar_decode.py" "$data/q27.gguf" --device cuda --n-gen 128 --reps 3 \
+    --kv tq3_0 --n-depth 512 --n-ctx 1024
+phase tests_rest 300 pytest_cuda "$src/tests" --ignore="$src/tests/test_engine.py" \
+    --ignore="$src/tests/test_dflash_draft.py" --ignore="$src/tests/test_qwen35.py" \
+    --ignore="$src/tests/test_target_tq3.py"
+echo "all phases done" | tee -a "$logs/summary.md"
+finish 0
