@@ -4,7 +4,10 @@
 # phase leaves a stamp under $STATE, so running the same command again (on the same, still warm machine) goes on
 # where the last call stopped; a phase that would not fit in the time left waits for the next call.
 #
-# Usage, in the repo root on the GPU machine:
+# Usage: first, here, `python tools/prepare_gpu_carry.py` (makes .device/ and .whl/); then, in the repo root on
+# the GPU machine, with .device and .whl carried:
+#   tools/gpu_run.sh .whl .device/ggml-src .device/llama .device/pylibs [SECONDS]
+# in general:
 #   tools/gpu_run.sh WHEELS GGML_SRC LLAMA_SRC PYLIBS [SECONDS]
 #     WHEELS    wheels the machine lacks (cffi, pycparser, gguf, diskcache, dflash)
 #     GGML_SRC  the pristine pinned ggml tree (the 76 MB archive cannot travel)

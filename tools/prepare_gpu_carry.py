@@ -1,0 +1,70 @@
+"""Prepare what tools/gpu_run.sh needs on the GPU machine, which has no package registry and takes at most
+64 MiB of working tree: run here, in the repo root, then carry `.device` and `.whl` (both git-ignored).
+
+    python tools/prepare_gpu_carry.py
+
+  .device/ggml-src   pristine pinned ggml, CPU and CUDA backends only (the 76 MB archive cannot travel)
+  .device/llama      the llama.cpp parts llama-bench is built from (tools/build_llama_bench.sh)
+  .device/pylibs     llama_cpp from this environment, the oracle of the target tests (pure Python + .so files)
+  .whl               cp312 wheels the GPU image lacks: cffi, pycparser, gguf, diskcache, dflash
+"""
+from __future__ import annotations
+
+import importlib.util
+import re
+import shutil
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "vendor"))
+import fetch_ggml  # noqa: E402  (vendor/ is not a package)
+
+LLAMA_PARTS = ("src", "include", "common", "vendor", "cmake", "licenses", "LICENSE", "CMakeLists.txt",
+               "tools/llama-bench")
+WHEELS = ("cffi==2.1.1", "pycparser", "gguf==0.19.0", "diskcache==5.6.3", "dflash==0.1.0")
+
+
+def extract_llama(archive: Path, dest: Path) -> None:
+    prefix = fetch_ggml.PIN["subpath"].rstrip("/").rsplit("/", 1)[0] + "/"     # .../vendor/llama.cpp/
+    with tarfile.open(archive, "r:gz") as tar:
+        members = []
+        for m in tar.getmembers():
+            rel = m.name[len(prefix):] if m.name.startswith(prefix) else None
+            if rel and any(rel == p or rel.startswith(p + "/") for p in LLAMA_PARTS) and (m.isfile() or m.isdir()):
+                m.name = rel
+                members.append(m)
+        tar.extractall(dest, members=members, filter="data")
+
+
+def main() -> int:
+    device = ROOT / ".device"
+    shutil.rmtree(device, ignore_errors=True)
+    archive = fetch_ggml.locate_archive()
+    fetch_ggml.extract_archive(archive, device / "ggml-src")
+    extract_llama(archive, device / "llama")
+
+    spec = importlib.util.find_spec("llama_cpp")          # located, not imported (it loads its libraries)
+    if spec is None or spec.origin is None:
+        raise SystemExit("llama_cpp is not installed here: pip install llama-cpp-python==0.3.36 first")
+    package = Path(spec.origin).parent
+    # links become plain files (a link to a file outside the carried folder would not travel); the fully
+    # versioned library names are only link targets, so they stay behind
+    shutil.copytree(package, device / "pylibs" / "llama_cpp",
+                    ignore=lambda d, names: [n for n in names if n == "__pycache__" or n.endswith((".h", ".a"))
+                                             or re.search(r"\.so\.\d+\.\d+", n)])
+
+    wheels = ROOT / ".whl"
+    shutil.rmtree(wheels, ignore_errors=True)
+    subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:",
+                    "--python-version", "3.12", "--implementation", "cp", "--platform", "manylinux2014_x86_64",
+                    "--platform", "manylinux_2_17_x86_64", "-d", str(wheels), *WHEELS], check=True)
+    size = sum(f.stat().st_size for d in (device, wheels) for f in d.rglob("*") if f.is_file())
+    print(f"{device} and {wheels}: {size / 2**20:.1f} MiB to carry (limit 64 MiB with the working tree)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
