@@ -251,8 +251,10 @@ def _seed_of(seed: int, name: str) -> int:
     return int.from_bytes(hashlib.sha256(f"{seed}:{name}".encode()).digest()[:8], "little")
 
 
-# Matrices larger than this are built from rows drawn out of a pool of pre-encoded random rows, so the
-# 27B preset writes in minutes instead of spending an hour in the quantiser; the values are still random.
+# Matrices larger than this are built from blocks drawn out of a pool of pre-encoded random rows, so the
+# 27B preset writes in minutes instead of spending an hour in the quantiser; the values are still random. Each
+# row takes every block from an independently drawn pool row (quantised blocks carry their own scales), so no
+# two rows are equal: equal LM-head rows would give tokens exactly equal logits, and every greedy choice a tie.
 _POOL_THRESHOLD = 4 << 20    # elements
 _POOL_ROWS = 4096
 
@@ -276,10 +278,13 @@ def _write_tensor_data(writer, spec: _TensorSpec, type_name: str, seed: int, poo
     assert info.nbytes == pool.shape[1] * n_rows
     fout = writer.fout[0]
     writer.write_padding(fout, fout.tell())
+    from .ggml import Type, block_size
+    n_blocks = n_in // block_size(Type[type_name])
+    blocks = pool.reshape(_POOL_ROWS, n_blocks, -1)
     chunk = max(1, (256 << 20) // pool.shape[1])   # write ~256 MB at a time
     for start in range(0, n_rows, chunk):
-        idx = rng.integers(0, _POOL_ROWS, min(chunk, n_rows - start))
-        pool[idx].tofile(fout)
+        idx = rng.integers(0, _POOL_ROWS, (min(chunk, n_rows - start), n_blocks))
+        blocks[idx, np.arange(n_blocks)].tofile(fout)
     writer.write_padding(fout, info.nbytes)
 
 

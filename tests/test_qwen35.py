@@ -336,6 +336,24 @@ def test_pooled_streaming_writer_matches(tmp_path, monkeypatch):
     assert_logits_close(got, ref, "Q8_0")
 
 
+def test_pooled_writer_rows_are_distinct(tmp_path, monkeypatch):
+    """Big matrices come from pooled blocks, but no two rows repeat: equal LM-head rows would make tokens tie
+    exactly, and greedy ties would excuse any speculative mismatch (DESIGN §11's margin rule)."""
+    import gguf
+    import pydflash.testing as testing
+    monkeypatch.setattr(testing, "_POOL_THRESHOLD", 1000)
+    monkeypatch.setattr(testing, "_POOL_ROWS", 64)
+    path = tmp_path / "pooled.gguf"
+    write_qwen35_gguf(path, weight_type="Q8_0", n_embd=256)     # 8 blocks of 32 per row: 64^8 possible rows
+    tensors = {t.name: t for t in gguf.GGUFReader(path).tensors}
+    head = np.asarray(tensors["output.weight"].data).reshape(int(tensors["output.weight"].shape[1]), -1)
+    assert head.shape[0] > 400
+    assert len(np.unique(head, axis=0)) == head.shape[0]
+    # each block still comes from the pool: every block of a row equals that block of some pool row
+    blocks = head.reshape(head.shape[0], 8, -1)
+    assert all(len(np.unique(blocks[:, j], axis=0)) <= 64 for j in range(8))
+
+
 def test_64_layers_stay_finite_and_match(tmp_path):
     """The writer's weight scaling keeps a 64-layer model (the 27B depth, narrow) finite and well-conditioned."""
     path = tmp_path / "deep.gguf"

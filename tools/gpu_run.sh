@@ -107,6 +107,9 @@ phase bench_draft 120 python3 "$src/bench/draft_step.py" --device cuda --ctx 204
     --reps 50 --dir "$data/dfb"
 phase bench_ddtree 240 python3 "$src/bench/ddtree_step.py" "$data/q27.gguf" --draft "$data/d27" --device cuda \
     --budget 22 --n-gen 64 --reps 5
+# oracle draft (AR's own continuation, a wrong top-1 every 8th position): realistic path lengths for commit
+phase bench_oracle 200 python3 "$src/bench/ddtree_step.py" "$data/q27.gguf" --device cuda --budget 22 --n-gen 128 \
+    --reps 3
 phase bench_f16 150 python3 "$src/bench/ddtree_step.py" "$data/q27.gguf" --draft "$data/d27" --device cuda \
     --budget 22 --n-gen 32 --reps 5 --f16-states
 # llama.cpp's own batched forwards of 1..40 tokens, beside our verify-size table

@@ -53,6 +53,11 @@ def type_of(dtype) -> Type:
         raise TypeError(f"no ggml type for numpy dtype {np.dtype(dtype)}") from None
 
 
+def block_size(type_: Type) -> int:
+    """Values per block of a type (1 for plain float types): quantised rows are whole blocks."""
+    return lib.ggml_blck_size(type_)
+
+
 def row_size(type_: Type, n: int) -> int:
     """Bytes of a row of n values of a (possibly quantised) type."""
     if n % lib.ggml_blck_size(type_):
