@@ -31,8 +31,7 @@ def prompt():
     return [int(t) for t in np.random.default_rng(5).integers(3, 400, size=24)]
 
 
-@pytest.fixture(scope="module")
-def reference(target, prompt):
+def ar_reference(target, prompt):
     """AR greedy tokens and, per token, the margin between the top two logits that chose it."""
     target.reset()
     logits = target.prefill(prompt)
@@ -43,6 +42,11 @@ def reference(target, prompt):
         margins.append(float(top2[1] - top2[0]))
         logits = target.decode(tokens[-1])
     return tokens, margins
+
+
+@pytest.fixture(scope="module")
+def reference(target, prompt):
+    return ar_reference(target, prompt)
 
 
 def assert_lossless(out, reference):
@@ -239,14 +243,7 @@ def test_cuda_lossless(tmp_path, prompt, mode, budget):
     path = tmp_path / "b.gguf"
     write_qwen35_gguf(path, **CUDA_SHAPE)
     target = Qwen35Target(path, "cuda", n_ctx=512, n_ubatch=64)
-    target.reset()
-    logits = target.prefill(prompt)
-    ref, margins = [], []
-    for _ in range(N_GEN):
-        top2 = np.sort(logits)[-2:]
-        ref.append(int(np.argmax(logits)))
-        margins.append(float(top2[1] - top2[0]))
-        logits = target.decode(ref[-1])
+    ref, margins = ar_reference(target, prompt)
     draft = OracleDraft(prompt + ref, target.hp.n_vocab, block_size=BLOCK, error_positions=ERRORS)
     out, stats = Decoder(target, draft, mode=mode, budget=budget).generate_ids(prompt, N_GEN)
     for i, (a, b) in enumerate(zip(out, ref)):
