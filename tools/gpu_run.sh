@@ -84,14 +84,38 @@ wait_models() {
     done
 }
 
-export -f build_pydflash pytest_cuda write_models writer_alive wait_models
-export src state logs data
+profile_decode() {   # GPU kernel time per decode step, pydflash vs llama.cpp, on an 8-layer 27B-shaped model
+    set -e
+    cd /tmp
+    python3 -m pydflash.testing write-qwen35 "$data/q8l.gguf" --preset 27b --n-layer 8
+    export GGML_CUDA_DISABLE_GRAPHS=1                 # kernels launched one by one, so ncu sees each
+    local ncu="ncu --csv --metrics gpu__time_duration.sum --cache-control none --clock-control none"
+    $ncu python3 "$src/bench/ar_decode.py" "$data/q8l.gguf" --device cuda --n-gen 4 --reps 1 > "$logs/ncu_pydflash.csv"
+    $ncu "$build/bin/llama-bench" -m "$data/q8l.gguf" -p 0 -n 4 -r 1 -fa 1 -ngl 99 > "$logs/ncu_llama.csv"
+    # steps: ar_decode runs a warm-up and one rep of 4; llama-bench a 1-token warm-up and one rep of 4
+    python3 "$src/tools/ncu_compare.py" "$logs/ncu_pydflash.csv" 8 "$logs/ncu_llama.csv" 5
+}
+
+decode_overhead() {   # wall time per step against GPU time, graphs on and off, pydflash and llama.cpp (8 layers)
+    set -e
+    cd /tmp
+    [ -e "$data/q8l.gguf" ] || python3 -m pydflash.testing write-qwen35 "$data/q8l.gguf" --preset 27b --n-layer 8
+    python3 "$src/bench/ar_decode.py" "$data/q8l.gguf" --device cuda --n-gen 128 --reps 5 \
+        --llama-bench "$build/bin/llama-bench"
+    echo "| model | device | graphs | us/step | inside compute | rest |"
+    python3 "$src/bench/decode_overhead.py" "$data/q8l.gguf" --device cuda
+    GGML_CUDA_DISABLE_GRAPHS=1 python3 "$src/bench/decode_overhead.py" "$data/q8l.gguf" --device cuda
+    GGML_CUDA_DISABLE_GRAPHS=1 "$build/bin/llama-bench" -m "$data/q8l.gguf" -p 0 -n 128 -r 5 -fa 1 -ngl 99 -o md
+}
+
+export -f decode_overhead profile_decode build_pydflash pytest_cuda write_models writer_alive wait_models
+export src state logs data build
 
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee -a "$logs/summary.md"
 phase wheels 30 python3 -m pip install -q --no-index --no-deps --no-compile --target "$state/site" "$wheels"/*.whl \
     || finish 1
 phase build 330 build_pydflash || finish 1
-if [ ! -e "$state/models.done" ] && ! writer_alive; then   # own session: outlives this call while the machine is warm
+if [ ! -e "$state/models.done" ] && ! writer_alive && [[ " ${SKIP:-} " != *" models "* ]]; then   # own session: outlives this call while the machine is warm
     rm -f "$state/models.pid"
     setsid bash -c write_models > "$logs/models-writer.log" 2>&1 < /dev/null &
     sleep 2
@@ -120,5 +144,7 @@ phase bench_tq3 150 python3 "$src/bench/ar_decode.py" "$data/q27.gguf" --device 
 phase tests_rest 300 pytest_cuda "$src/tests" --ignore="$src/tests/test_engine.py" \
     --ignore="$src/tests/test_dflash_draft.py" --ignore="$src/tests/test_qwen35.py" \
     --ignore="$src/tests/test_target_tq3.py"
+phase profile 200 profile_decode
+phase overhead 150 decode_overhead
 echo "all phases done" | tee -a "$logs/summary.md"
 finish 0
