@@ -84,16 +84,18 @@ wait_models() {
     done
 }
 
-profile_decode() {   # GPU kernel time per decode step, pydflash vs llama.cpp, on an 8-layer 27B-shaped model
+profile_decode() {   # GPU kernel time per decode step, pydflash vs llama.cpp, on a 27B-shaped model of $1 layers
     set -e
     cd /tmp
-    python3 -m pydflash.testing write-qwen35 "$data/q8l.gguf" --preset 27b --n-layer 8
+    local model=$data/q${1}l.gguf
+    [ -e "$model" ] || python3 -m pydflash.testing write-qwen35 "$model" --preset 27b --n-layer "$1"
+    python3 "$src/bench/decode_overhead.py" "$model" --device cuda
     export GGML_CUDA_DISABLE_GRAPHS=1                 # kernels launched one by one, so ncu sees each
     local ncu="ncu --csv --metrics gpu__time_duration.sum --cache-control none --clock-control none"
-    $ncu python3 "$src/bench/ar_decode.py" "$data/q8l.gguf" --device cuda --n-gen 4 --reps 1 > "$logs/ncu_pydflash.csv"
-    $ncu "$build/bin/llama-bench" -m "$data/q8l.gguf" -p 0 -n 4 -r 1 -fa 1 -ngl 99 > "$logs/ncu_llama.csv"
-    # steps: ar_decode runs a warm-up and one rep of 4; llama-bench a 1-token warm-up and one rep of 4
-    python3 "$src/tools/ncu_compare.py" "$logs/ncu_pydflash.csv" 8 "$logs/ncu_llama.csv" 5
+    $ncu python3 "$src/bench/ar_decode.py" "$model" --device cuda --n-gen 2 --reps 1 > "$logs/ncu_pydflash_$1.csv"
+    $ncu "$build/bin/llama-bench" -m "$model" -p 0 -n 2 -r 1 -fa 1 -ngl 99 > "$logs/ncu_llama_$1.csv"
+    # steps: ar_decode runs a warm-up and one rep of 2; llama-bench a 1-token warm-up and one rep of 2
+    python3 "$src/tools/ncu_compare.py" "$logs/ncu_pydflash_$1.csv" 4 "$logs/ncu_llama_$1.csv" 3
 }
 
 decode_overhead() {   # wall time per step against GPU time, graphs on and off, pydflash and llama.cpp (8 layers)
@@ -144,7 +146,8 @@ phase bench_tq3 150 python3 "$src/bench/ar_decode.py" "$data/q27.gguf" --device 
 phase tests_rest 300 pytest_cuda "$src/tests" --ignore="$src/tests/test_engine.py" \
     --ignore="$src/tests/test_dflash_draft.py" --ignore="$src/tests/test_qwen35.py" \
     --ignore="$src/tests/test_target_tq3.py"
-phase profile 200 profile_decode
+phase profile 200 profile_decode 8
+phase profile64 400 profile_decode 64
 phase overhead 150 decode_overhead
 echo "all phases done" | tee -a "$logs/summary.md"
 finish 0
