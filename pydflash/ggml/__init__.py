@@ -8,6 +8,6 @@ from .core import (Allocator, Backend, Buffer, Context, GGMLError, Graph, Op, Te
 from .ext import (check_parents, gated_delta_net_tree, gated_delta_net_tree_persist, set_parents,
                   ssm_conv_tree)
 
-__all__ = ["Allocator", "Backend", "Buffer", "Context", "GGMLError", "Graph", "Op", "Tensor", "Type", "block_size", "devices",
-           "quantize", "row_size", "type_of",
+__all__ = ["Allocator", "Backend", "Buffer", "Context", "GGMLError", "Graph", "Op", "Tensor", "Type", "block_size",
+           "devices", "quantize", "row_size", "type_of",
            "check_parents", "gated_delta_net_tree", "gated_delta_net_tree_persist", "set_parents", "ssm_conv_tree"]

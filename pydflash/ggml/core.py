@@ -60,8 +60,8 @@ def block_size(type_: Type) -> int:
 
 def row_size(type_: Type, n: int) -> int:
     """Bytes of a row of n values of a (possibly quantised) type."""
-    if n % lib.ggml_blck_size(type_):
-        raise ValueError(f"{Type(type_).name} rows must be a multiple of {lib.ggml_blck_size(type_)}, not {n}")
+    if n % block_size(type_):
+        raise ValueError(f"{Type(type_).name} rows must be a multiple of {block_size(type_)}, not {n}")
     return lib.ggml_row_size(type_, n)
 
 
