@@ -108,7 +108,7 @@ def save(model, draft_dir):
     write_safetensors(os.path.join(draft_dir, "model.safetensors"), specs, {"format": "pt"})
 
 
-def evaluate(target_path, draft_dir, config, budgets, n_prompts: int, n_gen: int, rng):
+def evaluate(target_path, draft_dir, config, budgets, n_prompts: int, n_gen: int, rng, train_prompts=None):
     from pydflash.engine import Decoder
     from pydflash.models.dflash_draft import DFlashDraft
     from pydflash.models.qwen35 import Qwen35Target
@@ -116,6 +116,7 @@ def evaluate(target_path, draft_dir, config, budgets, n_prompts: int, n_gen: int
     target = Qwen35Target(target_path, "cpu", n_ctx=512, n_ubatch=64, capture_layers=layers)
     draft = DFlashDraft(draft_dir, target, top_k=8)
     prompts = [[int(t) for t in rng.integers(3, target.hp.n_vocab - 1, SEQ_PROMPT)] for _ in range(n_prompts)]
+    prompts = [list(map(int, p)) for p in train_prompts] + prompts if train_prompts is not None else prompts
     refs = [Decoder(target, mode="ar").generate_ids(p, n_gen)[0] for p in prompts]
     runs = [("chain", min(b, 15), False) for b in budgets] + [("ddtree", b, s) for b in budgets for s in (False, True)]
     print("| mode | budget | top-1 chain seeded | acceptance length | output equals AR |\n|---|---|---|---|---|")
@@ -142,6 +143,8 @@ def main(argv=None) -> int:
     p.add_argument("--prompts", type=int, default=8)
     p.add_argument("--n-gen", type=int, default=64)
     p.add_argument("--budgets", default="4,8,15,22")
+    p.add_argument("--eval-on-train", action="store_true",
+                   help="decode training prompts instead (checks the pipeline: a memorised draft accepts deep)")
     args = p.parse_args(argv)
     from pydflash.models.qwen35 import Qwen35Target
 
@@ -155,8 +158,9 @@ def main(argv=None) -> int:
     train(draft_dir, target_path, config, seqs, feats, args.steps, rng)
     with open(os.path.join(draft_dir, "config.json")) as f:
         assert json.load(f) == config
-    evaluate(target_path, draft_dir, config, [int(b) for b in args.budgets.split(",")], args.prompts, args.n_gen,
-             rng)
+    train_prompts = seqs[:args.prompts, :SEQ_PROMPT] if args.eval_on_train else None
+    evaluate(target_path, draft_dir, config, [int(b) for b in args.budgets.split(",")],
+             0 if args.eval_on_train else args.prompts, args.n_gen, rng, train_prompts)
     return 0
 
 

@@ -117,7 +117,8 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | 
 phase wheels 30 python3 -m pip install -q --no-index --no-deps --no-compile --target "$state/site" "$wheels"/*.whl \
     || finish 1
 phase build 330 build_pydflash || finish 1
-if [ ! -e "$state/models.done" ] && ! writer_alive && [[ " ${SKIP:-} " != *" models "* ]]; then   # own session: outlives this call while the machine is warm
+# the model writer runs in its own session, so it outlives this call while the machine stays warm
+if [ ! -e "$state/models.done" ] && ! writer_alive && [[ " ${SKIP:-} " != *" models "* ]]; then
     rm -f "$state/models.pid"
     setsid bash -c write_models > "$logs/models-writer.log" 2>&1 < /dev/null &
     sleep 2
