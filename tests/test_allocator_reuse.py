@@ -44,3 +44,21 @@ def test_target_graph_reused_after_a_larger_prefill(tmp_path):
     b = Qwen35Target(path, "cpu", n_ctx=512)
     b.prefill(short)
     np.testing.assert_array_equal(reused, b.decode(7))
+
+
+def test_every_allocation_renews_the_graph_uid():
+    """The CUDA backend replays its captured graph without re-checking nodes while the uid stays the same, so
+    any allocation (which may move tensors) must give the graph a new one; computing alone must not."""
+    backend = ggml.Backend("cpu")
+    alloc = ggml.Allocator(backend)
+    (_, xs, small), (_, xb, big) = _graph(16), _graph(1 << 20)
+    assert small.uid == 0                          # ggml's default: never seen
+    alloc.allocate(small)
+    first = small.uid
+    xs.set(np.zeros(16, np.float32))
+    backend.compute(small)
+    backend.compute(small)
+    assert small.uid == first != 0
+    alloc.allocate(big)
+    alloc.allocate(small)
+    assert small.uid not in (0, first, big.uid)

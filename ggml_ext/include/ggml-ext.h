@@ -10,7 +10,7 @@ extern "C" {
 #endif
 
 // Bumped whenever an op's signature or semantics change; the Python bindings check it at load.
-#define GGML_EXT_ABI_VERSION 2
+#define GGML_EXT_ABI_VERSION 3
 
 // The number of ops in ggml-ext-ops.def.
 enum {
@@ -21,6 +21,12 @@ enum {
 };
 
 GGML_API int ggml_ext_abi_version(void);
+
+// A graph's uid tells a backend that nothing in it changed since the last compute with the same uid, so the CUDA
+// backend can replay its captured CUDA graph without comparing every node (as it does for uid 0, the default).
+// ggml's scheduler sets uids; callers that allocate graphs themselves renew the uid after every allocation.
+GGML_API void     ggml_ext_graph_renew_uid(struct ggml_cgraph * graph);
+GGML_API uint64_t ggml_ext_graph_uid(const struct ggml_cgraph * graph);
 
 // Depthwise causal convolution over a token tree (the tree form of ggml_ssm_conv).
 //   sx     f32 [d_conv-1+n_t, d_inner, n_s]  conv state columns (oldest first), then the n_t new inputs

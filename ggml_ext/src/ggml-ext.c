@@ -7,6 +7,14 @@ int ggml_ext_abi_version(void) {
     return GGML_EXT_ABI_VERSION;
 }
 
+void ggml_ext_graph_renew_uid(struct ggml_cgraph * graph) {
+    graph->uid = ggml_graph_next_uid();
+}
+
+uint64_t ggml_ext_graph_uid(const struct ggml_cgraph * graph) {
+    return graph->uid;
+}
+
 struct ggml_tensor * ggml_ssm_conv_tree(
         struct ggml_context * ctx,
         struct ggml_tensor  * sx,

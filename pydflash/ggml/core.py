@@ -419,6 +419,11 @@ class Graph:
         self._placed: list | None = None   # tensors the allocator gives addresses (set at first allocation)
 
     @property
+    def uid(self) -> int:
+        """Renewed by every allocation; backends skip re-checking a graph whose uid they have seen (0: never)."""
+        return int(lib.ggml_ext_graph_uid(self._ptr))
+
+    @property
     def n_nodes(self) -> int:
         return lib.ggml_graph_n_nodes(self._ptr)
 
@@ -457,6 +462,9 @@ class Allocator:
                 ptr.buffer = ffi.NULL
         if not lib.ggml_gallocr_alloc_graph(self._ptr, graph._ptr):
             raise GGMLError(f"{self.backend.name}: could not allocate the graph's compute buffer")
+        # addresses may have moved: a new uid makes the CUDA backend check the graph once, then replay it
+        # without a per-node comparison on every compute
+        lib.ggml_ext_graph_renew_uid(graph._ptr)
         graph._allocator = self
         self._current = graph
 
