@@ -44,6 +44,12 @@ N_DECODE = 32
 LOGIT_ATOL = {"F32": 1e-3, "F16": 5e-3, "Q8_0": 0.15, "Q4_K": 0.15}
 MEDIAN_ATOL = {"F32": 1e-3, "F16": 2e-3, "Q8_0": 0.08, "Q4_K": 0.08}
 
+# CUDA against the CPU oracle: cuBLAS / MMVQ kernels sum in their own order and quantise activations to q8_1
+# (not q8_0) for quantised weights, so the f32 noise is larger and, for Q8_0, amplified as explained above.
+# Bounds, written before a GPU run; measured on the H100 since: max |dlogit| 3.7e-3 (F32) and 0.14 (Q8_0):
+CUDA_LOGIT_ATOL = {"F32": 1e-2, "Q8_0": 0.25}
+CUDA_MEDIAN_ATOL = {"F32": 5e-3, "Q8_0": 0.15}
+
 
 def assert_logits_close(got, ref, wtype, atol=None, median_atol=None):
     """Per-step max |dlogit| within the bound, the median step within the tighter median bound, and the same
@@ -119,17 +125,18 @@ def llama_greedy(path, prompt, n_steps, kv="f16"):
     return np.stack(logits), tokens
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
 @pytest.mark.parametrize("wtype", ["F32", "Q8_0"])
 @pytest.mark.parametrize("shape", sorted(SHAPES))
-def test_logits_match_llama_cpp(models, shape, wtype):
+def test_logits_match_llama_cpp(models, shape, wtype, device):
     path = models[(shape, wtype)]
     prompt = _prompt()
     ref, tokens = llama_greedy(path, prompt, N_DECODE)
-    target = Qwen35Target(path, "cpu", n_ctx=N_CTX, n_ubatch=64)
-    got = [target.prefill(prompt)] + [target.decode(t) for t in tokens]
-    got = np.stack(got)
-    err = assert_logits_close(got, ref, wtype)
-    print(f"{shape} {wtype}: max |dlogit| prefill {err[0]:.2e}, decode {err[1:].max():.2e}")
+    target = Qwen35Target(path, device, n_ctx=N_CTX, n_ubatch=64)
+    got = np.stack([target.prefill(prompt)] + [target.decode(t) for t in tokens])
+    bounds = {} if device == "cpu" else {"atol": CUDA_LOGIT_ATOL[wtype], "median_atol": CUDA_MEDIAN_ATOL[wtype]}
+    err = assert_logits_close(got, ref, wtype, **bounds)
+    print(f"{device} {shape} {wtype}: max |dlogit| prefill {err[0]:.2e}, decode {err[1:].max():.2e}")
 
 
 def clear_prompt(path, kv, n_steps, min_margin=1e-3):
@@ -432,27 +439,6 @@ def test_all_gdn_and_all_attention_models_run(tmp_path, pattern):
 
 
 # --- CUDA (run on the GPU machine with `pytest -m cuda tests/test_qwen35.py`) ---------------------------------
-
-# CUDA against the CPU oracle: cuBLAS / MMVQ kernels sum in their own order and quantise activations to q8_1
-# (not q8_0) for quantised weights, so the f32 noise is larger and, for Q8_0, amplified as explained above.
-# Bounds, written before a GPU run; measured on the H100 since: max |dlogit| 3.7e-3 (F32) and 0.14 (Q8_0):
-CUDA_LOGIT_ATOL = {"F32": 1e-2, "Q8_0": 0.25}
-CUDA_MEDIAN_ATOL = {"F32": 5e-3, "Q8_0": 0.15}
-
-
-@pytest.mark.cuda
-@pytest.mark.parametrize("wtype", ["F32", "Q8_0"])
-@pytest.mark.parametrize("shape", sorted(SHAPES))
-def test_cuda_logits_match_llama_cpp(models, shape, wtype):
-    path = models[(shape, wtype)]
-    prompt = _prompt()
-    ref, tokens = llama_greedy(path, prompt, N_DECODE)
-    target = Qwen35Target(path, "cuda", n_ctx=N_CTX, n_ubatch=64)
-    got = np.stack([target.prefill(prompt)] + [target.decode(t) for t in tokens])
-    err = np.abs(got - ref).max(axis=1)
-    print(f"cuda {shape} {wtype}: max |dlogit| prefill {err[0]:.2e}, decode {err[1:].max():.2e}")
-    assert_logits_close(got, ref, wtype, atol=CUDA_LOGIT_ATOL[wtype], median_atol=CUDA_MEDIAN_ATOL[wtype])
-
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("kv", ["f16", "q8_0", "q4_0"])

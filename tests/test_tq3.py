@@ -228,6 +228,14 @@ def make_mask(rng, n_q, n_kv):
     return mask
 
 
+def attention_inputs(rng, h, hkv, n_q, n_kv, dim):
+    """Random Q [1, h, n_q, dim] and K, V [1, hkv, n_kv, dim], a mask (make_mask) and the softmax scale."""
+    q = rng.standard_normal((1, h, n_q, dim))
+    k = rng.standard_normal((1, hkv, n_kv, dim))
+    v = rng.standard_normal((1, hkv, n_kv, dim))
+    return q, k, v, make_mask(rng, n_q, n_kv), 1 / np.sqrt(dim)
+
+
 def _tq3_attention(backend, q, k, v, mask, scale, kv_type=Type.TQ3_0, softcap=0.0):
     """Write k/v through set_rows into caches of kv_type, attend with tq3.flash_attn; returns the output and the
     raw caches."""
@@ -266,11 +274,7 @@ def _tq3_attention(backend, q, k, v, mask, scale, kv_type=Type.TQ3_0, softcap=0.
 @pytest.mark.parametrize("n_q,n_kv", [(1, 256), (1, 2048), (3, 512), (8, 1024), (16, 512)])
 def test_flash_attention_tq3(backend, rng, n_q, n_kv):
     h, hkv, dim = 8, 2, 256
-    q = rng.standard_normal((1, h, n_q, dim))
-    k = rng.standard_normal((1, hkv, n_kv, dim))
-    v = rng.standard_normal((1, hkv, n_kv, dim))
-    mask = make_mask(rng, n_q, n_kv)
-    scale = 1 / np.sqrt(dim)
+    q, k, v, mask, scale = attention_inputs(rng, h, hkv, n_q, n_kv, dim)
     out, raw_k, raw_v = _tq3_attention(backend, q, k, v, mask, scale)
     out = out.reshape(n_q, h, dim)
 
@@ -333,11 +337,7 @@ def test_cuda_attention_matches_cpu(rng, n_q, n_kv):
     decode kernel does too (~1e-6), the prefill path rounds Q, K and V to f16 (2^-11 relative each)."""
     cuda, cpu = ggml.Backend("cuda"), ggml.Backend("cpu")
     h, hkv, dim = 24, 4, 256
-    q = rng.standard_normal((1, h, n_q, dim))
-    k = rng.standard_normal((1, hkv, n_kv, dim))
-    v = rng.standard_normal((1, hkv, n_kv, dim))
-    mask = make_mask(rng, n_q, n_kv)
-    scale = 1 / np.sqrt(dim)
+    q, k, v, mask, scale = attention_inputs(rng, h, hkv, n_q, n_kv, dim)
     out_cpu, raw_k_cpu, _ = _tq3_attention(cpu, q, k, v, mask, scale)
     out_gpu, raw_k_gpu, _ = _tq3_attention(cuda, q, k, v, mask, scale)
     # the two quantisers sum in different orders: a scale may round to the neighbouring f16 (2^-10 relative)
