@@ -84,12 +84,17 @@ wait_models() {
     done
 }
 
+model_of_depth() {   # path of the 27B-shaped model cut to $1 layers, written on first use
+    local model=$data/q${1}l.gguf
+    [ -e "$model" ] || python3 -m pydflash.testing write-qwen35 "$model" --preset 27b --n-layer "$1" >&2
+    echo "$model"
+}
+
 profile_decode() {   # GPU kernel time per decode step, pydflash vs llama.cpp, on a 27B-shaped model of $1 layers
     set -e
     cd /tmp
-    local model=$data/q${1}l.gguf
-    [ -e "$model" ] || python3 -m pydflash.testing write-qwen35 "$model" --preset 27b --n-layer "$1"
-    python3 "$src/bench/decode_overhead.py" "$model" --device cuda
+    local model
+    model=$(model_of_depth "$1")
     export GGML_CUDA_DISABLE_GRAPHS=1                 # kernels launched one by one, so ncu sees each
     local ncu="ncu --csv --metrics gpu__time_duration.sum --cache-control none --clock-control none"
     $ncu python3 "$src/bench/ar_decode.py" "$model" --device cuda --n-gen 2 --reps 1 > "$logs/ncu_pydflash_$1.csv"
@@ -98,19 +103,21 @@ profile_decode() {   # GPU kernel time per decode step, pydflash vs llama.cpp, o
     python3 "$src/tools/ncu_compare.py" "$logs/ncu_pydflash_$1.csv" 4 "$logs/ncu_llama_$1.csv" 3
 }
 
-decode_overhead() {   # wall time per step against GPU time, graphs on and off, pydflash and llama.cpp (8 layers)
+# wall time per step against time inside compute, CUDA graphs on and off, pydflash and llama.cpp, on a
+# 27B-shaped model of $1 layers
+decode_overhead() {
     set -e
     cd /tmp
-    [ -e "$data/q8l.gguf" ] || python3 -m pydflash.testing write-qwen35 "$data/q8l.gguf" --preset 27b --n-layer 8
-    python3 "$src/bench/ar_decode.py" "$data/q8l.gguf" --device cuda --n-gen 128 --reps 5 \
-        --llama-bench "$build/bin/llama-bench"
+    local model
+    model=$(model_of_depth "$1")
+    python3 "$src/bench/ar_decode.py" "$model" --device cuda --n-gen 128 --reps 5 --llama-bench "$build/bin/llama-bench"
     echo "| model | device | graphs | us/step | inside compute | rest |"
-    python3 "$src/bench/decode_overhead.py" "$data/q8l.gguf" --device cuda
-    GGML_CUDA_DISABLE_GRAPHS=1 python3 "$src/bench/decode_overhead.py" "$data/q8l.gguf" --device cuda
-    GGML_CUDA_DISABLE_GRAPHS=1 "$build/bin/llama-bench" -m "$data/q8l.gguf" -p 0 -n 128 -r 5 -fa 1 -ngl 99 -o md
+    python3 "$src/bench/decode_overhead.py" "$model" --device cuda
+    GGML_CUDA_DISABLE_GRAPHS=1 python3 "$src/bench/decode_overhead.py" "$model" --device cuda
+    GGML_CUDA_DISABLE_GRAPHS=1 "$build/bin/llama-bench" -m "$model" -p 0 -n 128 -r 5 -fa 1 -ngl 99 -o md
 }
 
-export -f decode_overhead profile_decode build_pydflash pytest_cuda write_models writer_alive wait_models
+export -f model_of_depth decode_overhead profile_decode build_pydflash pytest_cuda write_models writer_alive wait_models
 export src state logs data build
 
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee -a "$logs/summary.md"
@@ -149,6 +156,7 @@ phase tests_rest 300 pytest_cuda "$src/tests" --ignore="$src/tests/test_engine.p
     --ignore="$src/tests/test_target_tq3.py"
 phase profile 200 profile_decode 8
 phase profile64 400 profile_decode 64
-phase overhead 150 decode_overhead
+phase overhead 150 decode_overhead 8
+phase overhead64 200 decode_overhead 64
 echo "all phases done" | tee -a "$logs/summary.md"
 finish 0
