@@ -15,7 +15,6 @@ import re
 import shutil
 import subprocess
 import sys
-import tarfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -27,24 +26,14 @@ LLAMA_PARTS = ("src", "include", "common", "vendor", "cmake", "licenses", "LICEN
 WHEELS = ("cffi==2.1.1", "pycparser", "gguf==0.19.0", "diskcache==5.6.3", "dflash==0.1.0")
 
 
-def extract_llama(archive: Path, dest: Path) -> None:
-    prefix = fetch_ggml.PIN["subpath"].rstrip("/").rsplit("/", 1)[0] + "/"     # .../vendor/llama.cpp/
-    with tarfile.open(archive, "r:gz") as tar:
-        members = []
-        for m in tar.getmembers():
-            rel = m.name[len(prefix):] if m.name.startswith(prefix) else None
-            if rel and any(rel == p or rel.startswith(p + "/") for p in LLAMA_PARTS) and (m.isfile() or m.isdir()):
-                m.name = rel
-                members.append(m)
-        tar.extractall(dest, members=members, filter="data")
-
-
 def main() -> int:
     device = ROOT / ".device"
     shutil.rmtree(device, ignore_errors=True)
     archive = fetch_ggml.locate_archive()
     fetch_ggml.extract_archive(archive, device / "ggml-src")
-    extract_llama(archive, device / "llama")
+    llama_root = fetch_ggml.PIN["subpath"].rstrip("/").rsplit("/", 1)[0]      # .../vendor/llama.cpp
+    fetch_ggml.extract_archive(archive, device / "llama", llama_root,
+                               keep=lambda rel: any(rel == p or rel.startswith(p + "/") for p in LLAMA_PARTS))
 
     spec = importlib.util.find_spec("llama_cpp")          # located, not imported (it loads its libraries)
     if spec is None or spec.origin is None:

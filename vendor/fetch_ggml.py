@@ -93,16 +93,17 @@ def wanted(rel: str) -> bool:
     return not (len(parts) > 2 and parts[0] == "src" and parts[1] in PIN["skip_backends"])
 
 
-def extract_archive(archive: Path, dest: Path) -> None:
-    prefix = PIN["subpath"].rstrip("/") + "/"
+def extract_archive(archive: Path, dest: Path, subpath: str = PIN["subpath"], keep=wanted) -> None:
+    """Extract the files and folders under `subpath` that `keep(relative path)` accepts, relative to subpath."""
+    prefix = subpath.rstrip("/") + "/"
     with tarfile.open(archive, "r:gz") as tar:
         members = []
         for m in tar.getmembers():
-            if m.name.startswith(prefix) and wanted(m.name[len(prefix):]) and (m.isfile() or m.isdir()):
+            if m.name.startswith(prefix) and keep(m.name[len(prefix):]) and (m.isfile() or m.isdir()):
                 m.name = m.name[len(prefix):]
                 members.append(m)
         if not members:
-            raise FetchError(f"{archive}: holds nothing under {PIN['subpath']}")
+            raise FetchError(f"{archive}: holds nothing under {subpath}")
         tar.extractall(dest, members=members, filter="data")
 
 
