@@ -577,7 +577,7 @@ class DFlashDraft:
         if tuple(self.target.capture_layers) != self.hp.target_layer_ids:
             raise ValueError(f"the target captures layers {self.target.capture_layers}, the draft needs "
                              f"{self.hp.target_layer_ids}")
-        n_last = self.target._last_n_captured
+        n_last = self.target.n_captured
         rows = np.arange(n_last) if rows is None else np.asarray(rows, dtype=np.int64).reshape(-1)
         if rows.size == 0:
             return
