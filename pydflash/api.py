@@ -11,8 +11,6 @@ Decoding is greedy; speculative modes return exactly the tokens plain decoding w
 """
 from __future__ import annotations
 
-import json
-import os
 from dataclasses import dataclass, field
 
 from .engine import MODES, Decoder
@@ -104,20 +102,10 @@ def _reject_sampling(sampling: dict) -> None:
 
 
 def draft_layer_ids(draft_path) -> list[int]:
-    """The target layers a DFlash draft reads (`dflash_config.target_layer_ids` in its config.json, or the
-    header of a llama.cpp `dflash` GGUF)."""
-    path = os.fspath(draft_path)
-    if path.endswith(".gguf"):
-        from .gguf_io import GGUFFile
-        from .models.dflash_draft import DFlashHParams
-        return list(DFlashHParams.from_gguf(GGUFFile(path)).target_layer_ids)
-    config_path = os.path.join(path, "config.json") if os.path.isdir(path) else path
-    with open(config_path, encoding="utf-8") as f:
-        config = json.load(f)
-    ids = (config.get("dflash_config") or {}).get("target_layer_ids", config.get("target_layer_ids"))
-    if not isinstance(ids, list) or not ids or not all(isinstance(i, int) for i in ids):
-        raise ValueError(f"{config_path}: no dflash_config.target_layer_ids list")
-    return ids
+    """The target layers a DFlash draft reads: its config's `target_layer_ids` (or z-lab's default spread when
+    absent), or the header of a llama.cpp `dflash` GGUF; the same lookup the draft's loader uses."""
+    from .models.dflash_draft import read_draft_hparams
+    return list(read_draft_hparams(draft_path).target_layer_ids)
 
 
 def _load_draft(draft_path, target, top_k: int = 8):
@@ -145,8 +133,9 @@ def load(target, draft=None, *, device: str = "auto", kv_type: str = "f16", max_
         raise ValueError(f"mode {mode!r}: expected one of {MODES}")
     if mode != "ar" and draft is None:
         raise ValueError(f"mode {mode!r} needs a draft")
+    target_file = GGUFFile(target)        # parsed once: the target class gets the parsed file
     if max_ctx is None:
-        n_train = int(GGUFFile(target).get(f"{GGUFFile(target).architecture}.context_length", 0) or 0)
+        n_train = int(target_file.get(f"{target_file.architecture}.context_length", 0) or 0)
         max_ctx = min(DEFAULT_MAX_CTX, n_train) if n_train > 0 else DEFAULT_MAX_CTX
     draft_object = draft is not None and hasattr(draft, "propose")   # an already built draft (tests, demo)
     if mode == "ar" or draft is None:
@@ -157,7 +146,7 @@ def load(target, draft=None, *, device: str = "auto", kv_type: str = "f16", max_
         capture = draft_layer_ids(draft)
     # a verify forward must fit in one micro-batch
     n_ubatch = max(512, budget + 1)
-    model = load_target(target, device, n_ctx=max_ctx, kv_type=kv_type, n_ubatch=n_ubatch, capture_layers=capture,
+    model = load_target(target_file, device, n_ctx=max_ctx, kv_type=kv_type, n_ubatch=n_ubatch, capture_layers=capture,
                         progress=progress)
     draft_model = None
     if mode != "ar":

@@ -415,11 +415,10 @@ class TargetRuntime:
         h = self.embed(ctx, g)                                          # [n_embd, n]
         for il in range(hp.n_layer):
             h = self.build_layer(ctx, il, h, g)
-            if il in self.capture_layers:
-                j = self.capture_layers.index(il)
+            for j in (j for j, lid in enumerate(self.capture_layers) if lid == il):   # a layer may repeat
                 cap = self.captured
                 dst = ctx.view_2d(cap, hp.n_embd, n, cap.nb[1], j * hp.n_embd * 4)
-                g.side_effects.append(ctx.cpy(h, dst).named(f"l{il}.capture"))
+                g.side_effects.append(ctx.cpy(h, dst).named(f"l{il}.capture{j}"))
 
         if not tree:   # only the last token's logits
             h = ctx.view_2d(h, hp.n_embd, 1, h.nb[1], (n - 1) * h.nb[1])
