@@ -336,7 +336,7 @@ class TargetRuntime:
         cg = self._commit_graphs.get(compact)
         if cg is None:
             cg = self._commit_graphs[compact] = self._build_commit(compact)
-        if self._commit_allocator.current is not cg.graph:
+        if cg.graph is not None and self._commit_allocator.current is not cg.graph:
             self._commit_allocator.allocate(cg.graph)
         if cg.state_slot is not None:
             d = self.hp.ssm_d_conv - 1
