@@ -117,3 +117,19 @@ def test_chat_needs_a_target():
     child.expect(pexpect.EOF)
     child.close()
     assert child.exitstatus == 2
+
+
+@pytest.mark.slow
+def test_chat_demo_answers_and_reuses():
+    """`pydflash chat --demo` needs nothing but the package; a second turn resumes from the first."""
+    child = spawn("--demo", "--device", "cpu", "--n-gen", "6")
+    _, m1 = say(child, "hi")
+    child.expect_exact("> ")
+    _, m2 = say(child, "again")
+    assert int(m1[1]) == int(m2[1]) == 6
+    assert int(m1[4]) == 0 and int(m2[4]) >= int(m1[3])
+    child.expect_exact("> ")
+    child.sendeof()
+    child.expect(pexpect.EOF)
+    child.close()
+    assert child.exitstatus == 0
