@@ -4,12 +4,11 @@ import os
 import re
 import sys
 
+import pexpect
 import pytest
 
 import pydflash
 from pydflash import testing
-
-pexpect = pytest.importorskip("pexpect")
 
 SUMMARY = re.compile(r"\[(\d+) tokens, [\d.]+ tok/s, acceptance length ([\d.]+), prompt (\d+) tokens: (\d+) reused, "
                      r"(\d+) prefilled(, interrupted)?\]")

@@ -8,7 +8,8 @@ import pydflash.models
 from pydflash import testing
 from pydflash.engine import Decoder
 from pydflash.models.dflash_draft import DFlashDraft
-from pydflash.prefix_cache import snapshot_nbytes
+from pydflash.models.qwen35 import Qwen35Target
+from pydflash.prefix_cache import PrefixCache, snapshot_nbytes
 
 N1, N2 = 20, 24              # new tokens of turn 1 and turn 2
 
@@ -41,6 +42,27 @@ def ids(seed, n):
 
 P1 = ids(1, 37)
 USER2 = ids(2, 11)
+
+
+def test_snapshot_restores_the_recurrent_state_exactly(pair, backend):
+    """A snapshot is a device-side copy: after other tokens changed the state, restoring gives back every conv
+    and ssm value bit for bit (on CUDA too), and the KV rows before the snapshot are untouched."""
+    target = Qwen35Target(pair[0], backend, n_ctx=256, n_ubatch=16)
+    prefix = PrefixCache(target)
+    target.prefill(P1, return_logits=False)
+    prefix.save(P1)
+    saved = {f"{kind}{il}": t.numpy().copy() for kind, ts in (("conv", target.cache.conv), ("ssm", target.cache.ssm))
+             for il, t in ts.items()}
+    kv = {il: t.numpy()[:len(P1)].copy() for il, t in target.cache.k.items()}
+    target.prefill(ids(12, 9), return_logits=False)
+    prefix.save(P1 + ids(12, 9))
+    assert any(not np.array_equal(saved[f"ssm{il}"], t.numpy()) for il, t in target.cache.ssm.items())
+    assert prefix.restore(P1 + ids(13, 5)) == len(P1) and target.n_past == len(P1)
+    for kind, ts in (("conv", target.cache.conv), ("ssm", target.cache.ssm)):
+        for il, t in ts.items():
+            assert np.array_equal(t.numpy(), saved[f"{kind}{il}"]), f"{kind} of layer {il}"
+    for il, t in target.cache.k.items():
+        assert np.array_equal(t.numpy()[:len(P1)], kv[il])
 
 
 @pytest.mark.slow
