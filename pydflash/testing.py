@@ -676,6 +676,12 @@ class OracleDraft:
         self.n_context = 0
         self.calls = 0
 
+    def truncate(self, n: int) -> bool:
+        if not 0 <= n <= self.n_context:
+            raise AssertionError(f"truncate to {n}: the draft context holds {self.n_context} positions")
+        self.n_context = n
+        return True
+
     def append_context(self, target, first_position: int, slots) -> None:
         if first_position != self.n_context:
             raise AssertionError(f"draft context at {self.n_context}, got features for position {first_position}")

@@ -490,6 +490,20 @@ class DraftContextCache:
     def n_filled(self) -> int:
         return min(self.n_ctx, self.window)
 
+    def truncate(self, n: int) -> bool:
+        """Forget positions n.. so that the next append continues at position n (prefix reuse).
+
+        A context of n positions keeps max(0, n - window)..n-1 in the ring; once later positions have overwritten
+        any of them this is impossible: returns False and changes nothing (rebuild the context from scratch)."""
+        if not 0 <= n <= self.n_ctx:
+            raise ValueError(f"truncate to {n} positions: the context holds 0..{self.n_ctx}")
+        kept = np.arange(max(0, n - self.window), n)
+        if not np.array_equal(self.slot_pos[kept % self.window], kept):
+            return False
+        self.slot_pos[self.slot_pos >= n] = -1     # masked from now on; the next appends overwrite them
+        self.n_ctx = n
+        return True
+
     def rows_for(self, positions: np.ndarray) -> np.ndarray:
         return self.block + positions % self.window
 
@@ -572,6 +586,10 @@ class DFlashDraft:
 
     def reset(self) -> None:
         self.cache.reset()
+
+    def truncate(self, n: int) -> bool:
+        """Keep context positions 0..n-1 only; False (nothing changed) when the ring no longer holds them."""
+        return self.cache.truncate(n)
 
     # --- context appends ---
 
