@@ -70,6 +70,10 @@ class Engine:
     def last_stats(self) -> dict:
         return self.decoder.last_stats
 
+    def prompt_ids(self, prompt, chat: bool = False) -> list[int]:
+        """The token ids `generate(prompt, chat=chat)` would decode after."""
+        return self._prompt_ids(prompt, chat, {})
+
     def _prompt_ids(self, prompt, chat: bool, sampling: dict) -> list[int]:
         _reject_sampling(sampling)
         if isinstance(prompt, str):
