@@ -77,6 +77,10 @@ class Engine:
         """Forget earlier prompts (the prefix cache): the next prompt is prefilled from scratch."""
         self.decoder.reset()
 
+    def prompt_ids(self, prompt, chat: bool = False) -> list[int]:
+        """The token ids `generate(prompt, chat=chat)` would decode after."""
+        return self._prompt_ids(prompt, chat, {})
+
     def _prompt_ids(self, prompt, chat: bool, sampling: dict) -> list[int]:
         _reject_sampling(sampling)
         if isinstance(prompt, str):
