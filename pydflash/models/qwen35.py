@@ -192,7 +192,7 @@ class _CommitGraph:
 class Qwen35Target:
     """A loaded qwen35 model with its cache: `prefill`, `decode`, `reset`, captured hidden states.
 
-    n_ctx: positions of the KV cache. kv_type: 'f16', 'q8_0', 'q4_0' or 'tq3_0' (AR only). n_ubatch: tokens per prefill
+    n_ctx: positions of the KV cache. kv_type: 'f16', 'q8_0', 'q4_0' or 'tq3_0'. n_ubatch: tokens per prefill
     micro-batch. capture_layers: 0-based layer ids whose outputs (the residual stream after the layer) are kept
     on the device for every token of the last forward, in `captured` ([n_embd * n_capture, n_ubatch]).
     """
@@ -312,10 +312,9 @@ class Qwen35Target:
         hp = self.hp
         if not 1 <= n_slots <= self.n_ubatch:
             raise ValueError(f"n_slots must be 1..n_ubatch ({self.n_ubatch}), got {n_slots}")
-        if self.cache.kv_type == ggml.Type.TQ3_0:
-            # commit moves KV rows through f32, and TQ3_0 would rotate the already-rotated rows again
-            raise ValueError("speculative decoding with a tq3_0 KV cache is not supported yet: use mode 'ar' or "
-                             "another kv type")
+        if self.cache.kv_type == ggml.Type.TQ3_0 and not self.cache.k_words:
+            # through f32, TQ3_0 would rotate the already-rotated rows again (its rows are whole words anyway)
+            raise ValueError("speculative decoding with a tq3_0 KV cache needs rows of whole 32-bit words")
         persist = getattr(ggml, "gated_delta_net_tree_persist", None)
         if tree and persist is None:
             raise RuntimeError("tree verify needs ggml.gated_delta_net_tree_persist (the tree ops are not in this "
@@ -526,8 +525,10 @@ class Qwen35Target:
             cg.kv_src = ctx.new_tensor(ggml.Type.I32, (n,), name="commit.kv_src").mark_input()
             cg.kv_dst = ctx.new_tensor(ggml.Type.I64, (n,), name="commit.kv_dst").mark_input()
             for il in cache.k:
-                for name, t in (("k", cache.k[il]), ("v", cache.v[il])):
-                    rows = ctx.get_rows(t, cg.kv_src)                     # f32 [kv_row, n_slots]
+                # raw words where the rows are whole words (bit-exact for every type), else through f32
+                k, v = (cache.k_words, cache.v_words) if cache.k_words else (cache.k, cache.v)
+                for name, t in (("k", k[il]), ("v", v[il])):
+                    rows = ctx.get_rows(t, cg.kv_src)                     # f32 [row words or kv_row, n_slots]
                     outs.append(ctx.set_rows(t, rows, cg.kv_dst).named(f"l{il}.commit.{name}"))
         cg.graph = ctx.graph(outs) if outs else None
         return cg
