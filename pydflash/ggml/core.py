@@ -252,6 +252,16 @@ class Tensor:
         return Op(self._ptr.op)
 
     @property
+    def src(self) -> tuple["Tensor", ...]:
+        """The op's operands (what a graph node reads), in ggml's order."""
+        out = []
+        for p in self._ptr.src:
+            if p == ffi.NULL:
+                break
+            out.append(Tensor(p, self._ctx))
+        return tuple(out)
+
+    @property
     def name(self) -> str:
         return ffi.string(self._ptr.name).decode()
 

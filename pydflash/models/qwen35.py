@@ -24,6 +24,8 @@ ROPE_TYPE_IMROPE = 40
 KV_BUCKET = 256            # the attended KV length is padded to this, so one graph serves 256 positions
 GRAPH_TENSORS_PER_LAYER = 64   # ~45 used (GDN or attention + FFN, views included), ~55 with rotated KV
 MAX_GRAPHS = 32            # built graphs kept for reuse (LRU): decode buckets plus recent prefill shapes
+PREFILL_MIN_UBATCH = 512   # prefill micro-batches start at this size ...
+PREFILL_TARGET_BATCHES = 16  # ... and double while a prompt would need more than this many of them
 
 
 @dataclass(frozen=True)
@@ -238,18 +240,24 @@ class Qwen35Target:
         self.cache.reset()
         self._last = None
 
-    def prefill(self, tokens, return_logits: bool = True, on_ubatch=None) -> np.ndarray | None:
-        """Run the prompt in micro-batches of n_ubatch; returns the logits of its last token (f32 [n_vocab]).
+    def prefill(self, tokens, return_logits: bool = True, on_ubatch=None, ubatch: int | None = None
+                ) -> np.ndarray | None:
+        """Run the prompt in micro-batches; returns the logits of its last token (f32 [n_vocab]).
 
+        ubatch: tokens per micro-batch (at most n_ubatch); None chooses by prompt length (`prefill_ubatch`).
         on_ubatch(first_position, n_tokens), if given, runs after each micro-batch, while `captured` holds that
         micro-batch's layer outputs (a consumer such as the draft's context cache copies them from there)."""
         tokens = self._tokens(tokens)
         if tokens.size == 0:
             raise ValueError("prefill needs at least one token")
         self._check_room(tokens.size)
-        for start in range(0, tokens.size, self.n_ubatch):
+        if ubatch is None:
+            ubatch = prefill_ubatch(tokens.size, self.n_ubatch)
+        if not 1 <= ubatch <= self.n_ubatch:
+            raise ValueError(f"ubatch {ubatch} outside 1..n_ubatch ({self.n_ubatch})")
+        for start in range(0, tokens.size, ubatch):
             first = self.cache.n_past
-            self._forward(tokens[start: start + self.n_ubatch])
+            self._forward(tokens[start: start + ubatch])
             if on_ubatch is not None:
                 on_ubatch(first, self._last_n_captured)
         return self.logits() if return_logits else None
@@ -648,6 +656,17 @@ class Qwen35Target:
         # llama.cpp's form: rms_norm with eps/d, scaled by 1/sqrt(d)  ==  x / sqrt(sum x^2 + eps)
         d = x.ne[0]
         return ctx.scale(ctx.rms_norm(x, self.hp.rms_eps / d), 1.0 / math.sqrt(d))
+
+
+def prefill_ubatch(n_tokens: int, n_max: int) -> int:
+    """Micro-batch size for a prompt of n_tokens, at most n_max: PREFILL_MIN_UBATCH, doubled while the prompt
+    would take more than PREFILL_TARGET_BATCHES micro-batches. A long prompt then runs in bigger batches (each
+    reads the weights once, and graph set-up is paid per batch), a short one keeps the compute buffer (the
+    batch x KV-cells mask, the FFN activations) small."""
+    ubatch = PREFILL_MIN_UBATCH
+    while ubatch < n_max and -(-n_tokens // ubatch) > PREFILL_TARGET_BATCHES:
+        ubatch *= 2
+    return max(1, min(ubatch, n_max))
 
 
 def _chain_then_padding(parents: np.ndarray) -> bool:
