@@ -17,7 +17,8 @@ from dataclasses import dataclass, field
 
 from .engine import MODES, Decoder
 
-DEFAULT_MAX_CTX = 8192     # positions allocated when max_ctx is None (capped by the model's training context)
+DEFAULT_UBATCH = 512       # the longest prefill micro-batch (a verify needs budget + 1 of them) ...
+LONG_PROMPT_UBATCH = 2048  # ... or this, where memory allows: prompts past 16K tokens use it
 
 
 @dataclass
@@ -129,15 +130,23 @@ def _load_draft(draft_path, target, top_k: int = 8):
     return DFlashDraft(draft_path, target, top_k=top_k)
 
 
-def load(target, draft=None, *, device: str = "auto", kv_type: str = "f16", max_ctx: int | None = None,
-         mode: str | None = None, budget: int = 22, tokenizer: bool = True, progress: bool | None = None) -> Engine:
+def load(target, draft=None, *, device: str = "auto", kv_type: str = "auto", max_ctx: int | str | None = "auto",
+         mode: str | None = None, budget: int = 22, tokenizer: bool = True, progress: bool | None = None,
+         n_ubatch: int | str = "auto", vram=None, verbose: bool = False) -> Engine:
     """Load a target GGUF (and a DFlash draft: its directory or config.json) and return an `Engine`.
 
-    device: 'auto', 'cpu', 'cuda' or 'cuda:N'. kv_type: 'f16', 'q8_0', 'q4_0' or 'tq3_0' (mode 'ar' only for now). max_ctx: positions of the
-    KV cache (None: 8192, capped by the model's training context). mode: 'ar', 'chain' or 'ddtree' (None:
-    'ddtree' with a draft, 'ar' without). budget: tree nodes per step (ddtree) or chain length (chain).
+    device: 'auto', 'cpu', 'cuda' or 'cuda:N'. max_ctx: positions of the KV cache; 'auto' (or None) fits the
+    longest context the device's free memory holds, capped by the model's training context. kv_type: 'f16',
+    'q8_0', 'q4_0', 'tq3_0', or 'auto': f16 while the context fits, then q8_0, q4_0, tq3_0 (pydflash.plan).
+    A request that cannot fit is refused with the memory plan's numbers. vram: the memory to plan for (bytes
+    or '24GiB'; default: the device's free memory). verbose: print the memory plan. mode: 'ar', 'chain' or
+    'ddtree' (None: 'ddtree' with a draft, 'ar' without). budget: tree nodes per step (ddtree) or chain length
+    (chain). n_ubatch: the longest prefill micro-batch (Qwen35Target.prefill picks the size by prompt length);
+    'auto': 2048 when its buffers leave the fitted context and KV type unchanged, else 512.
     tokenizer: load the GGUF's tokenizer (through llama-cpp-python, vocabulary only) for text in and out."""
-    from .gguf_io import GGUFFile
+    import sys
+
+    from . import ggml, plan
     from .models import load_target
 
     mode = mode or ("ddtree" if draft is not None else "ar")
@@ -145,9 +154,6 @@ def load(target, draft=None, *, device: str = "auto", kv_type: str = "f16", max_
         raise ValueError(f"mode {mode!r}: expected one of {MODES}")
     if mode != "ar" and draft is None:
         raise ValueError(f"mode {mode!r} needs a draft")
-    if max_ctx is None:
-        n_train = int(GGUFFile(target).get(f"{GGUFFile(target).architecture}.context_length", 0) or 0)
-        max_ctx = min(DEFAULT_MAX_CTX, n_train) if n_train > 0 else DEFAULT_MAX_CTX
     draft_object = draft is not None and hasattr(draft, "propose")   # an already built draft (tests, demo)
     if mode == "ar" or draft is None:
         capture = ()
@@ -155,10 +161,31 @@ def load(target, draft=None, *, device: str = "auto", kv_type: str = "f16", max_
         capture = tuple(getattr(draft, "target_layer_ids", ()))
     else:
         capture = draft_layer_ids(draft)
-    # a verify forward must fit in one micro-batch
-    n_ubatch = max(512, budget + 1)
-    model = load_target(target, device, n_ctx=max_ctx, kv_type=kv_type, n_ubatch=n_ubatch, capture_layers=capture,
-                        progress=progress)
+    backend = ggml.Backend(device)
+    memory = plan.parse_size(vram) if vram is not None else backend.memory()[0]
+
+    def fit(ubatch):   # a verify forward must fit in one micro-batch
+        return plan.plan_for_files(target, None if (draft_object or mode == "ar") else draft, vram=memory,
+                                   max_ctx="auto" if max_ctx is None else max_ctx, kv_type=kv_type, budget=budget,
+                                   n_ubatch=max(ubatch, budget + 1), mode=mode)
+
+    if n_ubatch == "auto":
+        # long prompts prefill in bigger micro-batches (Qwen35Target.prefill) when their buffers cost no context
+        fitted = fit(DEFAULT_UBATCH)
+        try:
+            big = fit(LONG_PROMPT_UBATCH)
+            if (big.n_ctx, big.kv_type) == (fitted.n_ctx, fitted.kv_type):
+                fitted = big
+        except plan.PlanError:
+            pass
+    else:
+        fitted = fit(int(n_ubatch))
+    n_ubatch = fitted.n_ubatch
+    if verbose:
+        print(fitted.table(), file=sys.stderr)
+    model = load_target(target, backend, n_ctx=fitted.n_ctx, kv_type=fitted.kv_type, n_ubatch=n_ubatch,
+                        capture_layers=capture, progress=progress)
+    model.memory_plan = fitted
     draft_model = None
     if mode != "ar":
         draft_model = draft if draft_object else _load_draft(draft, model, top_k=min(budget, 8))

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import os
 import sys
 from collections import Counter
 from dataclasses import dataclass, replace
@@ -288,8 +289,12 @@ def _write_tensor_data(writer, spec: _TensorSpec, type_name: str, seed: int, poo
     writer.write_padding(fout, info.nbytes)
 
 
-def write_qwen35_gguf(path, config: Qwen35Config | None = None, *, progress: bool = False, **overrides) -> Qwen35Config:
+def write_qwen35_gguf(path, config: Qwen35Config | None = None, *, progress: bool = False, data: bool = True,
+                      **overrides) -> Qwen35Config:
     """Write a random-weight qwen35 GGUF to `path`; sizes come from `config` (default: tiny) and `overrides`.
+
+    data=False writes the header and tensor table only and extends the file to its full size as a hole (a
+    sparse file): header readers (e.g. pydflash.plan) see a valid 27B-shaped file that takes no disk or time.
 
     Returns the configuration used. The vocabulary is the tiny byte-level BPE plus ChatML specials, padded to
     `n_vocab` with placeholder control tokens `<|extra_N|>` when that is larger.
@@ -360,6 +365,13 @@ def write_qwen35_gguf(path, config: Qwen35Config | None = None, *, progress: boo
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_ti_data_to_file()
+    if not data:
+        align = w.data_alignment
+        start = -(-w.fout[0].tell() // align) * align
+        sizes = [row_size(Type[t], s.ne[0]) * int(np.prod(s.ne[1:])) for s, t in zip(specs, types)]
+        w.close()
+        os.truncate(path, start + sum(-(-n // align) * align for n in sizes))
+        return cfg
     pools: dict = {}
     for i, (spec, tname) in enumerate(zip(specs, types)):
         _write_tensor_data(w, spec, tname, cfg.seed, pools)
