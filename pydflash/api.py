@@ -16,6 +16,7 @@ import os
 from dataclasses import dataclass, field
 
 from .engine import MODES, Decoder
+from .plan import DRAFT_WINDOW
 
 DEFAULT_UBATCH = 512       # the longest prefill micro-batch (a verify needs budget + 1 of them) ...
 LONG_PROMPT_UBATCH = 2048  # ... or this, where memory allows: prompts past 16K tokens use it
@@ -121,18 +122,18 @@ def draft_layer_ids(draft_path) -> list[int]:
     return ids
 
 
-def _load_draft(draft_path, target, top_k: int = 8):
+def _load_draft(draft_path, target, top_k: int = 8, window: int | None = None):
     try:
         from .models.dflash_draft import DFlashDraft
     except ImportError as e:
         raise RuntimeError("the DFlash draft model is not part of this build yet (pydflash.models.dflash_draft); "
                            "run with mode='ar'") from e
-    return DFlashDraft(draft_path, target, top_k=top_k)
+    return DFlashDraft(draft_path, target, top_k=top_k, window=window or DRAFT_WINDOW)
 
 
 def load(target, draft=None, *, device: str = "auto", kv_type: str = "auto", max_ctx: int | str | None = "auto",
          mode: str | None = None, budget: int = 22, tokenizer: bool = True, progress: bool | None = None,
-         n_ubatch: int | str = "auto", vram=None, verbose: bool = False) -> Engine:
+         n_ubatch: int | str = "auto", vram=None, verbose: bool = False, draft_window: int = DRAFT_WINDOW) -> Engine:
     """Load a target GGUF (and a DFlash draft: its directory or config.json) and return an `Engine`.
 
     device: 'auto', 'cpu', 'cuda' or 'cuda:N'. max_ctx: positions of the KV cache; 'auto' (or None) fits the
@@ -143,6 +144,8 @@ def load(target, draft=None, *, device: str = "auto", kv_type: str = "auto", max
     'ddtree' (None: 'ddtree' with a draft, 'ar' without). budget: tree nodes per step (ddtree) or chain length
     (chain). n_ubatch: the longest prefill micro-batch (Qwen35Target.prefill picks the size by prompt length);
     'auto': 2048 when its buffers leave the fitted context and KV type unchanged, else 512.
+    draft_window: context positions the draft attends to (its ring of projected K/V; the target's captured
+    features are kept for one micro-batch only, so no per-position cost grows with max_ctx besides the KV cache).
     tokenizer: load the GGUF's tokenizer (through llama-cpp-python, vocabulary only) for text in and out."""
     import sys
 
@@ -167,7 +170,7 @@ def load(target, draft=None, *, device: str = "auto", kv_type: str = "auto", max
     def fit(ubatch):   # a verify forward must fit in one micro-batch
         return plan.plan_for_files(target, None if (draft_object or mode == "ar") else draft, vram=memory,
                                    max_ctx="auto" if max_ctx is None else max_ctx, kv_type=kv_type, budget=budget,
-                                   n_ubatch=max(ubatch, budget + 1), mode=mode)
+                                   n_ubatch=max(ubatch, budget + 1), mode=mode, draft_window=draft_window)
 
     if n_ubatch == "auto":
         # long prompts prefill in bigger micro-batches (Qwen35Target.prefill) when their buffers cost no context
@@ -188,7 +191,7 @@ def load(target, draft=None, *, device: str = "auto", kv_type: str = "auto", max
     model.memory_plan = fitted
     draft_model = None
     if mode != "ar":
-        draft_model = draft if draft_object else _load_draft(draft, model, top_k=min(budget, 8))
+        draft_model = draft if draft_object else _load_draft(draft, model, top_k=min(budget, 8), window=draft_window)
     tok = None
     if tokenizer:
         from .tokenizer import Tokenizer

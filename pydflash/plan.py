@@ -23,11 +23,12 @@ from dataclasses import dataclass, field
 
 from . import ggml
 from .kv import KV_TYPES, kv_type_of
+from .models.dflash_draft import DEFAULT_WINDOW
 
 KV_BUCKET = 256                 # the target's KV cells are a multiple of this (pydflash.models.qwen35)
 AUTO_KV_ORDER = ("f16", "q8_0", "q4_0", "tq3_0")   # kv_type="auto": the first one the context fits in
 RESERVE = 512 << 20             # cuBLAS workspaces, CUDA graph memory, allocator rounding
-DRAFT_WINDOW = 2048             # the draft's context ring (pydflash.models.dflash_draft.DEFAULT_WINDOW)
+DRAFT_WINDOW = DEFAULT_WINDOW   # the draft's context ring, in positions
 GiB = 1 << 30
 
 
