@@ -62,8 +62,13 @@ def cmd_run(args: argparse.Namespace) -> int:
     if not prompt:
         print("pydflash run: empty prompt (give --prompt or pipe text on stdin)", file=sys.stderr)
         return 2
-    engine = load(args.target, args.draft, device=args.device, kv_type=args.kv, max_ctx=_ctx_arg(args.max_ctx),
-                  mode=args.mode, budget=args.budget, progress=True, verbose=args.verbose)
+    from .plan import PlanError
+    try:
+        engine = load(args.target, args.draft, device=args.device, kv_type=args.kv, max_ctx=_ctx_arg(args.max_ctx),
+                      mode=args.mode, budget=args.budget, progress=True, verbose=args.verbose)
+    except PlanError as e:
+        print(f"pydflash run: {e}", file=sys.stderr)
+        return 1
     for piece in engine.stream(prompt, max_tokens=args.n_gen, chat=args.chat):
         sys.stdout.write(piece)
         sys.stdout.flush()
@@ -93,7 +98,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         result = plan.plan_for_files(args.target, args.draft, vram=vram, max_ctx=_ctx_arg(args.max_ctx),
                                      kv_type=args.kv, budget=args.budget, mode=args.mode, n_ubatch=args.ubatch,
                                      state_type=args.state_type)
-    except plan.PlanError as e:
+    except ValueError as e:          # PlanError, and unreadable files or sizes (GGUFError, DraftLoadError)
         print(f"pydflash plan: {e}", file=sys.stderr)
         return 1
     print(result.table())

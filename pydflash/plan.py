@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import os
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from . import ggml
 from .kv import KV_TYPES, kv_type_of
@@ -68,12 +68,7 @@ class DraftShape:
     @classmethod
     def from_hparams(cls, hp, stored_itemsize: int = 2, window: int = DRAFT_WINDOW) -> "DraftShape":
         """Weights from the draft's tensor list: matrices `stored_itemsize` bytes per value, norms f32."""
-        nbytes = 0
-        for ne in hp.tensor_shapes().values():
-            n = 1
-            for s in ne:
-                n *= s
-            nbytes += n * (4 if len(ne) == 1 else stored_itemsize)
+        nbytes = sum(_count(ne) * (4 if len(ne) == 1 else stored_itemsize) for ne in hp.tensor_shapes().values())
         return cls(hp.n_layer, hp.n_embd, hp.n_ff, hp.head_dim * hp.n_head_kv, hp.block_size, hp.n_feat, nbytes,
                    window)
 
@@ -82,10 +77,12 @@ class DraftShape:
         """From a z-lab folder (config.json + the safetensors header) or a llama.cpp dflash GGUF header."""
         from .models.dflash_draft import DFlashHParams, read_safetensors_header, _resolve_zlab
         path = os.fspath(path)
-        if path.endswith(".gguf"):
+        if path.endswith(".gguf"):             # matrices as stored (any type), norms widened to f32
             from .gguf_io import GGUFFile
-            hp = DFlashHParams.from_gguf(GGUFFile(path))
-            return cls.from_hparams(hp, 2, window)
+            gf = GGUFFile(path)
+            shape = cls.from_hparams(DFlashHParams.from_gguf(gf), 2, window)
+            nbytes = sum(4 * _count(t.ne) if len(t.ne) == 1 else t.nbytes for t in gf.tensors.values())
+            return replace(shape, weight_bytes=nbytes)
         import json
         config_path, weights_path = _resolve_zlab(path)
         with open(config_path, encoding="utf-8") as f:

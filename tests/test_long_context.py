@@ -78,3 +78,20 @@ def test_auto_micro_batch_gives_the_logits_of_a_fixed_one(model, monkeypatch):
     target.reset()
     with pytest.raises(ValueError, match="ubatch 65 outside 1..n_ubatch"):
         target.prefill(prompt, ubatch=65)
+
+
+def test_masks_updated_in_place_equal_fresh_ones():
+    """The host masks kept with a graph, updated only where they change, equal masks built from scratch for any
+    sequence of positions (forward and back, as after a reset)."""
+    rng = np.random.default_rng(3)
+    n, n_kv = 5, 512
+    causal, tree = qwen35._ForwardGraph(n, n_kv, 8), qwen35._ForwardGraph(n, n_kv, 8)
+    for n_past in (0, 3, 4, 100, 101, 507, 250, 2, 300):
+        want = np.where(np.arange(n_kv)[None, :] <= n_past + np.arange(n)[:, None], 0.0, -np.inf)
+        assert np.array_equal(causal.causal_mask(n_past), want.astype(np.float16))
+        parents = np.array([-1] + [int(rng.integers(0, i)) for i in range(1, n)])
+        seen = qwen35._ancestors(parents)
+        want = np.full((n, n_kv), -np.inf)
+        want[:, :n_past] = 0.0
+        want[:, n_past:n_past + n][seen] = 0.0
+        assert np.array_equal(tree.tree_mask(n_past, seen), want.astype(np.float16))

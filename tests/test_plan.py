@@ -17,7 +17,7 @@ from pydflash.api import load
 from pydflash.cli import main
 from pydflash.gguf_io import GGUFFile
 from pydflash.models.dflash_draft import DFlashHParams
-from pydflash.testing import preset_27b, write_dflash_draft, write_qwen35_gguf
+from pydflash.testing import preset_27b, write_dflash_draft, write_dflash_gguf, write_qwen35_gguf
 
 GiB = 1 << 30
 DRAFT_27B = DFlashHParams(n_layer=5, n_embd=5120, n_ff=17408, n_head=32, n_head_kv=8, head_dim=128, rms_eps=1e-6,
@@ -163,6 +163,12 @@ def test_plan_matches_real_allocations(tiny_pair):
     close(d.cache.buffer.nbytes, p.parts["draft context ring"], 2 * d.hp.n_layer)
 
 
+def test_draft_gguf_planned_like_its_folder(tiny_pair, tmp_path):
+    _, draft_path = tiny_pair
+    write_dflash_gguf(tmp_path / "d.gguf", draft_path)
+    assert plan.DraftShape.from_path(tmp_path / "d.gguf") == plan.DraftShape.from_path(draft_path)
+
+
 def test_load_prints_and_refuses(tiny_pair, capsys):
     target_path, _ = tiny_pair
     engine = load(target_path, device="cpu", tokenizer=False, verbose=True)    # max_ctx and kv_type auto
@@ -183,3 +189,5 @@ def test_cli_plan(tiny_pair, capsys):
     assert "memory plan: n_ctx 4096, kv_type f16" in out and "draft weights" in out and "verify stores (23 slots" in out
     assert main(["plan", "--target", str(target_path), "--vram", "1MiB", "--max-ctx", "4096"]) == 1
     assert "does not fit in 1.0 MiB" in capsys.readouterr().err
+    assert main(["plan", "--target", str(target_path), "--vram", "lots"]) == 1
+    assert "size 'lots'" in capsys.readouterr().err

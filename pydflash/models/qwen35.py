@@ -174,9 +174,39 @@ class _ForwardGraph:
         self.graph = None
         self.tokens = self.pos = self.mask = self.rows = None
         self.parent = None            # tree verify only: i32 [n_tokens, 1] parent slot per slot (-1: committed)
-        self.mask_host = None         # tree verify only: the host copy of the mask, reused
+        self.mask_host = None         # the host copy of the mask, kept and updated where it changes
+        self.mask_past = 0            # the n_past mask_host was last written for
         self.logits = self.argmax = None
         self.per_slot = False         # tree verify: logits for every slot, not only the last token
+
+    def causal_mask(self, n_past: int) -> np.ndarray:
+        """f16 [n_tokens, n_kv]: token i (position n_past + i) sees cells 0..n_past + i. Only the columns between
+        the last call's n_past and this one's change, so a deep context is not refilled every step."""
+        n, n_kv = self.n_tokens, self.n_kv
+        lo, hi = (0, n_kv) if self.mask_host is None else (min(self.mask_past, n_past),
+                                                           min(n_kv, max(self.mask_past, n_past) + n))
+        if self.mask_host is None:
+            self.mask_host = np.empty((n, n_kv), dtype=np.float16)
+        cols = np.arange(lo, hi)[None, :]
+        self.mask_host[:, lo:hi] = np.where(cols <= n_past + np.arange(n)[:, None], 0.0, -np.inf)
+        self.mask_past = n_past
+        return self.mask_host
+
+    def tree_mask(self, n_past: int, seen: np.ndarray) -> np.ndarray:
+        """f16 [n_tokens, n_kv] for a tree verify: every slot sees the committed cells 0..n_past-1, and the cells
+        n_past + j of the slots j that seen[i, j] marks (itself and its ancestors). Updated in place like
+        causal_mask: the previous tree's columns and the newly committed ones."""
+        n, n_kv = self.n_tokens, self.n_kv
+        lo, hi = (0, n_kv) if self.mask_host is None else (min(self.mask_past, n_past),
+                                                           min(n_kv, max(self.mask_past, n_past) + n))
+        if self.mask_host is None:
+            self.mask_host = np.empty((n, n_kv), dtype=np.float16)
+        mask = self.mask_host
+        mask[:, lo:max(lo, n_past)] = 0.0
+        mask[:, max(lo, n_past):hi] = -np.inf
+        mask[:, n_past:n_past + n][seen] = 0.0
+        self.mask_past = n_past
+        return mask
 
 
 class _CommitGraph:
@@ -380,14 +410,7 @@ class Qwen35Target:
             pos = (n_past + depths).astype(np.int32)
             fg.pos.set(np.concatenate([pos, pos, pos, np.zeros(n, np.int32)]))
             fg.rows.set(np.arange(n_past, n_past + n, dtype=np.int64))
-            # filled in place in a host array kept with the graph (a few fills, no per-step allocation)
-            if fg.mask_host is None:
-                fg.mask_host = np.empty((n, n_kv), dtype=np.float16)
-            mask = fg.mask_host
-            mask[:, :n_past] = 0.0
-            mask[:, n_past:] = -np.inf
-            mask[:, n_past:n_past + n][_ancestors(parents)] = 0.0
-            fg.mask.set(mask)
+            fg.mask.set(fg.tree_mask(n_past, _ancestors(parents)))
         self.backend.compute(fg.graph)
         self._last = fg
         self._last_n_captured = n
@@ -456,10 +479,7 @@ class Qwen35Target:
         if fg.pos is not None:
             fg.pos.set(np.concatenate([pos, pos, pos, np.zeros(n, np.int32)]))  # IMROPE: axis-major (p,p,p,0)
             fg.rows.set(pos.astype(np.int64))
-            # causal mask over the KV window: token i (position n_past+i) sees cells 0..n_past+i
-            cells = np.arange(n_kv)[None, :]
-            mask = np.where(cells <= pos[:, None], 0.0, -np.inf).astype(np.float16)
-            fg.mask.set(mask)
+            fg.mask.set(fg.causal_mask(n_past))
         self.backend.compute(fg.graph)
         self.cache.n_past = n_past + n
         self._last = fg
