@@ -187,7 +187,7 @@ def cmd_memory(args) -> int:
     target.prefill(some_tokens(target, args.ubatch), return_logits=False, ubatch=args.ubatch)
     used["after a prefill micro-batch at the end"] = free0 - backend.memory()[0]
     if decoder is not None:
-        time_ddtree(decoder, args.ctx - 2 * args.budget - 8, 2)
+        time_ddtree(decoder, args.ctx - 8 * (args.budget + 1), 2)   # 5 steps of at most budget + 1 tokens
         used["after DDTree steps at the end"] = free0 - backend.memory()[0]
     want = plan.plan_for_files(args.target, args.draft, max_ctx=args.ctx, kv_type=args.kv, budget=args.budget,
                                n_ubatch=args.ubatch, state_type=state_type)
