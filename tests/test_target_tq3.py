@@ -130,11 +130,12 @@ def test_speculative_over_quantized_cache_equals_ar(model, kv):
             assert np.array_equal(rows[key], want[:n]), f"{mode} over {kv}: cache rows of {key} differ from AR's"
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
 @pytest.mark.parametrize("kv", ["tq3_0", "q4_0", "q8_0", "f16"])
-def test_commit_moves_rows_bit_for_bit(model, kv):
+def test_commit_moves_rows_bit_for_bit(model, kv, device):
     """An off-chain commit moves the accepted slots' KV rows to consecutive cells as raw bytes (TQ3_0 would be
     rotated twice, Q8_0/Q4_0 re-quantized, through f32); the cache stays of its type (TQ3_0: 3.5 bits/value)."""
-    target = Qwen35Target(model, "cpu", n_ctx=N_CTX, kv_type=kv, n_ubatch=32)
+    target = Qwen35Target(model, device, n_ctx=N_CTX, kv_type=kv, n_ubatch=32)
     target.enable_verify(8)
     target.prefill([5, 6, 7])
     parents = np.array([-1, 0, 0, 2, 3, 1, 5, 6])
