@@ -159,7 +159,7 @@ def cmd_prefill(args) -> int:
     if args.llama_bench:
         for r in llama_bench(args.llama_bench, args, ["-p", args.lengths, "-n", "0", "-ctk", args.kv, "-ctv", args.kv]):
             ref[int(r["n_prompt"])] = r["avg_ts"]
-    from pydflash.models.qwen35 import prefill_ubatch
+    from pydflash.models.runtime import prefill_ubatch
     print(f"\n### Prefill on {os.path.basename(args.target)}, {target.backend.name}, kv {args.kv} (best of "
           f"{args.reps})\n")
     print("| prompt | micro-batch (auto) | tok/s auto | tok/s fixed 512 | llama.cpp pp tok/s | auto / llama.cpp |")

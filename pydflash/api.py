@@ -11,15 +11,10 @@ Decoding is greedy; speculative modes return exactly the tokens plain decoding w
 """
 from __future__ import annotations
 
-import json
-import os
 from dataclasses import dataclass, field
 
 from .engine import MODES, Decoder
-from .plan import DRAFT_WINDOW
-
-DEFAULT_UBATCH = 512       # the longest prefill micro-batch (a verify needs budget + 1 of them) ...
-LONG_PROMPT_UBATCH = 2048  # ... or this, where memory allows: prompts past 16K tokens use it
+from .plan import DRAFT_WINDOW, PREFIX_BYTES, PREFIX_SNAPSHOTS
 
 
 @dataclass
@@ -53,17 +48,22 @@ class Engine:
 
     def stream(self, prompt, max_tokens: int = 256, chat: bool = False, **sampling):
         """Like `generate`, but yields text pieces as tokens are committed (a piece may hold several tokens:
-        a speculative step commits many at once). The stats are in `last_stats` afterwards."""
+        a speculative step commits many at once). The stats are in `last_stats` afterwards, also when the
+        consumer stops early (closes the generator)."""
         ids = self._prompt_ids(prompt, chat, sampling)
         tokens, shown = [], ""
-        for batch in self.decoder.iter_generate(ids, max_tokens):
-            tokens.extend(batch)
-            text = self._text(tokens)
-            # hold back an incomplete UTF-8 sequence (rendered as U+FFFD) until its last byte arrives
-            stable = text.rstrip("\ufffd")
-            if len(stable) > len(shown):
-                yield stable[len(shown):]
-                shown = stable
+        steps = self.decoder.iter_generate(ids, max_tokens)
+        try:
+            for batch in steps:
+                tokens.extend(batch)
+                text = self._text(tokens)
+                # hold back an incomplete UTF-8 sequence (rendered as U+FFFD) until its last byte arrives
+                stable = text.rstrip("\ufffd")
+                if len(stable) > len(shown):
+                    yield stable[len(shown):]
+                    shown = stable
+        finally:
+            steps.close()    # a consumer that stops early ends the run now (its state and stats are kept)
         text = self._text(tokens)
         if len(text) > len(shown):
             yield text[len(shown):]
@@ -71,6 +71,14 @@ class Engine:
     @property
     def last_stats(self) -> dict:
         return self.decoder.last_stats
+
+    def reset(self) -> None:
+        """Forget earlier prompts (the prefix cache): the next prompt is prefilled from scratch."""
+        self.decoder.reset()
+
+    def prompt_ids(self, prompt, chat: bool = False) -> list[int]:
+        """The token ids `generate(prompt, chat=chat)` would decode after."""
+        return self._prompt_ids(prompt, chat, {})
 
     def _prompt_ids(self, prompt, chat: bool, sampling: dict) -> list[int]:
         _reject_sampling(sampling)
@@ -106,20 +114,10 @@ def _reject_sampling(sampling: dict) -> None:
 
 
 def draft_layer_ids(draft_path) -> list[int]:
-    """The target layers a DFlash draft reads (`dflash_config.target_layer_ids` in its config.json, or the
-    header of a llama.cpp `dflash` GGUF)."""
-    path = os.fspath(draft_path)
-    if path.endswith(".gguf"):
-        from .gguf_io import GGUFFile
-        from .models.dflash_draft import DFlashHParams
-        return list(DFlashHParams.from_gguf(GGUFFile(path)).target_layer_ids)
-    config_path = os.path.join(path, "config.json") if os.path.isdir(path) else path
-    with open(config_path, encoding="utf-8") as f:
-        config = json.load(f)
-    ids = (config.get("dflash_config") or {}).get("target_layer_ids", config.get("target_layer_ids"))
-    if not isinstance(ids, list) or not ids or not all(isinstance(i, int) for i in ids):
-        raise ValueError(f"{config_path}: no dflash_config.target_layer_ids list")
-    return ids
+    """The target layers a DFlash draft reads: its config's `target_layer_ids` (or z-lab's default spread when
+    absent), or the header of a llama.cpp `dflash` GGUF; the same lookup the draft's loader uses."""
+    from .models.dflash_draft import read_draft_hparams
+    return list(read_draft_hparams(draft_path).target_layer_ids)
 
 
 def _load_draft(draft_path, target, top_k: int = 8, window: int | None = None):
@@ -133,7 +131,9 @@ def _load_draft(draft_path, target, top_k: int = 8, window: int | None = None):
 
 def load(target, draft=None, *, device: str = "auto", kv_type: str = "auto", max_ctx: int | str | None = "auto",
          mode: str | None = None, budget: int = 22, tokenizer: bool = True, progress: bool | None = None,
-         n_ubatch: int | str = "auto", vram=None, verbose: bool = False, draft_window: int = DRAFT_WINDOW) -> Engine:
+         n_ubatch: int | str = "auto", vram=None, verbose: bool = False, draft_window: int = DRAFT_WINDOW,
+         prefix_cache: bool = True, prefix_snapshots: int = PREFIX_SNAPSHOTS,
+         prefix_bytes: int | None = PREFIX_BYTES) -> Engine:
     """Load a target GGUF (and a DFlash draft: its directory or config.json) and return an `Engine`.
 
     device: 'auto', 'cpu', 'cuda' or 'cuda:N'. max_ctx: positions of the KV cache; 'auto' (or None) fits the
@@ -142,14 +142,20 @@ def load(target, draft=None, *, device: str = "auto", kv_type: str = "auto", max
     A request that cannot fit is refused with the memory plan's numbers. vram: the memory to plan for (bytes
     or '24GiB'; default: the device's free memory). verbose: print the memory plan. mode: 'ar', 'chain' or
     'ddtree' (None: 'ddtree' with a draft, 'ar' without). budget: tree nodes per step (ddtree) or chain length
-    (chain). n_ubatch: the longest prefill micro-batch (Qwen35Target.prefill picks the size by prompt length);
+    (chain). n_ubatch: the longest prefill micro-batch (the target's prefill picks the size by prompt length);
     'auto': 2048 when its buffers leave the fitted context and KV type unchanged, else 512.
     draft_window: context positions the draft attends to (its ring of projected K/V; the target's captured
     features are kept for one micro-batch only, so no per-position cost grows with max_ctx besides the KV cache).
-    tokenizer: load the GGUF's tokenizer (through llama-cpp-python, vocabulary only) for text in and out."""
+    tokenizer: load the GGUF's tokenizer (through llama-cpp-python, vocabulary only) for text in and out.
+    prefix_cache: resume a prompt that extends an earlier one (a chat's next turn) from the state saved at the
+    end of that prompt or of its generation, instead of prefilling it all; the saved recurrent states are kept on
+    the device, at most prefix_snapshots of them and prefix_bytes in all (least recently used dropped first). The
+    memory plan counts them after the context: where they would shorten the fitted context or coarsen its KV
+    type, fewer are kept (none, if need be)."""
     import sys
 
     from . import ggml, plan
+    from .gguf_io import GGUFFile
     from .models import load_target
 
     mode = mode or ("ddtree" if draft is not None else "ar")
@@ -157,6 +163,9 @@ def load(target, draft=None, *, device: str = "auto", kv_type: str = "auto", max
         raise ValueError(f"mode {mode!r}: expected one of {MODES}")
     if mode != "ar" and draft is None:
         raise ValueError(f"mode {mode!r} needs a draft")
+    if prefix_snapshots < 0 or (prefix_bytes is not None and prefix_bytes < 0):
+        raise ValueError(f"prefix_snapshots ({prefix_snapshots}) and prefix_bytes ({prefix_bytes}) must be >= 0")
+    target_file = GGUFFile(target)        # parsed once: the plan and the target class get the parsed file
     draft_object = draft is not None and hasattr(draft, "propose")   # an already built draft (tests, demo)
     if mode == "ar" or draft is None:
         capture = ()
@@ -167,26 +176,14 @@ def load(target, draft=None, *, device: str = "auto", kv_type: str = "auto", max
     backend = ggml.Backend(device)
     memory = plan.parse_size(vram) if vram is not None else backend.memory()[0]
 
-    def fit(ubatch):   # a verify forward must fit in one micro-batch
-        return plan.plan_for_files(target, None if (draft_object or mode == "ar") else draft, vram=memory,
-                                   max_ctx="auto" if max_ctx is None else max_ctx, kv_type=kv_type, budget=budget,
-                                   n_ubatch=max(ubatch, budget + 1), mode=mode, draft_window=draft_window)
-
-    if n_ubatch == "auto":
-        # long prompts prefill in bigger micro-batches (Qwen35Target.prefill) when their buffers cost no context
-        fitted = fit(DEFAULT_UBATCH)
-        try:
-            big = fit(LONG_PROMPT_UBATCH)
-            if (big.n_ctx, big.kv_type) == (fitted.n_ctx, fitted.kv_type):
-                fitted = big
-        except plan.PlanError:
-            pass
-    else:
-        fitted = fit(int(n_ubatch))
+    fitted = plan.plan_for_load(target_file, None if (draft_object or mode == "ar") else draft, vram=memory,
+                                max_ctx="auto" if max_ctx is None else max_ctx, kv_type=kv_type, budget=budget,
+                                n_ubatch=n_ubatch, mode=mode, draft_window=draft_window,
+                                prefix_snapshots=prefix_snapshots if prefix_cache else 0, prefix_bytes=prefix_bytes)
     n_ubatch = fitted.n_ubatch
     if verbose:
         print(fitted.table(), file=sys.stderr)
-    model = load_target(target, backend, n_ctx=fitted.n_ctx, kv_type=fitted.kv_type, n_ubatch=n_ubatch,
+    model = load_target(target_file, backend, n_ctx=fitted.n_ctx, kv_type=fitted.kv_type, n_ubatch=n_ubatch,
                         capture_layers=capture, progress=progress)
     model.memory_plan = fitted
     draft_model = None
@@ -196,5 +193,6 @@ def load(target, draft=None, *, device: str = "auto", kv_type: str = "auto", max
     if tokenizer:
         from .tokenizer import Tokenizer
         tok = Tokenizer(target)
-    decoder = Decoder(model, draft_model, mode=mode, budget=budget, tokenizer=tok)
+    decoder = Decoder(model, draft_model, mode=mode, budget=budget, tokenizer=tok,
+                      prefix_snapshots=fitted.prefix_snapshots if prefix_cache else 0, prefix_bytes=prefix_bytes)
     return Engine(decoder, tok)

@@ -1,5 +1,5 @@
-"""Command line: `pydflash info` (build and device check), `pydflash run` (generate), `pydflash plan` (the
-memory plan, no GPU needed), `pydflash demo` (synthetic models, nothing to download)."""
+"""Command line: `pydflash info` (build and device check), `pydflash run` (generate), `pydflash chat` (a terminal
+chat), `pydflash plan` (the memory plan, no GPU needed), `pydflash demo` (synthetic models, nothing to download)."""
 from __future__ import annotations
 
 import argparse
@@ -85,6 +85,14 @@ def _ctx_arg(text: str):
     return int(text)
 
 
+def _ubatch_arg(text: str):
+    if text == "auto":
+        return "auto"
+    if not text.isdigit() or int(text) < 1:
+        raise SystemExit(f"pydflash: --ubatch {text!r}: expected a positive number of tokens or 'auto'")
+    return int(text)
+
+
 def cmd_plan(args: argparse.Namespace) -> int:
     """Print the memory plan for a target (and draft) from their headers. With --vram no device is touched;
     without it the free memory of --device is planned for."""
@@ -95,9 +103,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
         from . import ggml
         vram = ggml.Backend(args.device).memory()[0]
     try:
-        result = plan.plan_for_files(args.target, args.draft, vram=vram, max_ctx=_ctx_arg(args.max_ctx),
-                                     kv_type=args.kv, budget=args.budget, mode=args.mode, n_ubatch=args.ubatch,
-                                     state_type=args.state_type)
+        result = plan.plan_for_load(args.target, args.draft, vram=vram, max_ctx=_ctx_arg(args.max_ctx),
+                                    kv_type=args.kv, budget=args.budget, mode=args.mode,
+                                    n_ubatch=_ubatch_arg(args.ubatch), state_type=args.state_type,
+                                    prefix_snapshots=args.prefix_snapshots)
     except ValueError as e:          # PlanError, and unreadable files or sizes (GGUFError, DraftLoadError)
         print(f"pydflash plan: {e}", file=sys.stderr)
         return 1
@@ -148,6 +157,83 @@ def cmd_demo(args: argparse.Namespace) -> int:
         return 0 if same else 1
 
 
+def cmd_chat(args: argparse.Namespace) -> int:
+    """A terminal chat with the model (--demo: the synthetic pair, nothing to download)."""
+    import tempfile
+
+    from .api import load
+    from .chat import ChatSession, repl
+
+    with tempfile.TemporaryDirectory(prefix="pydflash-chat-") as tmp:
+        target, draft = args.target, args.draft
+        if args.demo:
+            from . import testing
+            target, draft = f"{tmp}/target.gguf", f"{tmp}/draft"
+            testing.write_qwen35_gguf(target, seed=0)
+            testing.write_dflash_draft(draft, target, seed=0)
+            print("demo: a synthetic target and DFlash draft (random weights: the replies are noise)", file=sys.stderr)
+        elif target is None:
+            print("pydflash chat: give --target T.gguf (or --demo)", file=sys.stderr)
+            return 2
+        from .plan import PlanError
+        try:
+            engine = load(target, draft, device=args.device, kv_type=args.kv, max_ctx=_ctx_arg(args.max_ctx),
+                          mode=args.mode, budget=args.budget, progress=not args.demo,
+                          prefix_cache=not args.no_prefix_cache)
+        except PlanError as e:
+            print(f"pydflash chat: {e}", file=sys.stderr)
+            return 1
+        return repl(ChatSession(engine, system=args.system, max_tokens=args.n_gen))
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    """AR against speculative decoding over the benchmark prompt sets; markdown, JSON and PNG reports."""
+    import tempfile
+
+    from . import benchmark
+    from .api import load
+
+    datasets = [d.strip() for d in args.datasets.split(",") if d.strip()]
+    with tempfile.TemporaryDirectory(prefix="pydflash-bench-") as tmp:
+        target, draft = args.target, args.draft
+        if args.demo:
+            from . import testing
+            target, draft = f"{tmp}/target.gguf", f"{tmp}/draft"
+            testing.write_qwen35_gguf(target, seed=args.seed)
+            testing.write_dflash_draft(draft, target, seed=args.seed)
+        elif not target or not draft:
+            print("pydflash bench: give --target and --draft (or --demo for the synthetic pair)", file=sys.stderr)
+            return 2
+        engine = load(target, draft, device=args.device, max_ctx=args.max_ctx, mode=args.mode, budget=args.budget,
+                      progress=True)
+        runs, summary = benchmark.run_bench(engine, datasets, n_prompts=args.n_prompts, n_gen=args.n_gen,
+                                            seed=args.seed, prompt_format=args.format)
+        settings = benchmark.settings_of(engine, target=target, draft=draft, device=args.device, n_gen=args.n_gen,
+                                         seed=args.seed, prompt_format=args.format)
+        paths = benchmark.write_report(args.out, runs, summary, settings)
+    print(benchmark.markdown(summary, settings))
+    print("wrote " + ", ".join(paths.values()), file=sys.stderr)
+    return 0
+
+
+def cmd_train_draft(args: argparse.Namespace) -> int:
+    """Train a DFlash draft on the target GGUF's own continuations and features (needs the `train` extra)."""
+    from .train_draft import train_draft
+
+    shape = {"n_layer": args.n_layer, "n_head": args.n_head, "n_head_kv": args.n_head_kv, "head_dim": args.head_dim,
+             "n_ff": args.n_ff, "block_size": args.block_size}
+    if args.target_layers:
+        shape["target_layer_ids"] = [int(i) for i in args.target_layers.split(",")]
+    summary = train_draft(args.target, args.out, data=args.data, n_seq=args.n_seq, n_held_out=args.held_out,
+                          n_gen=args.n_gen, max_prompt_tokens=args.max_prompt_tokens, steps=args.steps,
+                          device=args.device, target_device=args.target_device, batch=args.batch, lr=args.lr,
+                          seed=args.seed, draft_shape=shape)
+    print(f"draft written to {summary['draft_dir']}: loss {summary['loss_first']:.3f} -> {summary['loss_last']:.3f}"
+          f" over {summary['steps']} steps, held-out acceptance length {summary['held_out_acceptance_length']:.2f}"
+          f" (outputs equal AR: {'yes' if summary['outputs_equal_ar'] else 'NO'})")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="pydflash", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -171,6 +257,23 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--verbose", action="store_true", help="print the memory plan on load")
     run.set_defaults(func=cmd_run)
 
+    chat = sub.add_parser("chat", help="chat in the terminal (multi-turn, streamed, Ctrl+C stops a reply)")
+    chat.add_argument("--target", help="target GGUF with a chat template")
+    chat.add_argument("--draft", help="DFlash draft directory (config.json + model.safetensors)")
+    chat.add_argument("--demo", action="store_true", help="chat with a synthetic target/draft pair (no download)")
+    chat.add_argument("--system", help="system prompt")
+    chat.add_argument("--n-gen", type=int, default=512, help="new tokens per reply at most (default 512)")
+    chat.add_argument("--mode", choices=["ar", "chain", "ddtree"], help="default: ddtree with a draft, else ar")
+    chat.add_argument("--budget", type=int, default=22, help="tree nodes (ddtree) or chain length (default 22)")
+    chat.add_argument("--kv", default="auto", choices=["auto", "f16", "q8_0", "q4_0", "tq3_0"],
+                      help="KV cache type (default auto: f16 while the context fits, then q8_0, q4_0, tq3_0)")
+    chat.add_argument("--max-ctx", default="auto",
+                      help="KV cache positions, or auto (default): the most that fit, up to the training context")
+    chat.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (default: auto)")
+    chat.add_argument("--no-prefix-cache", action="store_true",
+                      help="prefill every turn from scratch (no reuse of the previous turn's state)")
+    chat.set_defaults(func=cmd_chat)
+
     mem = sub.add_parser("plan", help="print the device-memory plan of a target (and draft); no GPU needed")
     mem.add_argument("--target", required=True, help="target GGUF (only its header is read)")
     mem.add_argument("--draft", help="DFlash draft directory or GGUF (only config and header are read)")
@@ -182,9 +285,14 @@ def main(argv: list[str] | None = None) -> int:
     mem.add_argument("--device", default="auto", help="device whose free memory is used without --vram")
     mem.add_argument("--mode", choices=["ar", "chain", "ddtree"], help="default: ddtree with a draft, else ar")
     mem.add_argument("--budget", type=int, default=22, help="tree nodes (ddtree) or chain length (default 22)")
-    mem.add_argument("--ubatch", type=int, default=512, help="longest prefill micro-batch (default 512)")
+    mem.add_argument("--ubatch", default="auto",
+                     help="longest prefill micro-batch, or auto (default, as load: 2048 where it costs no context, "
+                          "else 512)")
     mem.add_argument("--state-type", default="f32", choices=["f32", "f16"],
                      help="verify state store type (default f32)")
+    mem.add_argument("--prefix-snapshots", type=int, default=4,
+                     help="recurrent-state snapshots for prefix reuse (default 4, as load; fewer where they would "
+                          "cost context)")
     mem.set_defaults(func=cmd_plan)
 
     demo = sub.add_parser("demo", help="synthetic target and draft: AR vs speculative, same tokens, speed")
@@ -193,6 +301,46 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--seed", type=int, default=0)
     demo.add_argument("--device", default="cpu", help="cpu (default), cuda or auto")
     demo.set_defaults(func=cmd_demo)
+    bench = sub.add_parser("bench", help="AR vs speculative tok/s on HumanEval, GSM8K and MATH-500")
+    bench.add_argument("--target", help="target GGUF")
+    bench.add_argument("--draft", help="DFlash draft directory")
+    bench.add_argument("--demo", action="store_true", help="use a synthetic target/draft pair (no download)")
+    bench.add_argument("--datasets", default="humaneval,gsm8k,math500", help="comma-separated prompt sets")
+    bench.add_argument("--n-prompts", type=int, default=20, help="prompts per dataset (default 20)")
+    bench.add_argument("--n-gen", type=int, default=256, help="new tokens per prompt (default 256)")
+    bench.add_argument("--format", choices=["auto", "chat", "raw"], default="auto",
+                       help="auto: HumanEval raw, math questions chat-templated (default)")
+    bench.add_argument("--mode", choices=["chain", "ddtree"], default="ddtree")
+    bench.add_argument("--budget", type=int, default=22)
+    bench.add_argument("--max-ctx", type=int, default=4096)
+    bench.add_argument("--seed", type=int, default=0)
+    bench.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (default: auto)")
+    bench.add_argument("--out", default="pydflash-bench", help="folder for bench.md/json/png")
+    bench.set_defaults(func=cmd_bench)
+
+    train = sub.add_parser("train-draft", help="train a DFlash draft on a GGUF target's own outputs (needs torch)")
+    train.add_argument("--target", required=True, help="target GGUF")
+    train.add_argument("--out", required=True, help="work folder: data/, checkpoint.pt, draft/ (resumable)")
+    train.add_argument("--data", default="sharegpt",
+                       help="sharegpt, random (synthetic targets), or a .jsonl/.txt file of prompts")
+    train.add_argument("--n-seq", type=int, default=256, help="training sequences (default 256)")
+    train.add_argument("--held-out", type=int, default=8, help="held-out prompts for acceptance (default 8)")
+    train.add_argument("--n-gen", type=int, default=128, help="target tokens generated per prompt (default 128)")
+    train.add_argument("--max-prompt-tokens", type=int, default=256)
+    train.add_argument("--steps", type=int, default=2000)
+    train.add_argument("--batch", type=int, default=16)
+    train.add_argument("--lr", type=float, default=2e-3)
+    train.add_argument("--n-layer", type=int, default=2, help="draft layers (default 2)")
+    train.add_argument("--n-head", type=int, default=8)
+    train.add_argument("--n-head-kv", type=int, default=2)
+    train.add_argument("--head-dim", type=int, default=128)
+    train.add_argument("--n-ff", type=int, default=2048)
+    train.add_argument("--block-size", type=int, default=16)
+    train.add_argument("--target-layers", help="comma-separated 0-based target layers (default: spread)")
+    train.add_argument("--device", default="cpu", help="torch device for training: cpu or cuda")
+    train.add_argument("--target-device", default="auto", help="pydflash device for the target")
+    train.add_argument("--seed", type=int, default=0)
+    train.set_defaults(func=cmd_train_draft)
     args = parser.parse_args(argv)
     return args.func(args)
 

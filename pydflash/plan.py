@@ -1,14 +1,17 @@
 """The device-memory plan of a target (and draft): bytes per part, and the context / KV type that fit.
 
-Everything is computed from hyperparameters and file headers (no GPU, no weights read), so
-`pydflash plan --target T --draft D --vram 24GiB` answers "does it fit" before a card is rented, and `load`
-uses the same numbers to pick `max_ctx="auto"` / `kv_type="auto"` and to refuse what cannot fit.
+Any architecture pydflash loads is planned (pydflash.models.target_classes); an attention-only one (llama,
+qwen2, qwen3) has no recurrent parts. Everything is computed from hyperparameters and file headers (no GPU, no
+weights read), so `pydflash plan --target T --draft D --vram 24GiB` answers "does it fit" before a card is
+rented, and `load` uses the same numbers (plan_for_load) to pick `max_ctx="auto"` / `kv_type="auto"` and to
+refuse what cannot fit.
 
 Parts (exact unless marked):
   target weights       the GGUF's tensor bytes (tied LM head counted once)
   KV cache             attention layers x (K, V) x cells (n_ctx rounded up to the 256-cell bucket) x row bytes
   recurrent states     per GDN layer the conv window ((d_conv-1) x conv_dim f32) and the state (S x S x H f32)
   verify stores        per GDN layer, every verify slot's state (f32 or f16) and conv input (f32)
+  prefix snapshots     saved recurrent states for prefix reuse (pydflash.prefix_cache), as many as load keeps
   captured features    the draft's target layers, f32 x n_ubatch tokens
   draft weights        matrices as stored (bf16), norms widened to f32
   draft context ring   per draft layer, K and V (f16) of block + window rows, rounded up to the bucket
@@ -24,11 +27,15 @@ from dataclasses import dataclass, field, replace
 from . import ggml
 from .kv import KV_TYPES, kv_type_of
 from .models.dflash_draft import DEFAULT_WINDOW
+from .models.runtime import KV_BUCKET   # the target's KV cells are a multiple of this
 
-KV_BUCKET = 256                 # the target's KV cells are a multiple of this (pydflash.models.qwen35)
 AUTO_KV_ORDER = ("f16", "q8_0", "q4_0", "tq3_0")   # kv_type="auto": the first one the context fits in
 RESERVE = 512 << 20             # cuBLAS workspaces, CUDA graph memory, allocator rounding
 DRAFT_WINDOW = DEFAULT_WINDOW   # the draft's context ring, in positions
+DEFAULT_UBATCH = 512            # the longest prefill micro-batch (a verify needs budget + 1 of them) ...
+LONG_PROMPT_UBATCH = 2048       # ... or this, where memory allows: prompts past 16K tokens use it
+PREFIX_SNAPSHOTS = 4            # load's default prefix-reuse bound: saved recurrent states ...
+PREFIX_BYTES = 1 << 30          # ... and their bytes in all
 GiB = 1 << 30
 
 
@@ -105,6 +112,7 @@ class MemoryPlan:
     kv_type: str
     parts: dict = field(default_factory=dict)     # name -> bytes, in print order
     n_ubatch: int = 512                           # the longest prefill micro-batch planned for
+    prefix_snapshots: int = 0                     # recurrent-state snapshots planned for prefix reuse
     vram: int | None = None                       # the memory it was fitted to (None: not fitted)
 
     @property
@@ -141,7 +149,7 @@ def compute_estimate(hp, n_ctx: int, kv_type, n_ubatch: int, n_slots: int, draft
     cells = kv_cells(n_ctx)
     n = max(n_ubatch, n_slots)
     mask = n * cells * 2
-    activations = n * 4 * (3 * hp.n_ff + 4 * hp.n_embd + hp.conv_dim + hp.value_dim)
+    activations = n * 4 * (3 * hp.n_ff + 4 * hp.n_embd + _projection_width(hp))
     logits = hp.n_vocab * 4 * max(1, n_slots)
     staging = 0
     if kv_type_of(kv_type) != ggml.Type.F16:
@@ -153,23 +161,48 @@ def compute_estimate(hp, n_ctx: int, kv_type, n_ubatch: int, n_slots: int, draft
     return total
 
 
+def _projection_width(hp) -> int:
+    """Values per token of a layer's input projections: a GDN layer's conv input and gate (the widest in a
+    hybrid model), else attention's Q, K and V."""
+    if any(hp.recurrent):
+        return hp.conv_dim + hp.value_dim
+    return (hp.n_head + 2 * hp.n_head_kv) * hp.head_dim
+
+
+def recurrent_state_bytes(hp) -> int:
+    """The recurrent state of every GDN layer (conv window and delta-rule state, f32); 0 for attention only."""
+    n_rec = sum(1 for r in hp.recurrent if r)
+    if not n_rec:
+        return 0
+    return n_rec * ((hp.ssm_d_conv - 1) * hp.conv_dim * 4 + hp.ssm_d_v * hp.ssm_d_v * hp.ssm_n_v_heads * 4)
+
+
+def prefix_snapshot_count(hp, snapshots: int, max_bytes: int | None) -> int:
+    """How many recurrent-state snapshots prefix reuse keeps: PrefixCache's bound (pydflash.prefix_cache), at most
+    `snapshots` and `max_bytes` in all (an attention-only model's snapshots hold nothing)."""
+    per = recurrent_state_bytes(hp)
+    return min(snapshots, snapshots if max_bytes is None else max_bytes // max(per, 1))
+
+
 def memory_plan(hp, weight_bytes: int, n_ctx: int, kv_type="f16", *, draft: DraftShape | None = None,
-                n_ubatch: int = 512, n_slots: int = 0, state_type: str = "f32",
+                n_ubatch: int = 512, n_slots: int = 0, state_type: str = "f32", prefix_snapshots: int = 0,
                 reserve: int = RESERVE) -> MemoryPlan:
-    """Bytes per part for a target of hyperparameters `hp` (a Qwen35HParams) with `weight_bytes` of weights,
-    n_ctx KV positions of kv_type, a verify of n_slots slots (0: AR only) and optionally a draft."""
+    """Bytes per part for a target of hyperparameters `hp` (any architecture's HParams) with `weight_bytes` of
+    weights, n_ctx KV positions of kv_type, a verify of n_slots slots (0: AR only), prefix_snapshots saved
+    recurrent states (prefix_snapshot_count) and optionally a draft."""
     kv_name = _kv_name(kv_type)
     if kv_name == "tq3_0" and hp.head_dim % 128:
         raise PlanError(f"kv type tq3_0 rotates groups of 128 values: head size {hp.head_dim} is not a multiple "
                         f"of 128")
     n_rec = sum(1 for r in hp.recurrent if r)
-    S, H = hp.ssm_d_v, hp.ssm_n_v_heads
     state_bytes = 2 if state_type == "f16" else 4
+    slot_bytes = (hp.ssm_d_v ** 2 * hp.ssm_n_v_heads * state_bytes + hp.conv_dim * 4) if n_rec else 0
     parts = {
         "target weights": int(weight_bytes),
         f"KV cache ({kv_name}, {kv_cells(n_ctx)} cells)": kv_bytes(hp, n_ctx, kv_name),
-        "recurrent states": n_rec * ((hp.ssm_d_conv - 1) * hp.conv_dim * 4 + S * S * H * 4),
-        f"verify stores ({n_slots} slots, {state_type})": n_rec * n_slots * (S * S * H * state_bytes + hp.conv_dim * 4),
+        "recurrent states": recurrent_state_bytes(hp),
+        f"verify stores ({n_slots} slots, {state_type})": n_rec * n_slots * slot_bytes,
+        "prefix snapshots": prefix_snapshots * recurrent_state_bytes(hp),
         "captured features": (hp.n_embd * draft.n_feat * n_ubatch * 4) if draft else 0,
         "draft weights": draft.weight_bytes if draft else 0,
         "draft context ring": (draft.n_layer * 2 * draft.kv_row * 2 * kv_cells(draft.block_size + draft.window)
@@ -177,7 +210,7 @@ def memory_plan(hp, weight_bytes: int, n_ctx: int, kv_type="f16", *, draft: Draf
         "compute (estimate)": compute_estimate(hp, n_ctx, kv_name, n_ubatch, n_slots, draft),
         "reserve": int(reserve),
     }
-    return MemoryPlan(n_ctx, kv_name, parts, n_ubatch)
+    return MemoryPlan(n_ctx, kv_name, parts, n_ubatch, prefix_snapshots)
 
 
 def _kv_name(kv_type) -> str:
@@ -261,27 +294,59 @@ def _suggestion(hp, weight_bytes, vram, candidates, plan_args, n_train) -> str:
 # --- from files ---------------------------------------------------------------------------------------------------
 
 def target_shape(path):
-    """(hyperparameters, weight bytes) of a target GGUF, from its header only."""
-    from .gguf_io import GGUFFile
-    from .models.qwen35 import Qwen35HParams
-    gf = GGUFFile(path)
-    hp = Qwen35HParams.from_gguf(gf)
-    names = hp.tensor_shapes()
+    """(hyperparameters, weight bytes) of a target GGUF (a file name or a parsed GGUFFile), from its header
+    only, for any architecture pydflash loads."""
+    from .gguf_io import GGUFError, GGUFFile
+    from .models import target_classes
+    gf = path if isinstance(path, GGUFFile) else GGUFFile(os.fspath(path))
+    targets = target_classes()
+    if gf.architecture not in targets:
+        raise GGUFError(f"{gf.path}: architecture {gf.architecture!r} is not supported (supported: {sorted(targets)})")
+    hp = targets[gf.architecture].HParams.from_gguf(gf)
+    names = hp.tensors()
     return hp, sum(info.nbytes for name, info in gf.tensors.items() if name in names)
 
 
 def plan_for_files(target, draft=None, *, vram=None, max_ctx="auto", kv_type="auto", budget: int = 22,
                    n_ubatch: int = 512, state_type: str = "f32", mode: str | None = None,
-                   draft_window: int = DRAFT_WINDOW) -> MemoryPlan:
-    """The plan for a target GGUF and an optional draft (folder or GGUF), fitted to `vram` bytes when given
-    (then max_ctx / kv_type may be 'auto'); without vram, max_ctx and kv_type must be concrete."""
+                   draft_window: int = DRAFT_WINDOW, prefix_snapshots: int = 0,
+                   prefix_bytes: int | None = None) -> MemoryPlan:
+    """The plan for a target GGUF (a file name or a parsed GGUFFile) and an optional draft (folder or GGUF),
+    fitted to `vram` bytes when given (then max_ctx / kv_type may be 'auto'); without vram, max_ctx and kv_type
+    must be concrete. prefix_snapshots / prefix_bytes: the prefix cache's bound (load's arguments)."""
     hp, weight_bytes = target_shape(target)
     mode = mode or ("ddtree" if draft is not None else "ar")
     shape = DraftShape.from_path(draft, draft_window) if (draft is not None and mode != "ar") else None
     n_slots = 0 if shape is None else (min(budget, shape.block_size - 1) if mode == "chain" else budget) + 1
-    args = dict(draft=shape, n_ubatch=n_ubatch, n_slots=n_slots, state_type=state_type)
+    args = dict(draft=shape, n_ubatch=n_ubatch, n_slots=n_slots, state_type=state_type,
+                prefix_snapshots=prefix_snapshot_count(hp, prefix_snapshots, prefix_bytes))
     if vram is None:
         if max_ctx == "auto" or kv_type == "auto":
             raise ValueError("max_ctx and kv_type 'auto' need the device memory (vram)")
         return memory_plan(hp, weight_bytes, int(max_ctx), kv_type, **args)
     return fit(hp, weight_bytes, parse_size(vram), max_ctx=max_ctx, kv_type=kv_type, **args)
+
+
+def plan_for_load(target, draft=None, *, vram, n_ubatch="auto", budget: int = 22, prefix_snapshots: int = 0,
+                  prefix_bytes: int | None = PREFIX_BYTES, **args) -> MemoryPlan:
+    """What `pydflash.load` allocates (plan_for_files' arguments). The context and KV type come first: fitted
+    with the smallest buffers (no prefix snapshots, DEFAULT_UBATCH-token micro-batches, or n_ubatch when it is a
+    number). Then the prefix snapshots (as many as requested, else fewer) and, with n_ubatch="auto",
+    LONG_PROMPT_UBATCH micro-batches are taken where they leave that context and KV type unchanged; snapshots
+    before bigger micro-batches. A verify must fit in one micro-batch (at least budget + 1 tokens)."""
+    ubatches = [LONG_PROMPT_UBATCH, DEFAULT_UBATCH] if n_ubatch == "auto" else [int(n_ubatch)]
+
+    def fit_with(ubatch, snapshots):
+        return plan_for_files(target, draft, vram=vram, budget=budget, n_ubatch=max(ubatch, budget + 1),
+                              prefix_snapshots=snapshots, prefix_bytes=prefix_bytes, **args)
+
+    fitted = fit_with(ubatches[-1], 0)
+    for snapshots in range(prefix_snapshots, -1, -1):
+        for ubatch in ubatches:
+            try:
+                candidate = fit_with(ubatch, snapshots)
+            except PlanError:
+                continue
+            if (candidate.n_ctx, candidate.kv_type) == (fitted.n_ctx, fitted.kv_type):
+                return candidate
+    return fitted

@@ -16,7 +16,7 @@ from pydflash.api import load
 from pydflash.cli import main
 from pydflash.gguf_io import GGUFFile
 from pydflash.models.dflash_draft import DFlashHParams
-from pydflash.testing import preset_27b, write_dflash_draft, write_dflash_gguf, write_qwen35_gguf
+from pydflash.testing import preset_27b, write_dflash_draft, write_dflash_gguf, write_llama_gguf, write_qwen35_gguf
 
 GiB = 1 << 30
 DRAFT_27B = DFlashHParams(n_layer=5, n_embd=5120, n_ff=17408, n_head=32, n_head_kv=8, head_dim=128, rms_eps=1e-6,
@@ -160,6 +160,57 @@ def test_plan_matches_real_allocations(tiny_pair):
     close(t._capture_buffer.nbytes, p.parts["captured features"], 1)
     close(d.weights.buffer.nbytes, p.parts["draft weights"], len(d.weights.t))
     close(d.cache.buffer.nbytes, p.parts["draft context ring"], 2 * d.hp.n_layer)
+
+
+def test_prefix_snapshots_planned_as_allocated(tiny_pair):
+    """load counts the prefix cache's snapshots (as many as its byte bound allows), each the size of a real one."""
+    target_path, _ = tiny_pair
+    engine = load(target_path, device="cpu", max_ctx=512, tokenizer=False, prefix_snapshots=3)
+    t, prefix = engine.target, engine.decoder.prefix
+    per = sum(x.nbytes for x in t.cache.conv.values()) + sum(x.nbytes for x in t.cache.ssm.values())
+    assert prefix.capacity == 3 and prefix.snapshot_nbytes == per
+    assert t.memory_plan.parts["prefix snapshots"] == 3 * per
+    bounded = load(target_path, device="cpu", max_ctx=512, tokenizer=False, prefix_snapshots=3,
+                   prefix_bytes=2 * per + 1)
+    assert bounded.decoder.prefix.capacity == 2 and bounded.target.memory_plan.parts["prefix snapshots"] == 2 * per
+    off = load(target_path, device="cpu", max_ctx=512, tokenizer=False, prefix_cache=False)
+    assert off.target.memory_plan.parts["prefix snapshots"] == 0 and off.decoder.prefix is None
+
+
+def test_prefix_snapshots_yield_to_the_context(tiny_pair):
+    """Snapshots are planned after the context: in memory that holds the context and two of them, two are
+    kept; in memory that holds only the context, none (prefix reuse off) rather than a refusal."""
+    target_path, _ = tiny_pair
+    bare = plan.plan_for_files(target_path, max_ctx=512, kv_type="f16")      # no snapshots, 512-token batches
+    per = plan.recurrent_state_bytes(plan.target_shape(target_path)[0])
+    for vram, n in ((bare.total + 2 * per + per // 2, 2), (bare.total + per // 2, 0)):
+        engine = load(target_path, device="cpu", max_ctx=512, kv_type="f16", n_ubatch=512, vram=vram,
+                      tokenizer=False)
+        p = engine.target.memory_plan
+        assert (p.prefix_snapshots, p.parts["prefix snapshots"], p.n_ctx) == (n, n * per, 512)
+        assert p.total <= vram
+        assert (0 if engine.decoder.prefix is None else engine.decoder.prefix.capacity) == n
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_attention_only_architectures(arch, tmp_path, capsys):
+    """An attention-only target (no recurrent state) is planned from its own header: KV and weights as
+    allocated, no recurrent parts; load's auto defaults fit it to the training context."""
+    path = tmp_path / f"{arch}.gguf"
+    cfg = write_llama_gguf(path, arch=arch, seed=4)
+    engine = load(path, device="cpu", tokenizer=False, verbose=True)      # max_ctx, kv_type, n_ubatch auto
+    t, p = engine.target, engine.target.memory_plan
+    assert (t.n_ctx, p.kv_type, t.n_ubatch) == (cfg.n_ctx_train, "f16", 2048)
+    assert f"memory plan: n_ctx {cfg.n_ctx_train}, kv_type f16" in capsys.readouterr().err
+    head_dim = cfg.head_dim or cfg.n_embd // cfg.n_head
+    kv = cfg.n_layer * 2 * cfg.n_ctx_train * head_dim * cfg.n_head_kv * 2        # f16 K and V of every layer
+    assert p.parts[f"KV cache (f16, {cfg.n_ctx_train} cells)"] == kv
+    assert p.parts["recurrent states"] == p.parts["prefix snapshots"] == 0
+    assert p.parts["verify stores (0 slots, f32)"] == 0
+    assert kv <= t.cache.buffer.nbytes <= kv + 64 * 2 * cfg.n_layer
+    assert p.parts["target weights"] <= t.weights.buffer.nbytes <= p.parts["target weights"] + 64 * len(t.weights.t)
+    with pytest.raises(plan.PlanError, match=f"max_ctx {cfg.n_ctx_train} does not fit in 1.0 MiB"):
+        load(path, device="cpu", tokenizer=False, max_ctx=cfg.n_ctx_train, vram="1MiB")
 
 
 def test_draft_gguf_planned_like_its_folder(tiny_pair, tmp_path):
