@@ -33,6 +33,7 @@ class Engine:
     def __init__(self, decoder: Decoder, tokenizer=None):
         self.decoder = decoder
         self.tokenizer = tokenizer
+        self.last_tokens: list[int] = []   # the new token ids of the current (or last) stream, growing as it runs
 
     @property
     def mode(self) -> str:
@@ -53,7 +54,8 @@ class Engine:
         """Like `generate`, but yields text pieces as tokens are committed (a piece may hold several tokens:
         a speculative step commits many at once). The stats are in `last_stats` afterwards."""
         ids = self._prompt_ids(prompt, chat, sampling)
-        tokens, shown = [], ""
+        tokens = self.last_tokens = []
+        shown = ""
         for batch in self.decoder.iter_generate(ids, max_tokens):
             tokens.extend(batch)
             text = self._text(tokens)

@@ -1,5 +1,5 @@
 """Command line: `pydflash info` (build and device check), `pydflash run` (generate), `pydflash demo` (synthetic
-models, nothing to download)."""
+models, nothing to download), `pydflash serve` (the OpenAI/Anthropic-compatible server, pydflash.server)."""
 from __future__ import annotations
 
 import argparse
@@ -142,6 +142,11 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--seed", type=int, default=0)
     demo.add_argument("--device", default="cpu", help="cpu (default), cuda or auto")
     demo.set_defaults(func=cmd_demo)
+
+    from .server import cli as server_cli
+    serve = sub.add_parser("serve", help="OpenAI- and Anthropic-compatible HTTP server with a chat page at /")
+    server_cli.add_arguments(serve)
+    serve.set_defaults(func=server_cli.serve)
     args = parser.parse_args(argv)
     return args.func(args)
 

@@ -33,7 +33,10 @@ class Tokenizer:
         """EOS, end-of-turn (<|im_end|>) or any other token the vocabulary marks as ending generation."""
         return bool(self._llama_cpp.llama_vocab_is_eog(self._vocab, int(token)))
 
-    def apply_chat_template(self, messages: list[dict], *, add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(self, messages: list[dict], *, add_generation_prompt: bool = True,
+                            **template_vars) -> str:
+        """Render `messages` through the GGUF's template; template_vars (tools, enable_thinking, ...) become
+        template variables."""
         if not self.chat_template:
             raise ValueError(f"{self.path}: the GGUF has no tokenizer.chat_template")
         from jinja2.sandbox import ImmutableSandboxedEnvironment
@@ -45,4 +48,5 @@ class Tokenizer:
         template = env.from_string(self.chat_template)
         return template.render(messages=messages, add_generation_prompt=add_generation_prompt,
                                bos_token=self.token_text(self._llm.token_bos()) if self._llm.token_bos() >= 0 else "",
-                               eos_token=self.token_text(self.eos_id), raise_exception=raise_exception)
+                               eos_token=self.token_text(self.eos_id), raise_exception=raise_exception,
+                               **template_vars)
