@@ -7,7 +7,7 @@ from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
-from starlette.responses import JSONResponse
+from starlette.responses import FileResponse, JSONResponse
 from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 
@@ -20,6 +20,10 @@ STATIC_DIR = os.path.join(os.path.dirname(__file__), "static")
 
 async def health(request):
     return JSONResponse(request.app.state.server.health())
+
+
+async def page(request):
+    return FileResponse(os.path.join(STATIC_DIR, "index.html"))
 
 
 async def _api_error(request, exc: APIError):
@@ -50,7 +54,8 @@ def create_app(engine, *, alias: str | None = None, api_key: str | None = None, 
         Route("/v1/completions", openai_api.completions, methods=["POST"]),
         Route("/v1/messages", anthropic_api.messages, methods=["POST"]),
         Route("/v1/messages/count_tokens", anthropic_api.count_tokens, methods=["POST"]),
-        Mount("/", StaticFiles(directory=STATIC_DIR, html=True), name="page"),
+        Route("/", page, methods=["GET"]),
+        Mount("/ui", StaticFiles(directory=STATIC_DIR), name="ui"),
     ]
     app = Starlette(routes=routes,
                     middleware=[Middleware(CORSMiddleware, allow_origins=["*"], allow_methods=["*"],
