@@ -102,3 +102,28 @@ class InProcessServer:
     def close(self) -> None:
         self.server.should_exit = True
         self.thread.join(10)
+
+
+class SlowEngine(ScriptedEngine):
+    """A ScriptedEngine whose every step takes `step_s` and commits one token 'w ': holds the engine as long as
+    a test needs, and records when its generator was closed and how many steps it ran."""
+
+    def __init__(self, tokenizer, step_s: float = 0.05, n_ctx: int = 100_000):
+        super().__init__(tokenizer, n_ctx)
+        self.step_s = step_s
+        self.steps = 0
+        self.closed_at: float | None = None
+
+    def stream(self, prompt, max_tokens: int = 256, chat: bool = False, **sampling):
+        self.prompts.append(list(prompt))
+        self.steps, self.closed_at = 0, None
+        tokens = self.last_tokens = []
+        try:
+            for _ in range(max_tokens):
+                time.sleep(self.step_s)
+                self.steps += 1
+                tokens.append(1)
+                yield "w "
+            self.last_stats = {"new_tokens": len(tokens)}
+        finally:
+            self.closed_at = time.monotonic()
