@@ -158,5 +158,7 @@ phase profile 200 profile_decode 8
 phase profile64 400 profile_decode 64
 phase overhead 150 decode_overhead 8
 phase overhead64 200 decode_overhead 64
+phase bench_server 400 python3 "$src/bench/server_overhead.py" "$data/q27.gguf" --draft "$data/d27" --device cuda \
+    --n-gen 256 --reps 3 --prompt-tokens 2000
 echo "all phases done" | tee -a "$logs/summary.md"
 finish 0
