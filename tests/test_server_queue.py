@@ -119,3 +119,28 @@ def test_full_queue_answers_503_and_the_queued_request_runs(server):
     health = server.health()
     assert health["busy"] is False and health["queue_length"] == 0
     assert json.dumps(health)                                   # serialisable, as /health must be
+
+
+def test_non_streaming_client_that_leaves_stops_the_decode(server, engine):
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server.url + "/v1/chat/completions", json={"messages": USER, "max_tokens": LONG}, timeout=0.5)
+    left_at = time.monotonic()
+    wait_for(lambda: engine.closed_at is not None, 5, "the decode to stop")
+    assert engine.closed_at - left_at < 2 * STEP_S + 0.5
+    wait_for(lambda: not server.health()["busy"], 5, "the engine to be freed")
+    assert server.health()["last_run"]["finish_reason"] == "cancelled"
+
+
+def test_queued_client_that_leaves_never_runs(server, engine):
+    running = open_stream(server, 2)
+    runs_before = len(engine.prompts)
+    with pytest.raises(httpx.ReadTimeout):          # waits in the queue, then gives up
+        httpx.post(server.url + "/v1/messages", json={"model": "tiny", "messages": USER, "max_tokens": 5},
+                   timeout=0.5)
+    assert server.health()["queue_length"] == 1
+    running.close()
+    wait_for(lambda: not server.health()["busy"] and server.health()["queue_length"] == 0, 5, "the queue to drain")
+    time.sleep(3 * STEP_S)
+    assert len(engine.prompts) == runs_before            # the abandoned request was dropped, not decoded
+    r = httpx.post(server.url + "/v1/chat/completions", json={"messages": USER, "max_tokens": 2}, timeout=30)
+    assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == "w w "

@@ -42,7 +42,7 @@ async def messages(request):
     prompt = render(state.tokenizer, *anthropic_conversation(req))
     max_tokens = state.max_tokens_for(len(prompt.ids), req.max_tokens)
     job = state.start(prompt.ids, max_tokens, req.sampling(), list(req.stop_sequences or []))
-    first = await state.first_event(job)
+    first = await state.first_event(job, request)
     parser = OutputParser(in_reasoning=prompt.in_reasoning, tools=prompt.tools, param_types=prompt.param_types)
     mid = f"msg_{uuid.uuid4().hex}"
     n_prompt = len(prompt.ids)

@@ -70,7 +70,7 @@ async def chat_completions(request):
     prompt = render(state.tokenizer, messages, tools, kwargs)
     max_tokens = state.max_tokens_for(len(prompt.ids), req.max_completion_tokens or req.max_tokens)
     job = state.start(prompt.ids, max_tokens, req.sampling(), _stops(req.stop))
-    first = await state.first_event(job)
+    first = await state.first_event(job, request)
     parser = OutputParser(in_reasoning=prompt.in_reasoning, tools=prompt.tools, param_types=prompt.param_types)
     cid, created, model = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), state.alias
 
@@ -154,7 +154,7 @@ async def completions(request):
     ids, prompt_text = _completion_prompt(state, req.prompt)
     max_tokens = state.max_tokens_for(len(ids), req.max_tokens)
     job = state.start(ids, max_tokens, req.sampling(), _stops(req.stop))
-    first = await state.first_event(job)
+    first = await state.first_event(job, request)
     cid, created, model = f"cmpl-{uuid.uuid4().hex}", int(time.time()), state.alias
     echo = prompt_text if req.echo else ""
 

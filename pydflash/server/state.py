@@ -8,7 +8,7 @@ import os
 import time
 
 from .errors import APIError
-from .worker import Job, QueueFull, Worker
+from .worker import ClientGone, Job, QueueFull, Worker
 
 RETRY_AFTER_S = 2        # what a 503 tells the client to wait
 
@@ -76,14 +76,18 @@ class ServerState:
                            headers={"Retry-After": str(RETRY_AFTER_S)}) from None
         return job
 
-    async def first_event(self, job: Job):
+    async def first_event(self, job: Job, request):
         """Wait for the job's first event, so that a refused request (e.g. sampling options the engine does not
-        implement) is answered with its error status instead of a stream that starts and then fails."""
+        implement) is answered with its error status instead of a stream that starts and then fails. A client
+        that leaves meanwhile (in the queue, or during the prefill) cancels the job."""
+        watcher = asyncio.ensure_future(_watch_disconnect(request, job))
         try:
             event = await job.events.get()
         except BaseException:
             job.cancelled.set()
             raise
+        finally:
+            watcher.cancel()
         if event[0] == "error":
             raise as_api_error(event[1])
         return event
@@ -130,6 +134,8 @@ async def _watch_disconnect(request, job: Job) -> None:
 def as_api_error(error: BaseException) -> APIError:
     if isinstance(error, APIError):
         return error
+    if isinstance(error, ClientGone):         # nobody reads this answer
+        return APIError(499, str(error))
     if isinstance(error, ValueError):        # the engine refusing a request (sampling options, sizes)
         return APIError(400, str(error))
     return APIError(500, f"internal error: {type(error).__name__}: {error}")

@@ -21,6 +21,10 @@ class QueueFull(Exception):
     pass
 
 
+class ClientGone(Exception):
+    pass
+
+
 @dataclass
 class Job:
     prompt_ids: list[int]
@@ -72,6 +76,7 @@ class Worker:
                 self.waiting -= 1
                 self.busy = not job.cancelled.is_set()
             if not self.busy:               # its client left while it waited
+                job.post("error", ClientGone("the client disconnected while the request was queued"))
                 continue
             try:
                 job.post("done", self._run(job))
