@@ -82,8 +82,11 @@ async def chat_completions(request):
                 events = parser.feed(value)
             else:
                 done, events = value, parser.finish()
-            for what, text in events:
-                (reasoning if what == "reasoning" else content if what == "content" else []).append(text)
+            for what, item in events:          # tool calls are collected by the parser itself
+                if what == "reasoning":
+                    reasoning.append(item)
+                elif what == "content":
+                    content.append(item)
         message = {"role": "assistant", "content": "".join(content) if content or not parser.tool_calls else None}
         if reasoning:
             message["reasoning_content"] = "".join(reasoning)
