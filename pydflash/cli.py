@@ -1,5 +1,6 @@
-"""Command line: `pydflash info` (build and device check), `pydflash run` (generate), `pydflash demo` (synthetic
-models, nothing to download), `pydflash serve` (the OpenAI/Anthropic-compatible server, pydflash.server)."""
+"""Command line: `pydflash info` (build and device check), `pydflash run` (generate), `pydflash chat` (a terminal
+chat), `pydflash demo` (synthetic models, nothing to download), `pydflash serve` (the OpenAI/Anthropic-compatible
+server, pydflash.server)."""
 from __future__ import annotations
 
 import argparse
@@ -115,6 +116,29 @@ def cmd_demo(args: argparse.Namespace) -> int:
         return 0 if same else 1
 
 
+def cmd_chat(args: argparse.Namespace) -> int:
+    """A terminal chat with the model (--demo: the synthetic pair, nothing to download)."""
+    import tempfile
+
+    from .api import load
+    from .chat import ChatSession, repl
+
+    with tempfile.TemporaryDirectory(prefix="pydflash-chat-") as tmp:
+        target, draft = args.target, args.draft
+        if args.demo:
+            from . import testing
+            target, draft = f"{tmp}/target.gguf", f"{tmp}/draft"
+            testing.write_qwen35_gguf(target, seed=0)
+            testing.write_dflash_draft(draft, target, seed=0)
+            print("demo: a synthetic target and DFlash draft (random weights: the replies are noise)", file=sys.stderr)
+        elif target is None:
+            print("pydflash chat: give --target T.gguf (or --demo)", file=sys.stderr)
+            return 2
+        engine = load(target, draft, device=args.device, kv_type=args.kv, max_ctx=args.max_ctx, mode=args.mode,
+                      budget=args.budget, progress=not args.demo, prefix_cache=not args.no_prefix_cache)
+        return repl(ChatSession(engine, system=args.system, max_tokens=args.n_gen))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="pydflash", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -135,6 +159,21 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--max-ctx", type=int, help="KV cache positions (default 8192)")
     run.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (default: auto)")
     run.set_defaults(func=cmd_run)
+
+    chat = sub.add_parser("chat", help="chat in the terminal (multi-turn, streamed, Ctrl+C stops a reply)")
+    chat.add_argument("--target", help="target GGUF with a chat template")
+    chat.add_argument("--draft", help="DFlash draft directory (config.json + model.safetensors)")
+    chat.add_argument("--demo", action="store_true", help="chat with a synthetic target/draft pair (no download)")
+    chat.add_argument("--system", help="system prompt")
+    chat.add_argument("--n-gen", type=int, default=512, help="new tokens per reply at most (default 512)")
+    chat.add_argument("--mode", choices=["ar", "chain", "ddtree"], help="default: ddtree with a draft, else ar")
+    chat.add_argument("--budget", type=int, default=22, help="tree nodes (ddtree) or chain length (default 22)")
+    chat.add_argument("--kv", default="f16", choices=["f16", "q8_0", "q4_0", "tq3_0"], help="KV cache type")
+    chat.add_argument("--max-ctx", type=int, help="KV cache positions (default 8192)")
+    chat.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (default: auto)")
+    chat.add_argument("--no-prefix-cache", action="store_true",
+                      help="prefill every turn from scratch (no reuse of the previous turn's state)")
+    chat.set_defaults(func=cmd_chat)
 
     demo = sub.add_parser("demo", help="synthetic target and draft: AR vs speculative, same tokens, speed")
     demo.add_argument("--n-gen", type=int, default=64)

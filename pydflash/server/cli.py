@@ -19,6 +19,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="KV cache type (default f16; tq3_0 with --mode ar only)")
     parser.add_argument("--max-ctx", type=int, help="KV cache positions (default 8192)")
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (default: auto)")
+    parser.add_argument("--no-prefix-cache", action="store_true",
+                        help="prefill every request from scratch (no reuse of an earlier prompt's state)")
     parser.add_argument("--api-key", help="require this key (Authorization: Bearer KEY, or x-api-key: KEY)")
     parser.add_argument("--alias", help="the model name clients use (default: the target's file name)")
     parser.add_argument("--queue-size", type=int, default=16,
@@ -50,7 +52,7 @@ def serve(args: argparse.Namespace) -> int:
             from ..engine import _has_tree_ops
             mode = "ddtree" if _has_tree_ops() else "chain"
         engine = load(target, draft, device=args.device, kv_type=args.kv, max_ctx=args.max_ctx, mode=mode,
-                      budget=args.budget, progress=True)
+                      budget=args.budget, progress=True, prefix_cache=not args.no_prefix_cache)
         app = create_app(engine, alias=args.alias or ("pydflash-demo" if args.demo else None), api_key=args.api_key,
                          queue_size=args.queue_size, target_path=target)
         alias = app.state.server.alias

@@ -111,7 +111,7 @@ class Worker:
             pieces.close()
         t_end = time.perf_counter()
         tokens = list(engine.last_tokens)
-        stats = engine.last_stats if finish is None else {}     # the engine's stats exist for finished runs only
+        stats = engine.last_stats or {}            # the engine keeps them also for a run closed early
         if finish is None:
             rest = stopper.flush()
             if rest:
