@@ -34,7 +34,7 @@ def server(model_path):
 
 @pytest.fixture(scope="module")
 def engine(model_path):
-    return pydflash.load(model_path, mode="ar", device="cpu", max_ctx=512)
+    return pydflash.load(model_path, mode="ar", device="cpu", max_ctx=512, prefix_cache=False)   # fresh prefills
 
 
 @pytest.fixture(scope="module")
@@ -156,6 +156,24 @@ def test_thinking_switch_goes_through_the_template(oai, claude, engine):
     off = oai.chat.completions.create(model="tiny", messages=messages, max_tokens=N,
                                       extra_body={"chat_template_kwargs": {"enable_thinking": False}})
     assert off.choices[0].message.content == engine.generate(PROMPT, max_tokens=N, chat=True).text
+
+
+def test_chat_turn_two_reuses_turn_one(oai, server, engine):
+    """The engine's prefix cache resumes a chat's next turn; the reply is the one a fresh prefill gives, and the
+    response's timings and /health say what was reused."""
+    turn1 = [{"role": "user", "content": PROMPT}]
+    r1 = oai.chat.completions.create(model="tiny", messages=turn1, max_tokens=N)
+    turn2 = turn1 + [{"role": "assistant", "content": r1.choices[0].message.content},
+                     {"role": "user", "content": "And then?"}]
+    r2 = oai.chat.completions.create(model="tiny", messages=turn2, max_tokens=N)
+    ids = chat_ids(engine, turn2)
+    assert r2.choices[0].message.content == engine.generate(ids, max_tokens=N).text
+    timings = r2.model_extra["timings"]
+    assert timings["reused_tokens"] >= r1.usage.prompt_tokens
+    assert timings["prefilled_tokens"] == len(ids) - timings["reused_tokens"]
+    reuse = server.health()["prefix_reuse"]
+    assert reuse["last_reused_tokens"] == timings["reused_tokens"] and reuse["total_reused_tokens"] >= reuse[
+        "last_reused_tokens"]
 
 
 def test_models_health_and_alias(oai, server):

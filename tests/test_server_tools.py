@@ -134,7 +134,7 @@ EXPECTED_PROMPT = (
     "\n</tools>\n\nTo call a function, reply with\n<tool_call>\n<function=NAME>\n<parameter=NAME>\nVALUE\n"
     "</parameter>\n</function>\n</tool_call><|im_end|>\n"
     "<|im_start|>user\nWeather in Paris?<|im_end|>\n"
-    "<|im_start|>assistant\n" + CALL_XML + "<|im_end|>\n"
+    "<|im_start|>assistant\n<think>\n\n</think>\n\n" + CALL_XML + "<|im_end|>\n"
     "<|im_start|>user\n<tool_response>\nsunny\n</tool_response><|im_end|>\n"
     "<|im_start|>assistant\n<think>\n\n</think>\n\n")
 

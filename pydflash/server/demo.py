@@ -6,7 +6,9 @@ import os
 
 # ChatML with Qwen3.5/3.6-style tools (XML calls, <tool_response> turns) and thinking. Unlike Qwen's own
 # templates the demo thinks only when asked (chat_template_kwargs {"enable_thinking": true}): its random weights
-# never close a <think> block, so a default-on switch would hide every reply in the reasoning.
+# never close a <think> block, so a default-on switch would hide every reply in the reasoning. Past assistant
+# turns keep their (possibly empty) think block, so a chat's next prompt extends the last one token for token
+# and the engine's prefix cache can resume it.
 DEMO_TEMPLATE = (
     "{%- if tools %}"
     "{{- '<|im_start|>system\\n' }}"
@@ -23,8 +25,7 @@ DEMO_TEMPLATE = (
     "{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}"
     "{%- elif message.role == 'assistant' %}"
     "{{- '<|im_start|>assistant\\n' }}"
-    "{%- if message.reasoning_content %}{{- '<think>\\n' + message.reasoning_content + '\\n</think>\\n\\n' }}"
-    "{%- endif %}"
+    "{{- '<think>\\n' + (message.reasoning_content or '') + '\\n</think>\\n\\n' }}"
     "{{- message.content or '' }}"
     "{%- for call in message.tool_calls or [] %}"
     "{%- set fn = call.function if call.function is defined else call %}"
