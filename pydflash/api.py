@@ -30,6 +30,7 @@ class Engine:
     def __init__(self, decoder: Decoder, tokenizer=None):
         self.decoder = decoder
         self.tokenizer = tokenizer
+        self.last_tokens: list[int] = []   # the new token ids of the current (or last) stream, growing as it runs
 
     @property
     def mode(self) -> str:
@@ -51,7 +52,8 @@ class Engine:
         a speculative step commits many at once). The stats are in `last_stats` afterwards, also when the
         consumer stops early (closes the generator)."""
         ids = self._prompt_ids(prompt, chat, sampling)
-        tokens, shown = [], ""
+        tokens = self.last_tokens = []
+        shown = ""
         steps = self.decoder.iter_generate(ids, max_tokens)
         try:
             for batch in steps:

@@ -1,5 +1,7 @@
 """Command line: `pydflash info` (build and device check), `pydflash run` (generate), `pydflash chat` (a terminal
-chat), `pydflash plan` (the memory plan, no GPU needed), `pydflash demo` (synthetic models, nothing to download)."""
+chat), `pydflash plan` (the memory plan, no GPU needed), `pydflash demo` (synthetic models, nothing to download),
+`pydflash serve` (the OpenAI/Anthropic-compatible server, pydflash.server), `pydflash bench` and
+`pydflash train-draft`."""
 from __future__ import annotations
 
 import argparse
@@ -341,6 +343,11 @@ def main(argv: list[str] | None = None) -> int:
     train.add_argument("--target-device", default="auto", help="pydflash device for the target")
     train.add_argument("--seed", type=int, default=0)
     train.set_defaults(func=cmd_train_draft)
+
+    from .server import cli as server_cli
+    serve = sub.add_parser("serve", help="OpenAI- and Anthropic-compatible HTTP server with a chat page at /")
+    server_cli.add_arguments(serve)
+    serve.set_defaults(func=server_cli.serve)
     args = parser.parse_args(argv)
     return args.func(args)
 

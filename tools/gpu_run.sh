@@ -199,5 +199,7 @@ phase lc_llama_f16 300 llama_tg -d 2048,8192,32768 -ctk f16 -ctv f16
 phase lc_llama_q8_0 300 llama_tg -d 2048,8192,32768 -ctk q8_0 -ctv q8_0
 phase lc_llama_f16_128k 500 llama_tg -d 131072 -ctk f16 -ctv f16
 phase lc_llama_q8_0_128k 500 llama_tg -d 131072 -ctk q8_0 -ctv q8_0
+phase bench_server 400 python3 "$src/bench/server_overhead.py" "$data/q27.gguf" --draft "$data/d27" --device cuda \
+    --n-gen 256 --reps 3 --prompt-tokens 2000
 echo "all phases done" | tee -a "$logs/summary.md"
 finish 0
