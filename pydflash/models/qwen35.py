@@ -18,6 +18,7 @@ import numpy as np
 from .. import ggml
 from ..gguf_io import GGUFError, GGUFFile, upload
 from ..kv import HybridCache
+from .layers import linear
 
 ARCH = "qwen35"
 ROPE_TYPE_IMROPE = 40
@@ -483,9 +484,9 @@ class Qwen35Target:
                 mix = self._attention(ctx, x, il, fg, side_effects)
             h = ctx.add(mix, h).named(f"l{il}.attn_res")
             x = self._norm(ctx, h, w[p + "post_attention_norm.weight"], f"l{il}.ffn_norm")
-            gate = ctx.mul_mat(w[p + "ffn_gate.weight"], x)
-            up = ctx.mul_mat(w[p + "ffn_up.weight"], x)
-            ffn = ctx.mul_mat(w[p + "ffn_down.weight"], ctx.swiglu_split(gate, up)).named(f"l{il}.ffn_out")
+            gate = linear(ctx, w[p + "ffn_gate.weight"], x)
+            up = linear(ctx, w[p + "ffn_up.weight"], x)
+            ffn = linear(ctx, w[p + "ffn_down.weight"], ctx.swiglu_split(gate, up)).named(f"l{il}.ffn_out")
             h = ctx.add(ffn, h).named(f"l{il}.out")
             if il in self.capture_layers:
                 j = self.capture_layers.index(il)
@@ -497,7 +498,7 @@ class Qwen35Target:
         if not tree:   # only the last token's logits
             h = ctx.view_2d(h, hp.n_embd, 1, h.nb[1], (n - 1) * h.nb[1])
         out = self._norm(ctx, h, w["output_norm.weight"], "out.norm")
-        fg.logits = ctx.mul_mat(w["output.weight"], out).named("out.logits")  # [n_vocab, 1 or n (tree)]
+        fg.logits = linear(ctx, w["output.weight"], out).named("out.logits")  # [n_vocab, 1 or n (tree)]
         fg.argmax = ctx.argmax(fg.logits).named("out.argmax")
         fg.graph = ctx.graph(side_effects + [fg.logits, fg.argmax])   # Allocator.allocate checks every node
         return fg
@@ -538,14 +539,14 @@ class Qwen35Target:
     def _attention(self, ctx, x, il, fg: _ForwardGraph, side_effects):
         hp, w, cache = self.hp, self.weights, self.cache
         p, hd, n, n_kv = f"blk.{il}.", hp.head_dim, fg.n_tokens, fg.n_kv
-        q_full = ctx.mul_mat(w[p + "attn_q.weight"], x)              # [2 hd n_head, n], per head [Q | gate]
+        q_full = linear(ctx, w[p + "attn_q.weight"], x)              # [2 hd n_head, n], per head [Q | gate]
         q = ctx.view_3d(q_full, hd, hp.n_head, n, 2 * hd * 4, 2 * hd * hp.n_head * 4, 0)
         q = self._norm(ctx, q, w[p + "attn_q_norm.weight"], f"l{il}.q_norm")      # [hd, n_head, n]
         gate = ctx.view_3d(q_full, hd, hp.n_head, n, 2 * hd * 4, 2 * hd * hp.n_head * 4, hd * 4)
         gate = ctx.cont_2d(gate, hd * hp.n_head, n)
-        k = ctx.reshape_3d(ctx.mul_mat(w[p + "attn_k.weight"], x), hd, hp.n_head_kv, n)
+        k = ctx.reshape_3d(linear(ctx, w[p + "attn_k.weight"], x), hd, hp.n_head_kv, n)
         k = self._norm(ctx, k, w[p + "attn_k_norm.weight"], f"l{il}.k_norm")
-        v = ctx.reshape_3d(ctx.mul_mat(w[p + "attn_v.weight"], x), hd, hp.n_head_kv, n)
+        v = ctx.reshape_3d(linear(ctx, w[p + "attn_v.weight"], x), hd, hp.n_head_kv, n)
         rope = (hp.n_rot, list(hp.rope_sections), ROPE_TYPE_IMROPE, hp.n_ctx_train, hp.rope_base, 1.0, 0.0, 1.0,
                 32.0, 1.0)
         q = ctx.rope_multi(q, fg.pos, None, *rope).named(f"l{il}.q")
@@ -573,7 +574,7 @@ class Qwen35Target:
         elif cache.tq3_rotation is not None:   # attention over rotated V gives the rotated output
             out = cache.tq3_rotation.unrotate(ctx, out)
         out = ctx.mul(out, ctx.sigmoid(gate)).named(f"l{il}.attn_gated")
-        return ctx.mul_mat(w[p + "attn_output.weight"], out).named(f"l{il}.attn_out")
+        return linear(ctx, w[p + "attn_output.weight"], out).named(f"l{il}.attn_out")
 
     @staticmethod
     def _rotate(ctx, x, rot):
@@ -590,10 +591,10 @@ class Qwen35Target:
         hp, w, cache = self.hp, self.weights, self.cache
         p = f"blk.{il}."
         d_k, h_k, d_v, h_v = hp.ssm_d_k, hp.ssm_n_k_heads, hp.ssm_d_v, hp.ssm_n_v_heads
-        qkv = ctx.mul_mat(w[p + "attn_qkv.weight"], x)               # [conv_dim, n]
-        z = ctx.mul_mat(w[p + "attn_gate.weight"], x)                # [value_dim, n]
-        beta = ctx.sigmoid(ctx.reshape_4d(ctx.mul_mat(w[p + "ssm_beta.weight"], x), 1, h_v, n, 1))
-        alpha = ctx.reshape_3d(ctx.mul_mat(w[p + "ssm_alpha.weight"], x), h_v, n, 1)
+        qkv = linear(ctx, w[p + "attn_qkv.weight"], x)               # [conv_dim, n]
+        z = linear(ctx, w[p + "attn_gate.weight"], x)                # [value_dim, n]
+        beta = ctx.sigmoid(ctx.reshape_4d(linear(ctx, w[p + "ssm_beta.weight"], x), 1, h_v, n, 1))
+        alpha = ctx.reshape_3d(linear(ctx, w[p + "ssm_alpha.weight"], x), h_v, n, 1)
         g = ctx.mul(ctx.softplus(ctx.add(alpha, w[p + "ssm_dt.bias"])), w[p + "ssm_a"])  # log-decay, <= 0
         g = ctx.reshape_4d(g, 1, h_v, n, 1).named(f"l{il}.gdn.g")
 
@@ -641,7 +642,7 @@ class Qwen35Target:
         zg = ctx.reshape_4d(z, d_v, h_v, n, 1)
         o = ctx.mul(self._norm(ctx, o, w[p + "ssm_norm.weight"], f"l{il}.gdn.norm"), ctx.silu(zg))
         o = ctx.reshape_2d(o, hp.value_dim, n)
-        return ctx.mul_mat(w[p + "ssm_out.weight"], o).named(f"l{il}.gdn.out")
+        return linear(ctx, w[p + "ssm_out.weight"], o).named(f"l{il}.gdn.out")
 
     def _l2_norm(self, ctx, x):
         # llama.cpp's form: rms_norm with eps/d, scaled by 1/sqrt(d)  ==  x / sqrt(sum x^2 + eps)

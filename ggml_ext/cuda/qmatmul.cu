@@ -1,0 +1,190 @@
+// ggml_qmatmul on CUDA: W * X for a few columns, bit-identical per column whatever the number of columns.
+//
+// The columns of x are quantised to q8_1 (ggml's quantize_row_q8_1_cuda: per column, per 32 values), then a
+// vector kernel in the manner of ggml's mul_mat_vec_q dots each weight row with them through ggml's own
+// vec_dot_<type>_q8_1 (integer dot products inside a quant block, one float per block piece). What makes a
+// column's result independent of N:
+//   - the split of a row's K-blocks over the QMM_THREADS threads of a CUDA block is fixed (it depends on the
+//     weight type only, never on the column count or on how many rows a CUDA block takes);
+//   - each thread adds its pieces in K order with __fadd_rn (no contraction into a neighbouring multiply that
+//     could differ between instantiations);
+//   - the QMM_WARPS partial sums are combined in warp order through shared memory, then by a fixed butterfly.
+// The column count and the rows per CUDA block only change which (row, column) pairs a CUDA block computes.
+// Columns go in chunks of up to QMM_MAX_CHUNK; the chunks of one row group are neighbouring blocks of the grid,
+// so a row group's weights are read from DRAM once and from L2 by the other chunks.
+
+#include "ggml-ext-cuda.cuh"
+#include "ggml-ext.h"
+#include "quantize.cuh"
+#include "vecdotq.cuh"
+
+#define QMM_WARPS     4
+#define QMM_THREADS   (QMM_WARPS * WARP_SIZE)
+#define QMM_MAX_CHUNK 8
+
+typedef float (*qmm_vec_dot_t)(const void * __restrict__ vbq, const block_q8_1 * __restrict__ bq8_1,
+                               const int & kbx, const int & iqs);
+
+template <ggml_type type> struct qmm_traits;
+template <> struct qmm_traits<GGML_TYPE_Q4_K> {
+    static constexpr int vdr = VDR_Q4_K_Q8_1_MMVQ;
+    static constexpr qmm_vec_dot_t vec_dot = vec_dot_q4_K_q8_1;
+};
+template <> struct qmm_traits<GGML_TYPE_Q5_K> {
+    static constexpr int vdr = VDR_Q5_K_Q8_1_MMVQ;
+    static constexpr qmm_vec_dot_t vec_dot = vec_dot_q5_K_q8_1;
+};
+template <> struct qmm_traits<GGML_TYPE_Q6_K> {
+    static constexpr int vdr = VDR_Q6_K_Q8_1_MMVQ;
+    static constexpr qmm_vec_dot_t vec_dot = vec_dot_q6_K_q8_1;
+};
+template <> struct qmm_traits<GGML_TYPE_Q8_0> {
+    static constexpr int vdr = VDR_Q8_0_Q8_1_MMVQ;
+    static constexpr qmm_vec_dot_t vec_dot = vec_dot_q8_0_q8_1;
+};
+
+// One CUDA block: ROWS weight rows times CHUNK columns. Grid: (row group) * n_chunks + chunk.
+template <ggml_type type, int CHUNK, int ROWS>
+static __global__ void __launch_bounds__(QMM_THREADS, 1)
+qmatmul_kernel(const void * __restrict__ vx, const block_q8_1 * __restrict__ y, float * __restrict__ dst,
+               int blocks_per_row, int n_rows, int n_cols, int n_chunks, int stride_col_y, int stride_col_dst) {
+    constexpr int qk  = ggml_cuda_type_traits<type>::qk;
+    constexpr int qi  = ggml_cuda_type_traits<type>::qi;
+    constexpr int vdr = qmm_traits<type>::vdr;
+    constexpr int threads_per_block_x = qi / vdr;               // threads sharing one quant block
+    constexpr int blocks_per_iter     = QMM_THREADS / threads_per_block_x;
+
+    const int tid   = threadIdx.y * WARP_SIZE + threadIdx.x;
+    const int chunk = blockIdx.x % n_chunks;
+    const int row0  = (blockIdx.x / n_chunks) * ROWS;
+    const int col0  = chunk * CHUNK;
+
+    // rows/columns past the end repeat the last one (never stored): no bounds checks in the hot loop
+    int row_off[ROWS];
+#pragma unroll
+    for (int i = 0; i < ROWS; ++i) {
+        row_off[i] = min(row0 + i, n_rows - 1) * blocks_per_row;
+    }
+    const block_q8_1 * ycol[CHUNK];
+#pragma unroll
+    for (int j = 0; j < CHUNK; ++j) {
+        ycol[j] = y + (size_t) min(col0 + j, n_cols - 1) * stride_col_y;
+    }
+
+    ggml_cuda_pdl_sync();
+
+    float acc[CHUNK][ROWS] = {{0.0f}};
+    const int kqs = vdr * (tid % threads_per_block_x);
+    for (int kbx = tid / threads_per_block_x; kbx < blocks_per_row; kbx += blocks_per_iter) {
+        const int kby = kbx * (qk / QK8_1);
+#pragma unroll
+        for (int j = 0; j < CHUNK; ++j) {
+#pragma unroll
+            for (int i = 0; i < ROWS; ++i) {
+                acc[j][i] = __fadd_rn(acc[j][i], qmm_traits<type>::vec_dot(vx, ycol[j] + kby, row_off[i] + kbx, kqs));
+            }
+        }
+    }
+
+    __shared__ float partial[QMM_WARPS - 1][CHUNK][ROWS][WARP_SIZE];
+    if (threadIdx.y > 0) {
+#pragma unroll
+        for (int j = 0; j < CHUNK; ++j) {
+#pragma unroll
+            for (int i = 0; i < ROWS; ++i) {
+                partial[threadIdx.y - 1][j][i][threadIdx.x] = acc[j][i];
+            }
+        }
+    }
+    __syncthreads();
+    if (threadIdx.y > 0) {
+        return;
+    }
+#pragma unroll
+    for (int j = 0; j < CHUNK; ++j) {
+#pragma unroll
+        for (int i = 0; i < ROWS; ++i) {
+            float sum = acc[j][i];
+#pragma unroll
+            for (int l = 0; l < QMM_WARPS - 1; ++l) {
+                sum = __fadd_rn(sum, partial[l][j][i][threadIdx.x]);
+            }
+#pragma unroll
+            for (int offset = WARP_SIZE / 2; offset > 0; offset >>= 1) {
+                sum = __fadd_rn(sum, __shfl_xor_sync(0xffffffff, sum, offset, WARP_SIZE));
+            }
+            acc[j][i] = sum;
+        }
+    }
+    // lane l < ROWS*CHUNK stores one output (a register array cannot be indexed by lane without local memory)
+#pragma unroll
+    for (int j = 0; j < CHUNK; ++j) {
+#pragma unroll
+        for (int i = 0; i < ROWS; ++i) {
+            if (threadIdx.x == j * ROWS + i && col0 + j < n_cols && row0 + i < n_rows) {
+                dst[(size_t) (col0 + j) * stride_col_dst + row0 + i] = acc[j][i];
+            }
+        }
+    }
+}
+
+template <ggml_type type, int CHUNK, int ROWS>
+static void qmatmul_launch(const void * vx, const block_q8_1 * y, float * dst, int blocks_per_row, int n_rows,
+                           int n_cols, int stride_col_y, int stride_col_dst, cudaStream_t stream) {
+    const int n_chunks = (n_cols + CHUNK - 1) / CHUNK;
+    const int n_groups = (n_rows + ROWS - 1) / ROWS;
+    const dim3 grid((unsigned) n_groups * n_chunks);
+    const dim3 block(WARP_SIZE, QMM_WARPS);
+    ggml_cuda_kernel_launch(qmatmul_kernel<type, CHUNK, ROWS>, ggml_cuda_kernel_launch_params(grid, block, 0, stream),
+                            vx, y, dst, blocks_per_row, n_rows, n_cols, n_chunks, stride_col_y, stride_col_dst);
+}
+
+// Chunk and rows per CUDA block by column count: more rows per block for more columns, so that the
+// activations each block reads from L2 serve more weight rows. Any choice gives the same bits.
+template <ggml_type type>
+static void qmatmul_switch(const void * vx, const block_q8_1 * y, float * dst, int blocks_per_row, int n_rows,
+                           int n_cols, int stride_col_y, int stride_col_dst, cudaStream_t stream) {
+    switch (n_cols) {
+        case 1:  qmatmul_launch<type, 1, 1>(vx, y, dst, blocks_per_row, n_rows, n_cols, stride_col_y, stride_col_dst, stream); break;
+        case 2:  qmatmul_launch<type, 2, 2>(vx, y, dst, blocks_per_row, n_rows, n_cols, stride_col_y, stride_col_dst, stream); break;
+        case 3:
+        case 4:  qmatmul_launch<type, 4, 2>(vx, y, dst, blocks_per_row, n_rows, n_cols, stride_col_y, stride_col_dst, stream); break;
+        default: qmatmul_launch<type, QMM_MAX_CHUNK, 4>(vx, y, dst, blocks_per_row, n_rows, n_cols, stride_col_y, stride_col_dst, stream); break;
+    }
+}
+
+void ggml_ext_cuda_qmatmul(ggml_backend_cuda_context & ctx, ggml_tensor * dst) {
+    const ggml_tensor * w = dst->src[0];
+    const ggml_tensor * x = dst->src[1];
+    cudaStream_t stream = ctx.stream();
+
+    const int64_t K = w->ne[0];
+    const int64_t M = w->ne[1];
+    const int64_t N = x->ne[1];
+    GGML_ASSERT(ggml_qmatmul_supported(w->type) && N >= 1 && N <= GGML_EXT_QMATMUL_MAX_COLS);
+    GGML_ASSERT(M * (K / ggml_blck_size(w->type)) <= INT_MAX);
+
+    const int64_t K_padded = GGML_PAD(K, MATRIX_ROW_PADDING);
+    ggml_cuda_pool_alloc<char> y(ctx.pool(), N * K_padded * sizeof(block_q8_1) / QK8_1);
+    quantize_row_q8_1_cuda((const float *) x->data, nullptr, y.get(), w->type, K, x->nb[1] / sizeof(float),
+                           N * x->nb[1] / sizeof(float), N * x->nb[1] / sizeof(float), K_padded, N, 1, 1, stream);
+
+    const int blocks_per_row = (int) (K / ggml_blck_size(w->type));
+    const int stride_col_y   = (int) (K_padded / QK8_1);
+    const block_q8_1 * yq    = (const block_q8_1 *) y.get();
+    float * out              = (float *) dst->data;
+    const int stride_col_dst = (int) (dst->nb[1] / sizeof(float));
+    switch (w->type) {
+        case GGML_TYPE_Q4_K: qmatmul_switch<GGML_TYPE_Q4_K>(w->data, yq, out, blocks_per_row, M, N, stride_col_y, stride_col_dst, stream); break;
+        case GGML_TYPE_Q5_K: qmatmul_switch<GGML_TYPE_Q5_K>(w->data, yq, out, blocks_per_row, M, N, stride_col_y, stride_col_dst, stream); break;
+        case GGML_TYPE_Q6_K: qmatmul_switch<GGML_TYPE_Q6_K>(w->data, yq, out, blocks_per_row, M, N, stride_col_y, stride_col_dst, stream); break;
+        case GGML_TYPE_Q8_0: qmatmul_switch<GGML_TYPE_Q8_0>(w->data, yq, out, blocks_per_row, M, N, stride_col_y, stride_col_dst, stream); break;
+        default: GGML_ABORT("ggml_qmatmul: unsupported weight type %s", ggml_type_name(w->type));
+    }
+}
+
+bool ggml_ext_cuda_qmatmul_supported(const ggml_tensor * op) {
+    const ggml_tensor * w = op->src[0];
+    // the launch indexes quant blocks with int
+    return ggml_qmatmul_supported(w->type) && w->ne[1] * (w->ne[0] / ggml_blck_size(w->type)) <= INT_MAX;
+}
