@@ -47,7 +47,7 @@ class QMatmul:
         w.set(self.w_data)
         xt.set(np.ascontiguousarray(x, dtype=np.float32))
         self.backend.compute(graph)
-        return graph.outputs[0].numpy()  # [N, M]
+        return graph.outputs[0].numpy().reshape(x.shape[0], self.M)  # numpy() drops a trailing 1
 
 
 def make(backend, rng, wtype):
