@@ -19,6 +19,6 @@ def linear(ctx: Context, w: Tensor, x: Tensor) -> Tensor:
     token-by-token decode exactly); everything else through ggml's mul_mat. The weight must already be
     allocated when the graph is built (model weights always are)."""
     if (w.type in QMATMUL_TYPES and w.ne[2:] == (1, 1) and x.ne[2:] == (1, 1) and 1 <= x.ne[1] <= QMATMUL_MAX_COLS
-            and x.type.name == "F32" and x.nb[0] == 4 and w.is_contiguous() and _on_device(w)):
+            and x.type.name == "F32" and x.nb[0] == 4 and w.is_contiguous and _on_device(w)):
         return qmatmul(ctx, w, x)
     return ctx.mul_mat(w, x)
