@@ -153,21 +153,22 @@ static void qmatmul_switch(const void * vx, const block_q8_1 * y, float * dst, i
     }
 }
 
-// --- Q4_K on tensor cores --------------------------------------------------------------------------------------
-// Q4_K weights go through int8 MMA (mma.sync m16n8k32: 16 weight rows x 8 columns x 32 values of one Q4_K
-// sub-block), which keeps the cost of 48 columns near that of one. The integer dot product of a sub-block is
-// exact; the float part is, per output and sub-block in K order, acc += (d*sc * dx) * sumi, then
-// acc -= (dmin*m) * sx, with explicit roundings (no contraction choices left to the compiler). A CUDA block is
-// 4 warps over the same 32 rows, warp w taking super-blocks w, w+4, ...; the 4 partial sums are added in warp
-// order. None of this depends on N, which only sets how many 8-column tiles each warp runs.
+// --- Q4_K and Q6_K on tensor cores ------------------------------------------------------------------------------
+// These types go through int8 MMA (16 weight rows x 8 columns per instruction), which keeps the cost of 48
+// columns near that of one. Q4_K: mma m16n8k32 over one 32-value sub-block (one scale and min); Q6_K: m16n8k16
+// over one 16-value group (one scale; the -32 offset is applied to the integers). The integer dot products are
+// exact; the float part is, per output and group in K order, acc += (d*sc * dx) * sumi (Q4_K then also
+// acc -= (dmin*m) * sx), with explicit roundings so that no contraction is left to the compiler. A CUDA block is
+// QMM_MMA_WARPS warps over the same 16 rows, warp w taking super-blocks w, w + QMM_MMA_WARPS, ...; their partial
+// sums are added in warp order. None of this depends on N, which only sets how many 8-column tiles a warp runs.
 //
 // Activations: quantised per column and 32 values (scale d = amax/127 rounded to f16 as q8_1 does, q =
-// round(x/d)) into int8 [N][K] plus float2 (d, d * sum q) per block, so that a thread's 8 values are one load.
-// Within a 32-value block the MMA sees the values permuted (thread t of a quad holds values 8t..8t+7); A and B
-// use the same permutation, so the dot product is unchanged.
+// round(x/d)) into int8 [N][K] plus float2 (d, d * sum q) per block. For Q4_K, within a 32-value block the MMA
+// sees the values permuted (thread t of a quad holds values 8t..8t+7, one 8-byte load); A and B use the same
+// permutation, so the dot product is unchanged.
 
-#define QMM_MMA_ROWS 32   // rows per CUDA block: 2 MMA tiles of 16 per warp
-#define QMM_MMA_MAX_TILES (GGML_EXT_QMATMUL_MAX_COLS / 8)
+#define QMM_MMA_WARPS 8
+#define QMM_MMA_ROWS  16
 
 static __global__ void qmm_quantize_x(const float * __restrict__ x, int8_t * __restrict__ yq, float2 * __restrict__ yds,
                                       int K, int N, int64_t stride_col_x) {
@@ -199,127 +200,202 @@ static __global__ void qmm_quantize_x(const float * __restrict__ x, int8_t * __r
     }
 }
 
-static __device__ __forceinline__ void mma_s8_16x8x32(int (&c)[4], const int (&a)[4], int b0, int b1) {
+static __device__ __forceinline__ void mma_s8_k32(int (&c)[4], int a0, int a1, int a2, int a3, int b0, int b1) {
 #if __CUDA_ARCH__ >= 800
     asm volatile("mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
                  "{%10, %11, %12, %13};"
                  : "=r"(c[0]), "=r"(c[1]), "=r"(c[2]), "=r"(c[3])
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1), "r"(0), "r"(0), "r"(0), "r"(0));
+                 : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1), "r"(0), "r"(0), "r"(0), "r"(0));
 #else
-    GGML_UNUSED_VARS(c, a, b0, b1);
+    GGML_UNUSED_VARS(c, a0, a1, a2, a3, b0, b1);
     NO_DEVICE_CODE;
 #endif
 }
 
-// 6-bit scale and min of sub-block j (0..7) from the 12 packed bytes, held as 3 words
-static __device__ __forceinline__ void q4k_scale_min(const int j, const uint32_t w0, const uint32_t w1,
-                                                     const uint32_t w2, int & sc, int & m) {
-    const uint32_t w[3] = {w0, w1, w2};
-#define QMM_BYTE(i) ((int) ((w[(i) / 4] >> (8 * ((i) % 4))) & 0xFF))
-    if (j < 4) {
-        sc = QMM_BYTE(j) & 63;
-        m  = QMM_BYTE(j + 4) & 63;
-    } else {
-        sc = (QMM_BYTE(j + 4) & 0xF) | ((QMM_BYTE(j - 4) >> 6) << 4);
-        m  = (QMM_BYTE(j + 4) >> 4) | ((QMM_BYTE(j) >> 6) << 4);
-    }
-#undef QMM_BYTE
+static __device__ __forceinline__ void mma_s8_k16(int (&c)[4], int a0, int a1, int b0) {
+#if __CUDA_ARCH__ >= 800
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.s32.s8.s8.s32 {%0, %1, %2, %3}, {%4, %5}, {%6}, "
+                 "{%7, %8, %9, %10};"
+                 : "=r"(c[0]), "=r"(c[1]), "=r"(c[2]), "=r"(c[3])
+                 : "r"(a0), "r"(a1), "r"(b0), "r"(0), "r"(0), "r"(0), "r"(0));
+#else
+    GGML_UNUSED_VARS(c, a0, a1, b0);
+    NO_DEVICE_CODE;
+#endif
 }
 
-template <int NT>
-static __global__ void __launch_bounds__(QMM_THREADS)
-qmm_q4k_mma(const block_q4_K * __restrict__ W, const int8_t * __restrict__ yq, const float2 * __restrict__ yds,
-            float * __restrict__ dst, int nsb, int M, int N, int stride_col_dst) {
-    const int lane = threadIdx.x;
-    const int warp = threadIdx.y;
-    const int g    = lane / 4;
-    const int t4   = lane % 4;
-    const int K    = nsb * QK_K;
-    const int r0   = blockIdx.x * QMM_MMA_ROWS;
+// byte i (0..11, a compile-time constant after unrolling) of Q4_K's packed scales, held as 3 words
+#define QMM_Q4K_BYTE(i) ((int) (((i) < 4 ? h.y : (i) < 8 ? h.z : h.w) >> (8 * ((i) % 4)) & 0xFF))
 
-    // this thread's 4 weight rows: tile mt, half h -> row r0 + 16 mt + 8 h + g (clamped for loads)
-    const block_q4_K * rows[4];
+// a 4-byte word at a 2-byte aligned address (Q6_K blocks are 210 bytes)
+static __device__ __forceinline__ int qmm_ld32_a2(const uint8_t * p) {
+    const uint16_t * q = (const uint16_t *) p;
+    return (int) (q[0] | ((uint32_t) q[1] << 16));
+}
+
+// acc[t][i] += one group's contribution for tile t (c: the MMA's integer sums), in a fixed order
+static __device__ __forceinline__ void qmm_accumulate(float (&acc)[4], const int (&c)[4], const float (&dsc)[2],
+                                                      const float2 ds0, const float2 ds1) {
 #pragma unroll
-    for (int r = 0; r < 4; ++r) {
-        rows[r] = W + (size_t) min(r0 + 16 * (r / 2) + 8 * (r % 2) + g, M - 1) * nsb;
+    for (int i = 0; i < 4; ++i) {
+        const float dx = i % 2 ? ds1.x : ds0.x;
+        acc[i] = __fmaf_rn(__fmul_rn(dsc[i / 2], dx), (float) c[i], acc[i]);
     }
-    // this thread's columns: B operand column 8t + g; accumulator columns 8t + 2 t4 + {0, 1}
-    int colb[NT], colc[NT][2];
-#pragma unroll
-    for (int t = 0; t < NT; ++t) {
-        colb[t]    = min(8 * t + g, N - 1);
-        colc[t][0] = min(8 * t + 2 * t4, N - 1);
-        colc[t][1] = min(8 * t + 2 * t4 + 1, N - 1);
-    }
-    const int blocks_per_col = K / QK8_1;
+}
 
-    ggml_cuda_pdl_sync();
+// One super-block of this thread's two rows (g and g + 8 of the tile) against NT column tiles.
+template <ggml_type type, int NT> struct qmm_superblock;
 
-    float acc[NT][2][4] = {};
-    for (int sb = warp; sb < nsb; sb += QMM_WARPS) {
-        uint4 hdr[4];
-        uint2 qs[4][4];
+template <int NT> struct qmm_superblock<GGML_TYPE_Q4_K, NT> {
+    static __device__ __forceinline__ void run(const void * const (&rows)[2], int sb, const int8_t * __restrict__ yq,
+                                               const float2 * __restrict__ yds, const int (&colb)[NT],
+                                               const int (&colc)[NT][2], int K, int t4, float (&acc)[NT][4]) {
+        uint4 hdr[2];
+        uint2 qs[2][4];
 #pragma unroll
-        for (int r = 0; r < 4; ++r) {
-            const block_q4_K * b = rows[r] + sb;
+        for (int r = 0; r < 2; ++r) {
+            const block_q4_K * b = (const block_q4_K *) rows[r] + sb;
             hdr[r] = *(const uint4 *) b;
 #pragma unroll
             for (int p = 0; p < 4; ++p) {
                 qs[r][p] = *(const uint2 *) (b->qs + 32 * p + 8 * t4);
             }
         }
+        const int blocks_per_col = K / QK8_1;
 #pragma unroll
         for (int s = 0; s < 8; ++s) {
-            float dsc[4], dm[4];
+            float dsc[2], dm[2];
 #pragma unroll
-            for (int r = 0; r < 4; ++r) {
+            for (int r = 0; r < 2; ++r) {
+                const uint4 h = hdr[r];
                 int sc, m;
-                q4k_scale_min(s, hdr[r].y, hdr[r].z, hdr[r].w, sc, m);
-                const float2 dmin = __half22float2(*(const half2 *) &hdr[r].x);
+                if (s < 4) {
+                    sc = QMM_Q4K_BYTE(s) & 63;
+                    m  = QMM_Q4K_BYTE(s + 4) & 63;
+                } else {
+                    sc = (QMM_Q4K_BYTE(s + 4) & 0xF) | ((QMM_Q4K_BYTE(s - 4) >> 6) << 4);
+                    m  = (QMM_Q4K_BYTE(s + 4) >> 4) | ((QMM_Q4K_BYTE(s) >> 6) << 4);
+                }
+                const float2 dmin = __half22float2(*(const half2 *) &h.x);
                 dsc[r] = __fmul_rn(dmin.x, (float) sc);
                 dm[r]  = __fmul_rn(dmin.y, (float) m);
             }
             const int shift = 4 * (s % 2);
-            int a[2][4];
-#pragma unroll
-            for (int mt = 0; mt < 2; ++mt) {
-                a[mt][0] = (qs[2 * mt + 0][s / 2].x >> shift) & 0x0F0F0F0F;
-                a[mt][1] = (qs[2 * mt + 1][s / 2].x >> shift) & 0x0F0F0F0F;
-                a[mt][2] = (qs[2 * mt + 0][s / 2].y >> shift) & 0x0F0F0F0F;
-                a[mt][3] = (qs[2 * mt + 1][s / 2].y >> shift) & 0x0F0F0F0F;
-            }
+            const int a0 = (qs[0][s / 2].x >> shift) & 0x0F0F0F0F;
+            const int a1 = (qs[1][s / 2].x >> shift) & 0x0F0F0F0F;
+            const int a2 = (qs[0][s / 2].y >> shift) & 0x0F0F0F0F;
+            const int a3 = (qs[1][s / 2].y >> shift) & 0x0F0F0F0F;
             const int kb = sb * (QK_K / QK8_1) + s;
 #pragma unroll
             for (int t = 0; t < NT; ++t) {
-                const int2 b = *(const int2 *) (yq + (size_t) colb[t] * K + kb * QK8_1 + 8 * t4);
+                const int2 bq = *(const int2 *) (yq + (size_t) colb[t] * K + kb * QK8_1 + 8 * t4);
                 const float2 ds0 = yds[(size_t) colc[t][0] * blocks_per_col + kb];
                 const float2 ds1 = yds[(size_t) colc[t][1] * blocks_per_col + kb];
+                int c[4];
+                mma_s8_k32(c, a0, a1, a2, a3, bq.x, bq.y);
+                qmm_accumulate(acc[t], c, dsc, ds0, ds1);
 #pragma unroll
-                for (int mt = 0; mt < 2; ++mt) {
-                    int c[4];
-                    mma_s8_16x8x32(c, a[mt], b.x, b.y);
-#pragma unroll
-                    for (int i = 0; i < 4; ++i) {
-                        const int r = 2 * mt + i / 2;
-                        const float2 ds = i % 2 ? ds1 : ds0;
-                        float v = __fmaf_rn(__fmul_rn(dsc[r], ds.x), (float) c[i], acc[t][mt][i]);
-                        acc[t][mt][i] = __fmaf_rn(-dm[r], ds.y, v);
-                    }
+                for (int i = 0; i < 4; ++i) {
+                    acc[t][i] = __fmaf_rn(-dm[i / 2], i % 2 ? ds1.y : ds0.y, acc[t][i]);
                 }
             }
         }
     }
+};
 
-    __shared__ float partial[QMM_WARPS - 1][NT * 8][WARP_SIZE];
+template <int NT> struct qmm_superblock<GGML_TYPE_Q6_K, NT> {
+    static __device__ __forceinline__ void run(const void * const (&rows)[2], int sb, const int8_t * __restrict__ yq,
+                                               const float2 * __restrict__ yds, const int (&colb)[NT],
+                                               const int (&colc)[NT][2], int K, int t4, float (&acc)[NT][4]) {
+        // per row: ql words [h][j%2][e] (bytes 64h + 32(j%2) + 16e + 4t4), qh words [h][e] (32h + 16e + 4t4)
+        int ql[2][2][2][2], qh[2][2][2];
+        float d[2];
+        int scw[2][4];
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            const block_q6_K * b = (const block_q6_K *) rows[r] + sb;
+#pragma unroll
+            for (int hh = 0; hh < 2; ++hh) {
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    ql[r][hh][0][e] = qmm_ld32_a2(b->ql + 64 * hh + 16 * e + 4 * t4);
+                    ql[r][hh][1][e] = qmm_ld32_a2(b->ql + 64 * hh + 32 + 16 * e + 4 * t4);
+                    qh[r][hh][e]    = qmm_ld32_a2(b->qh + 32 * hh + 16 * e + 4 * t4);
+                }
+            }
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                scw[r][i] = qmm_ld32_a2((const uint8_t *) b->scales + 4 * i);
+            }
+            d[r] = __half2float(b->d);
+        }
+        const int blocks_per_col = K / QK8_1;
+        // group G = 8h + 2j + e holds values 128h + 32j + 16e + (0..15)
+#pragma unroll
+        for (int G = 0; G < 16; ++G) {
+            const int hh = G / 8, j = (G / 2) % 4, e = G % 2;
+            float dsc[2];
+            int a[2];
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+                const int sc = (int) (int8_t) ((scw[r][G / 4] >> (8 * (G % 4))) & 0xFF);
+                dsc[r] = __fmul_rn(d[r], (float) sc);
+                const int lo = (ql[r][hh][j % 2][e] >> (4 * (j / 2))) & 0x0F0F0F0F;
+                const int hi = ((qh[r][hh][e] >> (2 * j)) & 0x03030303) << 4;
+                a[r] = __vsubss4(lo | hi, 0x20202020);
+            }
+            const int kb = sb * (QK_K / QK8_1) + G / 2;
+#pragma unroll
+            for (int t = 0; t < NT; ++t) {
+                const int bq = *(const int *) (yq + (size_t) colb[t] * K + sb * QK_K + 16 * G + 4 * t4);
+                const float2 ds0 = yds[(size_t) colc[t][0] * blocks_per_col + kb];
+                const float2 ds1 = yds[(size_t) colc[t][1] * blocks_per_col + kb];
+                int c[4];
+                mma_s8_k16(c, a[0], a[1], bq);
+                qmm_accumulate(acc[t], c, dsc, ds0, ds1);
+            }
+        }
+    }
+};
+
+template <ggml_type type, int NT>
+static __global__ void __launch_bounds__(QMM_MMA_WARPS * WARP_SIZE)
+qmm_mma(const char * __restrict__ W, const int8_t * __restrict__ yq, const float2 * __restrict__ yds,
+        float * __restrict__ dst, int nsb, int M, int N, int stride_col_dst) {
+    const int lane = threadIdx.x;
+    const int warp = threadIdx.y;
+    const int g    = lane / 4;
+    const int t4   = lane % 4;
+    const int r0   = blockIdx.x * QMM_MMA_ROWS;
+    const size_t row_bytes = (size_t) nsb * ggml_cuda_type_traits<type>::bs / ggml_cuda_type_traits<type>::qk * QK_K;
+
+    const void * rows[2];  // rows g and g + 8 of the tile (clamped for loads)
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        rows[r] = W + (size_t) min(r0 + 8 * r + g, M - 1) * row_bytes;
+    }
+    int colb[NT], colc[NT][2];  // B operand column 8t + g; accumulator columns 8t + 2 t4 + {0, 1}
+#pragma unroll
+    for (int t = 0; t < NT; ++t) {
+        colb[t]    = min(8 * t + g, N - 1);
+        colc[t][0] = min(8 * t + 2 * t4, N - 1);
+        colc[t][1] = min(8 * t + 2 * t4 + 1, N - 1);
+    }
+
+    ggml_cuda_pdl_sync();
+
+    float acc[NT][4] = {};
+    for (int sb = warp; sb < nsb; sb += QMM_MMA_WARPS) {
+        qmm_superblock<type, NT>::run(rows, sb, yq, yds, colb, colc, nsb * QK_K, t4, acc);
+    }
+
+    __shared__ float partial[QMM_MMA_WARPS - 1][NT * 4][WARP_SIZE];
     if (warp > 0) {
 #pragma unroll
         for (int t = 0; t < NT; ++t) {
 #pragma unroll
-            for (int mt = 0; mt < 2; ++mt) {
-#pragma unroll
-                for (int i = 0; i < 4; ++i) {
-                    partial[warp - 1][t * 8 + mt * 4 + i][lane] = acc[t][mt][i];
-                }
+            for (int i = 0; i < 4; ++i) {
+                partial[warp - 1][t * 4 + i][lane] = acc[t][i];
             }
         }
     }
@@ -330,34 +406,32 @@ qmm_q4k_mma(const block_q4_K * __restrict__ W, const int8_t * __restrict__ yq, c
 #pragma unroll
     for (int t = 0; t < NT; ++t) {
 #pragma unroll
-        for (int mt = 0; mt < 2; ++mt) {
+        for (int i = 0; i < 4; ++i) {
+            float sum = acc[t][i];
 #pragma unroll
-            for (int i = 0; i < 4; ++i) {
-                float sum = acc[t][mt][i];
-#pragma unroll
-                for (int l = 0; l < QMM_WARPS - 1; ++l) {
-                    sum = __fadd_rn(sum, partial[l][t * 8 + mt * 4 + i][lane]);
-                }
-                const int row = r0 + 16 * mt + 8 * (i / 2) + g;
-                const int col = 8 * t + 2 * t4 + i % 2;
-                if (row < M && col < N) {
-                    dst[(size_t) col * stride_col_dst + row] = sum;
-                }
+            for (int l = 0; l < QMM_MMA_WARPS - 1; ++l) {
+                sum = __fadd_rn(sum, partial[l][t * 4 + i][lane]);
+            }
+            const int row = r0 + 8 * (i / 2) + g;
+            const int col = 8 * t + 2 * t4 + i % 2;
+            if (row < M && col < N) {
+                dst[(size_t) col * stride_col_dst + row] = sum;
             }
         }
     }
 }
 
-template <int NT>
-static void qmm_q4k_launch(const void * W, const int8_t * yq, const float2 * yds, float * dst, int nsb, int M, int N,
+template <ggml_type type, int NT>
+static void qmm_mma_launch(const void * W, const int8_t * yq, const float2 * yds, float * dst, int nsb, int M, int N,
                            int stride_col_dst, cudaStream_t stream) {
     const dim3 grid((M + QMM_MMA_ROWS - 1) / QMM_MMA_ROWS);
-    const dim3 block(WARP_SIZE, QMM_WARPS);
-    ggml_cuda_kernel_launch(qmm_q4k_mma<NT>, ggml_cuda_kernel_launch_params(grid, block, 0, stream),
-                            (const block_q4_K *) W, yq, yds, dst, nsb, M, N, stride_col_dst);
+    const dim3 block(WARP_SIZE, QMM_MMA_WARPS);
+    ggml_cuda_kernel_launch(qmm_mma<type, NT>, ggml_cuda_kernel_launch_params(grid, block, 0, stream),
+                            (const char *) W, yq, yds, dst, nsb, M, N, stride_col_dst);
 }
 
-static void qmatmul_q4k(ggml_backend_cuda_context & ctx, const ggml_tensor * w, const ggml_tensor * x, ggml_tensor * dst) {
+template <ggml_type type>
+static void qmatmul_mma(ggml_backend_cuda_context & ctx, const ggml_tensor * w, const ggml_tensor * x, ggml_tensor * dst) {
     cudaStream_t stream = ctx.stream();
     const int K = (int) w->ne[0];
     const int M = (int) w->ne[1];
@@ -373,12 +447,12 @@ static void qmatmul_q4k(ggml_backend_cuda_context & ctx, const ggml_tensor * w, 
     const int stride_col_dst = (int) (dst->nb[1] / sizeof(float));
     float * out = (float *) dst->data;
     switch ((N + 7) / 8) {
-        case 1: qmm_q4k_launch<1>(w->data, yq, yds, out, nsb, M, N, stride_col_dst, stream); break;
-        case 2: qmm_q4k_launch<2>(w->data, yq, yds, out, nsb, M, N, stride_col_dst, stream); break;
-        case 3: qmm_q4k_launch<3>(w->data, yq, yds, out, nsb, M, N, stride_col_dst, stream); break;
-        case 4: qmm_q4k_launch<4>(w->data, yq, yds, out, nsb, M, N, stride_col_dst, stream); break;
-        case 5: qmm_q4k_launch<5>(w->data, yq, yds, out, nsb, M, N, stride_col_dst, stream); break;
-        case 6: qmm_q4k_launch<6>(w->data, yq, yds, out, nsb, M, N, stride_col_dst, stream); break;
+        case 1: qmm_mma_launch<type, 1>(w->data, yq, yds, out, nsb, M, N, stride_col_dst, stream); break;
+        case 2: qmm_mma_launch<type, 2>(w->data, yq, yds, out, nsb, M, N, stride_col_dst, stream); break;
+        case 3: qmm_mma_launch<type, 3>(w->data, yq, yds, out, nsb, M, N, stride_col_dst, stream); break;
+        case 4: qmm_mma_launch<type, 4>(w->data, yq, yds, out, nsb, M, N, stride_col_dst, stream); break;
+        case 5: qmm_mma_launch<type, 5>(w->data, yq, yds, out, nsb, M, N, stride_col_dst, stream); break;
+        case 6: qmm_mma_launch<type, 6>(w->data, yq, yds, out, nsb, M, N, stride_col_dst, stream); break;
         default: GGML_ABORT("ggml_qmatmul: %d columns", N);
     }
 }
@@ -393,9 +467,15 @@ void ggml_ext_cuda_qmatmul(ggml_backend_cuda_context & ctx, ggml_tensor * dst) {
     const int64_t N = x->ne[1];
     GGML_ASSERT(ggml_qmatmul_supported(w->type) && N >= 1 && N <= GGML_EXT_QMATMUL_MAX_COLS);
     GGML_ASSERT(M * (K / ggml_blck_size(w->type)) <= INT_MAX);
-    if (w->type == GGML_TYPE_Q4_K && ggml_cuda_info().devices[ctx.device].cc >= GGML_CUDA_CC_AMPERE) {
-        qmatmul_q4k(ctx, w, x, dst);
-        return;
+    if (ggml_cuda_info().devices[ctx.device].cc >= GGML_CUDA_CC_AMPERE) {   // int8 mma.sync
+        if (w->type == GGML_TYPE_Q4_K) {
+            qmatmul_mma<GGML_TYPE_Q4_K>(ctx, w, x, dst);
+            return;
+        }
+        if (w->type == GGML_TYPE_Q6_K) {
+            qmatmul_mma<GGML_TYPE_Q6_K>(ctx, w, x, dst);
+            return;
+        }
     }
 
     const int64_t K_padded = GGML_PAD(K, MATRIX_ROW_PADDING);

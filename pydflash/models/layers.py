@@ -1,8 +1,13 @@
 """Layer pieces shared by the model graphs. `linear` is the one entry point of every weight matmul."""
 from __future__ import annotations
 
+import os
+
 from ..ggml import QMATMUL_MAX_COLS, QMATMUL_TYPES, Context, Tensor, qmatmul
 from ..ggml._ffi import ffi, lib
+
+# PYDFLASH_QMATMUL=0 sends every weight matmul to ggml's mul_mat (for side-by-side measurements); read at import.
+USE_QMATMUL = os.environ.get("PYDFLASH_QMATMUL", "1") != "0"
 
 
 def _on_device(w: Tensor) -> bool:
@@ -18,7 +23,7 @@ def linear(ctx: Context, w: Tensor, x: Tensor) -> Tensor:
     kernel (ggml_qmatmul: every column's result is bit-identical whatever N is, so a tree verify reproduces
     token-by-token decode exactly); everything else through ggml's mul_mat. The weight must already be
     allocated when the graph is built (model weights always are)."""
-    if (w.type in QMATMUL_TYPES and w.ne[2:] == (1, 1) and x.ne[2:] == (1, 1) and 1 <= x.ne[1] <= QMATMUL_MAX_COLS
+    if (USE_QMATMUL and w.type in QMATMUL_TYPES and w.ne[2:] == (1, 1) and x.ne[2:] == (1, 1) and 1 <= x.ne[1] <= QMATMUL_MAX_COLS
             and x.type.name == "F32" and x.nb[0] == 4 and w.is_contiguous and _on_device(w)):
         return qmatmul(ctx, w, x)
     return ctx.mul_mat(w, x)
