@@ -227,8 +227,11 @@ static __device__ __forceinline__ void mma_s8_k16(int (&c)[4], int a0, int a1, i
 // byte i (0..11, a compile-time constant after unrolling) of Q4_K's packed scales, held as 3 words
 #define QMM_Q4K_BYTE(i) ((int) (((i) < 4 ? h.y : (i) < 8 ? h.z : h.w) >> (8 * ((i) % 4)) & 0xFF))
 
-// a 4-byte word at a 2-byte aligned address (Q6_K blocks are 210 bytes)
-static __device__ __forceinline__ int qmm_ld32_a2(const uint8_t * p) {
+// a 4-byte word at a 2-byte aligned address (Q6_K blocks are 210 bytes); `aligned`: the address is 4-aligned
+static __device__ __forceinline__ int qmm_ld32_a2(const uint8_t * p, bool aligned) {
+    if (aligned) {
+        return *(const int *) p;
+    }
     const uint16_t * q = (const uint16_t *) p;
     return (int) (q[0] | ((uint32_t) q[1] << 16));
 }
@@ -314,18 +317,20 @@ template <int NT> struct qmm_superblock<GGML_TYPE_Q6_K, NT> {
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
             const block_q6_K * b = (const block_q6_K *) rows[r] + sb;
+            // with an even number of super-blocks per row this is the same for all of a warp's blocks
+            const bool al = ((uintptr_t) b & 3) == 0;
 #pragma unroll
             for (int hh = 0; hh < 2; ++hh) {
 #pragma unroll
                 for (int e = 0; e < 2; ++e) {
-                    ql[r][hh][0][e] = qmm_ld32_a2(b->ql + 64 * hh + 16 * e + 4 * t4);
-                    ql[r][hh][1][e] = qmm_ld32_a2(b->ql + 64 * hh + 32 + 16 * e + 4 * t4);
-                    qh[r][hh][e]    = qmm_ld32_a2(b->qh + 32 * hh + 16 * e + 4 * t4);
+                    ql[r][hh][0][e] = qmm_ld32_a2(b->ql + 64 * hh + 16 * e + 4 * t4, al);
+                    ql[r][hh][1][e] = qmm_ld32_a2(b->ql + 64 * hh + 32 + 16 * e + 4 * t4, al);
+                    qh[r][hh][e]    = qmm_ld32_a2(b->qh + 32 * hh + 16 * e + 4 * t4, al);
                 }
             }
 #pragma unroll
             for (int i = 0; i < 4; ++i) {
-                scw[r][i] = qmm_ld32_a2((const uint8_t *) b->scales + 4 * i);
+                scw[r][i] = qmm_ld32_a2((const uint8_t *) b->scales + 4 * i, al);
             }
             d[r] = __half2float(b->d);
         }
@@ -367,7 +372,7 @@ qmm_mma(const char * __restrict__ W, const int8_t * __restrict__ yq, const float
     const int g    = lane / 4;
     const int t4   = lane % 4;
     const int r0   = blockIdx.x * QMM_MMA_ROWS;
-    const size_t row_bytes = (size_t) nsb * ggml_cuda_type_traits<type>::bs / ggml_cuda_type_traits<type>::qk * QK_K;
+    const size_t row_bytes = (size_t) nsb * ggml_cuda_type_traits<type>::bs;   // one 256-value block per super-block
 
     const void * rows[2];  // rows g and g + 8 of the tile (clamped for loads)
 #pragma unroll
