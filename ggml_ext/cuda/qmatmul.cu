@@ -180,6 +180,7 @@ static __global__ void qmm_quantize_x(const float * __restrict__ x, int8_t * __r
     }
     const int col = warp / blocks_per_col;
     const int kb  = warp % blocks_per_col;
+    ggml_cuda_pdl_sync();   // x is the previous kernel's output: with programmatic dependent launch, wait for it
     const float v = x[col * stride_col_x + kb * QK8_1 + lane];
     float amax = fabsf(v);
 #pragma unroll
