@@ -1,4 +1,6 @@
 // ggml_qmatmul on CUDA: W * X for a few columns, bit-identical per column whatever the number of columns.
+// Q4_K and Q6_K take the tensor-core kernel further down (on Ampere and later); Q5_K and Q8_0 (and Q4_K/Q6_K on
+// older GPUs) the vector kernel described here.
 //
 // The columns of x are quantised to q8_1 (ggml's quantize_row_q8_1_cuda: per column, per 32 values), then a
 // vector kernel in the manner of ggml's mul_mat_vec_q dots each weight row with them through ggml's own
