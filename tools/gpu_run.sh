@@ -148,11 +148,14 @@ phase bench_oracle 200 python3 "$src/bench/ddtree_step.py" "$data/q27.gguf" --de
     --reps 3
 phase bench_f16 150 python3 "$src/bench/ddtree_step.py" "$data/q27.gguf" --draft "$data/d27" --device cuda \
     --budget 22 --n-gen 32 --reps 5 --f16-states
-# the same two with every weight matmul through ggml's mul_mat instead (PYDFLASH_QMATMUL=0), side by side
-phase bench_ar_mulmat 150 env PYDFLASH_QMATMUL=0 python3 "$src/bench/ar_decode.py" "$data/q27.gguf" --device cuda \
+# bench_ar and bench_ddtree again with the GPU weight matmuls through ggml_qmatmul (opt-in: PYDFLASH_QMATMUL=1), side by side
+phase bench_ar_qmatmul 150 env PYDFLASH_QMATMUL=1 python3 "$src/bench/ar_decode.py" "$data/q27.gguf" --device cuda \
     --n-gen 128 --reps 5
-phase bench_ddtree_mulmat 240 env PYDFLASH_QMATMUL=0 python3 "$src/bench/ddtree_step.py" "$data/q27.gguf" \
+phase bench_ddtree_qmatmul 240 env PYDFLASH_QMATMUL=1 python3 "$src/bench/ddtree_step.py" "$data/q27.gguf" \
     --draft "$data/d27" --device cuda --budget 22 --n-gen 64 --reps 5
+# time to first token of a chat's turn 2 (2,000-token turn 1), with and without prefix reuse
+phase bench_prefix 300 python3 "$src/bench/prefix_reuse.py" "$data/q27.gguf" --draft "$data/d27" --device cuda \
+    --prompt-len 2000 --reply 64 --user 64 --reps 3
 # llama.cpp's own batched forwards of 1..40 tokens, beside our verify-size table
 phase bench_llama_pp 120 "$build/bin/llama-bench" -m "$data/q27.gguf" -p 1,2,4,8,16,23,32,40 -n 0 -r 5 -fa 1 \
     -ngl 99 -o md
