@@ -137,6 +137,8 @@ phase tests_engine 120 pytest_cuda "$src/tests/test_engine.py"
 phase tests_draft 120 pytest_cuda "$src/tests/test_dflash_draft.py"
 phase tests_target 150 pytest_cuda "$src/tests/test_qwen35.py" "$src/tests/test_target_tq3.py"
 phase models 120 wait_models
+# our quantised matmul (ggml_qmatmul) vs ggml's mul_mat on the 27B weight shapes, 1..48 columns
+phase bench_qmatmul 90 python3 "$src/bench/qmatmul.py" --device cuda
 phase bench_ar 150 python3 "$src/bench/ar_decode.py" "$data/q27.gguf" --device cuda --n-gen 128 --reps 5 \
     --llama-bench "$build/bin/llama-bench"
 phase bench_draft 120 python3 "$src/bench/draft_step.py" --device cuda --ctx 2048 --window 2048 --top-k 8 \
@@ -148,6 +150,11 @@ phase bench_oracle 200 python3 "$src/bench/ddtree_step.py" "$data/q27.gguf" --de
     --reps 3
 phase bench_f16 150 python3 "$src/bench/ddtree_step.py" "$data/q27.gguf" --draft "$data/d27" --device cuda \
     --budget 22 --n-gen 32 --reps 5 --f16-states
+# bench_ar and bench_ddtree again with the GPU weight matmuls through ggml_qmatmul (opt-in: PYDFLASH_QMATMUL=1), side by side
+phase bench_ar_qmatmul 150 env PYDFLASH_QMATMUL=1 python3 "$src/bench/ar_decode.py" "$data/q27.gguf" --device cuda \
+    --n-gen 128 --reps 5
+phase bench_ddtree_qmatmul 240 env PYDFLASH_QMATMUL=1 python3 "$src/bench/ddtree_step.py" "$data/q27.gguf" \
+    --draft "$data/d27" --device cuda --budget 22 --n-gen 64 --reps 5
 # time to first token of a chat's turn 2 (2,000-token turn 1), with and without prefix reuse
 phase bench_prefix 300 python3 "$src/bench/prefix_reuse.py" "$data/q27.gguf" --draft "$data/d27" --device cuda \
     --prompt-len 2000 --reply 64 --user 64 --reps 3
