@@ -54,6 +54,19 @@ def _print_stats(stats: dict) -> None:
     print(line, file=sys.stderr)
 
 
+# option -> (type, help) of `pydflash run`'s sampling flags (--top-k etc.), passed on as Engine.stream keywords
+SAMPLING_OPTIONS = {
+    "temperature": (float, "0 (default): greedy; > 0: sample"),
+    "top_k": (int, "keep the k most likely tokens (0, default: all)"),
+    "top_p": (float, "keep the most likely tokens holding this probability (1, default: all)"),
+    "min_p": (float, "keep tokens at least this fraction as likely as the best (0, default: all)"),
+    "seed": (int, "random seed (default: a fresh one)"),
+    "repeat_penalty": (float, "penalty of tokens among the last 64 (1, default: none)"),
+    "presence_penalty": (float, "subtracted from the logit of tokens among the last 64 (default 0)"),
+    "frequency_penalty": (float, "subtracted per occurrence among the last 64 (default 0)"),
+}
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     """Generate from a prompt (--prompt, or stdin) and stream the text; stats go to stderr."""
     from .api import load
@@ -62,9 +75,16 @@ def cmd_run(args: argparse.Namespace) -> int:
     if not prompt:
         print("pydflash run: empty prompt (give --prompt or pipe text on stdin)", file=sys.stderr)
         return 2
+    from .sampling import SamplingParams
+    try:   # check the sampling options before loading anything
+        sampling = {name: getattr(args, name) for name in SAMPLING_OPTIONS}
+        SamplingParams.from_options(sampling)
+    except ValueError as e:
+        print(f"pydflash run: {e}", file=sys.stderr)
+        return 2
     engine = load(args.target, args.draft, device=args.device, kv_type=args.kv, max_ctx=args.max_ctx,
                   mode=args.mode, budget=args.budget, progress=True)
-    for piece in engine.stream(prompt, max_tokens=args.n_gen, chat=args.chat):
+    for piece in engine.stream(prompt, max_tokens=args.n_gen, chat=args.chat, **sampling):
         sys.stdout.write(piece)
         sys.stdout.flush()
     sys.stdout.write("\n")
@@ -134,6 +154,8 @@ def main(argv: list[str] | None = None) -> int:
                      help="KV cache type (default f16; tq3_0 with --mode ar only)")
     run.add_argument("--max-ctx", type=int, help="KV cache positions (default 8192)")
     run.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (default: auto)")
+    for name, (type_, help_) in SAMPLING_OPTIONS.items():
+        run.add_argument("--" + name.replace("_", "-"), dest=name, type=type_, help=help_)
     run.set_defaults(func=cmd_run)
 
     demo = sub.add_parser("demo", help="synthetic target and draft: AR vs speculative, same tokens, speed")

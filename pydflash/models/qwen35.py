@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .. import ggml
+from .. import ggml, sampling
 from ..gguf_io import GGUFError, GGUFFile, upload
 from ..kv import HybridCache
 
@@ -175,6 +175,7 @@ class _ForwardGraph:
         self.mask_host = None         # tree verify only: the host copy of the mask, reused
         self.logits = self.argmax = None
         self.per_slot = False         # tree verify: logits for every slot, not only the last token
+        self.sampler = None           # sampling.SamplerNodes when the target samples (enable_sampling)
 
 
 class _CommitGraph:
@@ -227,6 +228,8 @@ class Qwen35Target:
         self._commit_allocator = ggml.Allocator(self.backend)
         self._last: _ForwardGraph | None = None
         self._last_n_captured = 0
+        self.sampling = False             # graphs end in the on-device sampler (enable_sampling)
+        self.sample_inputs = None         # sampling.StepInputs the next forward's sampler reads
 
     # --- public API ---
 
@@ -261,10 +264,27 @@ class Qwen35Target:
         return self.logits()
 
     def step(self, token: int) -> int:
-        """Run one token and return the greedy next token; only 4 bytes come back to the host."""
+        """Run one token and return the next token (greedy, or drawn by the sampler when sampling is enabled);
+        only 4 bytes come back to the host."""
         self._check_room(1)
         self._forward(self._tokens([token]))
-        return self.argmax()
+        return int(self.sampled()[0]) if self._last.sampler is not None else self.argmax()
+
+    def enable_sampling(self, on: bool) -> None:
+        """Make every graph end in the on-device sampler (pydflash.sampling) instead of only the argmax: each
+        forward then reads `sample_inputs`, and `step`/`verify` return drawn tokens. Built graphs are dropped when
+        this changes."""
+        on = bool(on)
+        if on != self.sampling:
+            self.sampling = on
+            self._graphs = {}
+            self._last = None
+
+    def sampled(self) -> np.ndarray:
+        """The tokens the sampler drew in the last forward, one per logits row (i32)."""
+        if self._last is None or self._last.sampler is None:
+            raise RuntimeError("the last forward did not sample (enable_sampling first)")
+        return self._last.sampler.tokens.numpy().reshape(-1)
 
     def forward(self, tokens) -> None:
         """Run up to n_ubatch tokens at the current position (results stay on the device)."""
@@ -381,10 +401,13 @@ class Qwen35Target:
             mask[:, n_past:] = -np.inf
             mask[:, n_past:n_past + n][_ancestors(parents)] = 0.0
             fg.mask.set(mask)
+        if fg.sampler is not None:
+            fg.sampler.set(self.sample_inputs)
         self.backend.compute(fg.graph)
         self._last = fg
         self._last_n_captured = n
-        return fg.argmax.numpy().reshape(-1)[:n].astype(np.int64)
+        out = fg.sampler.tokens if fg.sampler is not None else fg.argmax
+        return out.numpy().reshape(-1)[:n].astype(np.int64)
 
     def commit(self, path) -> None:
         """Make the accepted slots `path` (root first, each the parent of the next) the committed tokens: state
@@ -453,6 +476,8 @@ class Qwen35Target:
             cells = np.arange(n_kv)[None, :]
             mask = np.where(cells <= pos[:, None], 0.0, -np.inf).astype(np.float16)
             fg.mask.set(mask)
+        if fg.sampler is not None:
+            fg.sampler.set(self.sample_inputs)
         self.backend.compute(fg.graph)
         self.cache.n_past = n_past + n
         self._last = fg
@@ -499,7 +524,11 @@ class Qwen35Target:
         out = self._norm(ctx, h, w["output_norm.weight"], "out.norm")
         fg.logits = ctx.mul_mat(w["output.weight"], out).named("out.logits")  # [n_vocab, 1 or n (tree)]
         fg.argmax = ctx.argmax(fg.logits).named("out.argmax")
-        fg.graph = ctx.graph(side_effects + [fg.logits, fg.argmax])   # Allocator.allocate checks every node
+        outputs = side_effects + [fg.logits, fg.argmax]
+        if self.sampling:   # the sampling hook: filter + draw per row on the device
+            fg.sampler = sampling.attach(ctx, fg.logits)
+            outputs.append(fg.sampler.tokens)
+        fg.graph = ctx.graph(outputs)   # Allocator.allocate checks every node
         return fg
 
     def _build_commit(self, compact_kv: bool) -> _CommitGraph:

@@ -1,0 +1,244 @@
+"""Sampling: the settings' validation, the on-device filter and draw against a float64 numpy reference, seeds,
+and the distribution of speculative sampling (chain, ddtree) against plain AR sampling (docs/sampling.md)."""
+import numpy as np
+import pytest
+from scipy import stats as sps
+
+import pydflash
+from pydflash import ddtree, ggml
+from pydflash.engine import Decoder
+from pydflash.models.qwen35 import Qwen35Target
+from pydflash.sampling import PENALTY_LAST_N, SamplingParams, reference_probs, slot_histories
+from pydflash.testing import OracleDraft, write_qwen35_gguf
+
+from conftest import run_graph
+
+# the settings the issue names, each alone, and all of them together
+SETTINGS = {
+    "t0.7": SamplingParams(temperature=0.7),
+    "t1-top_p0.9": SamplingParams(temperature=1.0, top_p=0.9),
+    "top_k5": SamplingParams(temperature=1.0, top_k=5),
+    "min_p0.1": SamplingParams(temperature=1.0, min_p=0.1),
+    "penalties": SamplingParams(temperature=1.0, repeat_penalty=1.5, presence_penalty=0.4, frequency_penalty=0.3),
+    "all": SamplingParams(temperature=0.8, top_k=40, top_p=0.95, min_p=0.02, repeat_penalty=1.2,
+                          presence_penalty=0.2, frequency_penalty=0.1),
+    "greedy-penalised": SamplingParams(temperature=0.0, repeat_penalty=1.3),
+}
+
+
+# --- settings ---
+
+@pytest.mark.parametrize("options, match", [
+    ({"temperature": -0.1}, "temperature"), ({"temperature": float("nan")}, "temperature"),
+    ({"top_k": -1}, "top_k"), ({"top_k": 2.5}, "top_k"), ({"top_p": 0.0}, "top_p"), ({"top_p": 1.5}, "top_p"),
+    ({"min_p": -0.1}, "min_p"), ({"min_p": 1.1}, "min_p"), ({"seed": -1}, "seed"), ({"seed": "7"}, "seed"),
+    ({"repeat_penalty": 0.0}, "repeat_penalty"), ({"presence_penalty": 3.0}, "presence_penalty"),
+    ({"frequency_penalty": -2.5}, "frequency_penalty"), ({"temprature": 0.7}, "unknown sampling option"),
+    ({"max_p": 0.7}, "unknown sampling option"), ({"temperature": True}, "temperature"),
+])
+def test_settings_refuse_bad_values(options, match):
+    with pytest.raises(ValueError, match=match):
+        SamplingParams.from_options(options)
+
+
+def test_settings_defaults_are_greedy():
+    assert SamplingParams.from_options({}).greedy
+    assert SamplingParams.from_options({"temperature": None, "top_k": None, "seed": 3}).greedy
+    assert not SamplingParams.from_options({"repeat_penalty": 1.1}).greedy
+    assert SamplingParams.from_options({"top_k": 5.0}).top_k == 5
+
+
+def test_slot_histories_follow_each_path():
+    context = list(range(100, 100 + 70))
+    slot_tokens = np.array([context[-1], 7, 8, 9, 5, 0], np.int32)
+    parents = np.array([-1, 0, 1, 0, 3, -1], np.int32)          # 0 -> 1 -> 2, 0 -> 3 -> 4, 5 padding
+    hist = slot_histories(context, slot_tokens, parents)
+    assert hist.shape == (6, PENALTY_LAST_N)
+    assert hist[0].tolist() == context[-PENALTY_LAST_N:]
+    assert hist[2].tolist() == (context + [7, 8])[-PENALTY_LAST_N:]
+    assert hist[4].tolist() == (context + [9, 5])[-PENALTY_LAST_N:]
+    assert hist[5].tolist() == context[-PENALTY_LAST_N:]
+    short = slot_histories([3, 4], slot_tokens[:2], parents[:2])
+    assert short[1].tolist() == [-1] * (PENALTY_LAST_N - 3) + [3, 4, 7]
+
+
+# --- the op against the float64 reference ---
+
+N_VOCAB, N_ROWS = 300, 4
+
+
+def _op_inputs(rng, settings: SamplingParams):
+    logits = (rng.standard_normal((N_ROWS, N_VOCAB)) * 2.5).astype(np.float32)
+    # recent tokens with repeats, biased towards likely ones (so the penalties change the top of the row)
+    hist = np.full((N_ROWS, PENALTY_LAST_N), -1, np.int32)
+    for r in range(N_ROWS):
+        top = np.argsort(logits[r])[::-1][:12]
+        hist[r, 20:] = rng.choice(np.concatenate([top, rng.integers(0, N_VOCAB, 8)]), PENALTY_LAST_N - 20)
+    return logits, hist, settings.vector()
+
+
+@pytest.mark.parametrize("name", list(SETTINGS))
+def test_filtered_distribution_equals_float64_reference(backend, rng, name):
+    settings = SETTINGS[name]
+    logits, hist, params = _op_inputs(rng, settings)
+    got = run_graph(backend, lambda ctx, t: ggml.sample_probs(ctx, t["logits"], t["hist"], t["params"]),
+                    {"logits": logits, "hist": hist, "params": params})
+    for r in range(N_ROWS):
+        ref = reference_probs(logits[r], settings, hist[r])
+        assert ((got[r] > 0) == (ref > 0)).all(), f"row {r}: the kept tokens differ"
+        np.testing.assert_allclose(got[r], ref, rtol=2e-5, atol=1e-7)
+        kept = int((ref > 0).sum())
+        if name == "top_k5":
+            assert kept == 5
+        if name in ("t1-top_p0.9", "min_p0.1"):
+            assert 1 < kept < N_VOCAB      # the filter did something, and not everything
+
+
+@pytest.mark.parametrize("name", ["t0.7", "t1-top_p0.9", "all", "greedy-penalised"])
+def test_draw_is_the_inverse_cdf_of_the_reference(backend, rng, name):
+    """Token drawn for uniform u = the first token whose cumulative reference probability exceeds u."""
+    settings = SETTINGS[name]
+    logits, hist, params = _op_inputs(rng, settings)
+    n_u = 48                       # uniforms per row: the rows are repeated, one uniform each
+    rand = rng.random(N_ROWS * n_u, dtype=np.float32)
+    got = run_graph(backend, lambda ctx, t: ggml.sample_tokens(ctx, t["logits"], t["hist"], t["params"], t["rand"]),
+                    {"logits": np.repeat(logits, n_u, axis=0), "hist": np.repeat(hist, n_u, axis=0),
+                     "params": params, "rand": rand})
+    for r in range(N_ROWS):
+        cdf = np.cumsum(reference_probs(logits[r], settings, hist[r]))
+        for j in range(r * n_u, (r + 1) * n_u):
+            if np.min(np.abs(cdf - rand[j])) < 1e-5:
+                continue   # within rounding of a boundary: either neighbour is right
+            assert got[j] == int(np.searchsorted(cdf, rand[j], side="right")), f"row {r}, u {rand[j]}"
+
+
+def test_op_wrappers_check_shapes():
+    ctx = ggml.Context(n_tensors=8)
+    logits = ctx.new_tensor(ggml.Type.F32, (10, 3))
+    hist = ctx.new_tensor(ggml.Type.I32, (PENALTY_LAST_N, 3))
+    params = ctx.new_tensor(ggml.Type.F32, (8,))
+    with pytest.raises(ValueError, match="rand"):
+        ggml.sample_tokens(ctx, logits, hist, params, ctx.new_tensor(ggml.Type.F32, (2,)))
+    with pytest.raises(ValueError, match="params"):
+        ggml.sample_probs(ctx, logits, hist, ctx.new_tensor(ggml.Type.F32, (7,)))
+    with pytest.raises(ValueError, match="hist"):
+        ggml.sample_probs(ctx, logits, ctx.new_tensor(ggml.Type.I32, (PENALTY_LAST_N, 2)), params)
+
+
+# --- decoding: seeds and the distribution of speculative sampling ---
+
+BLOCK = 8
+PROMPT = [31, 7, 99, 4, 150, 62]
+
+
+@pytest.fixture(scope="module")
+def peaked_model(tmp_path_factory):
+    """A tiny target with a small vocabulary and peaked logits (so the sampled text often follows the greedy
+    one, and an oracle draft gets deep acceptance)."""
+    path = tmp_path_factory.mktemp("sampling") / "tiny.gguf"
+    write_qwen35_gguf(path, seed=21, n_merges=0, n_layer=4, n_embd=32, n_ff=64, head_dim=32, logit_std=7.0,
+                      recurrent_layers=(True, True, False, True))
+    return path
+
+
+@pytest.fixture(scope="module")
+def decoders(peaked_model):
+    target = Qwen35Target(peaked_model, "cpu", n_ctx=256, n_ubatch=32)
+    greedy, _ = Decoder(target, mode="ar").generate_ids(PROMPT, 40)
+    draft = OracleDraft(PROMPT + greedy, target.hp.n_vocab, block_size=BLOCK)
+    out = {"ar": Decoder(target, mode="ar"),
+           "chain": Decoder(target, draft, mode="chain", budget=BLOCK - 1),
+           "ddtree": Decoder(target, draft, mode="ddtree", budget=10, top_k=3)}
+    return out
+
+
+def _run(decoder, settings, seed, n):
+    params = SamplingParams(**{**settings.__dict__, "seed": seed})
+    tokens, stats = decoder.generate_ids(PROMPT, n, sampling=params)
+    return tuple(tokens), stats
+
+
+@pytest.mark.parametrize("mode", ["ar", "chain", "ddtree"])
+def test_seed_reproduces_tokens(decoders, mode):
+    settings = SamplingParams(temperature=1.0)
+    a, _ = _run(decoders[mode], settings, 5, 16)
+    b, _ = _run(decoders[mode], settings, 5, 16)
+    c, _ = _run(decoders[mode], settings, 6, 16)
+    assert a == b
+    assert a != c
+    greedy, _ = decoders[mode].generate_ids(PROMPT, 16)
+    assert a != tuple(greedy)          # it did sample
+
+
+def _samples(decoder, settings, n_draws, n_tokens):
+    seqs, accepted = [], []
+    for seed in range(n_draws):
+        seq, st = _run(decoder, settings, seed, n_tokens)
+        seqs.append(seq)
+        accepted.append(st["acceptance_length"])
+    return seqs, float(np.mean(accepted))
+
+
+def homogeneity_p(a, b, min_count: int = 8) -> float:
+    """Chi-square test that two samples of sequences come from one distribution (rare sequences pooled)."""
+    cells = sorted(set(a) | set(b))
+    ca = np.array([a.count(c) for c in cells])
+    cb = np.array([b.count(c) for c in cells])
+    big = (ca + cb) >= min_count
+    table = np.stack([np.append(ca[big], ca[~big].sum()), np.append(cb[big], cb[~big].sum())])
+    table = table[:, table.sum(axis=0) > 0]
+    return float(sps.chi2_contingency(table)[1])
+
+
+N_DRAWS = 700
+N_TOKENS = 4
+ALPHA = 1e-3
+
+
+DIST_SETTINGS = ["t0.7", "t1-top_p0.9", "top_k5", "min_p0.1", "penalties"]
+
+
+@pytest.fixture(scope="module")
+def ar_samples(decoders):
+    return {name: _samples(decoders["ar"], SETTINGS[name], N_DRAWS, N_TOKENS)[0] for name in DIST_SETTINGS}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["chain", "ddtree"])
+@pytest.mark.parametrize("name", DIST_SETTINGS)
+def test_speculative_sampling_matches_ar_distribution(decoders, ar_samples, mode, name):
+    spec, acceptance = _samples(decoders[mode], SETTINGS[name], N_DRAWS, N_TOKENS)
+    assert acceptance > 1.5            # the tree paths were really exercised
+    p = homogeneity_p(ar_samples[name], spec)
+    assert p > ALPHA, f"{mode} {name}: p = {p:.2e}"
+
+
+@pytest.mark.slow
+def test_a_biased_rule_is_detected(decoders, ar_samples, monkeypatch):
+    original = ddtree.accept
+
+    def biased(tree, drawn):
+        kids = tree.children()
+        if int(drawn[0]) not in kids[0] and kids[0]:
+            drawn = np.array(drawn).copy()
+            drawn[0] = next(iter(kids[0]))
+        return original(tree, drawn)
+
+    monkeypatch.setattr(ddtree, "accept", biased)
+    spec, _ = _samples(decoders["ddtree"], SETTINGS["t0.7"], N_DRAWS, N_TOKENS)
+    assert homogeneity_p(ar_samples["t0.7"], spec) < ALPHA
+
+
+def test_engine_takes_sampling_keywords(peaked_model):
+    engine = pydflash.load(str(peaked_model), device="cpu", max_ctx=128, tokenizer=False)
+    a = engine.generate(PROMPT, max_tokens=8, temperature=0.9, top_k=20, top_p=0.95, min_p=0.01, seed=3,
+                        repeat_penalty=1.1, presence_penalty=0.1, frequency_penalty=0.1)
+    b = engine.generate(PROMPT, max_tokens=8, temperature=0.9, top_k=20, top_p=0.95, min_p=0.01, seed=3,
+                        repeat_penalty=1.1, presence_penalty=0.1, frequency_penalty=0.1)
+    assert a.tokens == b.tokens and a.stats["sampling"]["seed"] == 3
+    greedy = engine.generate(PROMPT, max_tokens=8)
+    assert engine.generate(PROMPT, max_tokens=8, temperature=0).tokens == greedy.tokens
+    with pytest.raises(ValueError, match="top_p"):
+        engine.generate(PROMPT, max_tokens=2, top_p=2)
+    with pytest.raises(ValueError, match="unknown sampling option"):
+        list(engine.stream(PROMPT, max_tokens=2, temperatur=0.5))
