@@ -170,6 +170,18 @@ def test_seed_reproduces_tokens(decoders, mode):
     assert a != tuple(greedy)          # it did sample
 
 
+def test_greedy_with_penalties_is_lossless(decoders):
+    """temperature 0 with a repeat penalty is deterministic: chain and ddtree give AR's tokens (the penalised
+    argmax at every slot, each slot penalised by its own path), and the penalty changes them."""
+    settings = SamplingParams(temperature=0.0, repeat_penalty=3.0, presence_penalty=1.0)
+    ar, _ = decoders["ar"].generate_ids(PROMPT, 24, sampling=settings)
+    assert ar != decoders["ar"].generate_ids(PROMPT, 24)[0]
+    for mode in ("chain", "ddtree"):
+        out, stats = decoders[mode].generate_ids(PROMPT, 24, sampling=settings)
+        assert out == ar, mode
+        assert stats["acceptance_length"] > 1.0
+
+
 def plain_sampling_distribution(target, settings, n_tokens: int, floor: float = 1e-4) -> dict:
     """The exact probability, under plain sampling with `settings`, of every n_tokens continuation of PROMPT
     whose prefixes are all above `floor`: the target's logits after each prefix through the float64 reference

@@ -1,5 +1,6 @@
 // ggml_sample_tokens / ggml_sample_probs on the CPU: threads split the rows; each thread penalises its row in a
-// scratch copy, finds the top-k and top-p thresholds bit by bit on the float keys, then draws (sums in double).
+// scratch copy, finds the top-k and top-p thresholds bit by bit on the float keys (the top-p passes over a second
+// scratch row of exp(x - max), computed once), then draws (sums in double).
 
 #include "ggml-ext-cpu.h"
 #include "ggml-cpu-impl.h"
@@ -12,10 +13,10 @@
 #define GGML_EXT_LINE_F32 16
 
 size_t ggml_ext_cpu_sample_tokens_work_size(const struct ggml_tensor * node, int n_tasks) {
-    return (size_t) ((node->src[0]->ne[0] + GGML_EXT_LINE_F32) * n_tasks) * sizeof(float);
+    return (size_t) ((2 * node->src[0]->ne[0] + GGML_EXT_LINE_F32) * n_tasks) * sizeof(float);
 }
 
-// The largest key T with count(key >= max(T, floor)) >= k: the key of the k-th largest logit.
+// The largest key T with count(key >= T) >= k: the key of the k-th largest logit.
 static uint32_t top_k_key(const float * x, int64_t n, int64_t k) {
     uint32_t T = 0;
     for (int b = 31; b >= 0; --b) {
@@ -31,19 +32,19 @@ static uint32_t top_k_key(const float * x, int64_t n, int64_t k) {
     return T;
 }
 
-// Mass exp(x - m) of the tokens whose key is >= T.
-static double mass_from(const float * x, int64_t n, float m, uint32_t T) {
+// Mass of the tokens whose key is >= T (e: exp(x - max) per token).
+static double mass_from(const float * x, const float * e, int64_t n, uint32_t T) {
     double sum = 0.0;
     for (int64_t i = 0; i < n; ++i) {
         if (ggml_ext_sample_key(x[i]) >= T) {
-            sum += exp((double) x[i] - m);
+            sum += e[i];
         }
     }
     return sum;
 }
 
 static void sample_row(const float * logits, const int32_t * hist, int n_hist, const float * par, float u,
-                       int64_t n, float * x, int32_t * token, float * probs) {
+                       int64_t n, float * x, float * e, int32_t * token, float * probs) {
     memcpy(x, logits, n * sizeof(float));
     const float repeat = par[GGML_EXT_SAMPLE_REPEAT_PENALTY];
     const float presence = par[GGML_EXT_SAMPLE_PRESENCE_PENALTY];
@@ -80,11 +81,14 @@ static void sample_row(const float * logits, const int32_t * hist, int n_hist, c
     }
     const float top_p = par[GGML_EXT_SAMPLE_TOP_P];
     if (top_p < 1.0f) {
-        const double want = (double) top_p * mass_from(x, n, m, floor_key);
+        for (int64_t i = 0; i < n; ++i) {
+            e[i] = (float) exp((double) x[i] - m);
+        }
+        const double want = (double) top_p * mass_from(x, e, n, floor_key);
         uint32_t T = 0;
         for (int b = 31; b >= 0; --b) {
             const uint32_t c = T | (1u << b);
-            if (mass_from(x, n, m, c > floor_key ? c : floor_key) >= want) {
+            if (mass_from(x, e, n, c > floor_key ? c : floor_key) >= want) {
                 T = c;
             }
         }
@@ -128,17 +132,18 @@ void ggml_ext_cpu_sample_tokens(const struct ggml_compute_params * params, struc
 
     const int64_t n_vocab = logits->ne[0];
     const int64_t n_rows  = logits->ne[1];
-    float * x = (float *) params->wdata + params->ith * (n_vocab + GGML_EXT_LINE_F32);
+    float * x = (float *) params->wdata + params->ith * (2 * n_vocab + GGML_EXT_LINE_F32);
+    float * e = x + n_vocab;
 
     for (int64_t r = params->ith; r < n_rows; r += params->nth) {
         const float * row = (const float *) ((const char *) logits->data + r * logits->nb[1]);
         const int32_t * h = (const int32_t *) ((const char *) hist->data + r * hist->nb[1]);
         if (want_probs) {
             float * out = (float *) ((char *) dst->data + r * dst->nb[1]);
-            sample_row(row, h, (int) hist->ne[0], (const float *) par->data, 0.0f, n_vocab, x, NULL, out);
+            sample_row(row, h, (int) hist->ne[0], (const float *) par->data, 0.0f, n_vocab, x, e, NULL, out);
         } else {
             const float u = ((const float *) rand->data)[r];
-            sample_row(row, h, (int) hist->ne[0], (const float *) par->data, u, n_vocab, x,
+            sample_row(row, h, (int) hist->ne[0], (const float *) par->data, u, n_vocab, x, e,
                        (int32_t *) dst->data + r, NULL);
         }
     }
