@@ -228,7 +228,7 @@ class Qwen35Target:
         self._commit_allocator = ggml.Allocator(self.backend)
         self._last: _ForwardGraph | None = None
         self._last_n_captured = 0
-        self.sampling = False             # graphs end in the on-device sampler (enable_sampling)
+        self.sampling_enabled = False     # graphs end in the on-device sampler (enable_sampling)
         self.sample_inputs = None         # sampling.StepInputs the next forward's sampler reads
 
     # --- public API ---
@@ -275,8 +275,8 @@ class Qwen35Target:
         forward then reads `sample_inputs`, and `step`/`verify` return drawn tokens. Built graphs are dropped when
         this changes."""
         on = bool(on)
-        if on != self.sampling:
-            self.sampling = on
+        if on != self.sampling_enabled:
+            self.sampling_enabled = on
             self._graphs = {}
             self._last = None
 
@@ -359,7 +359,8 @@ class Qwen35Target:
         self._commit_graphs = {}
 
     def verify(self, tokens, parents, depths) -> np.ndarray:
-        """One forward over n_slots tree slots at the current position; returns the argmax token of every slot.
+        """One forward over n_slots tree slots at the current position; returns the argmax token of every slot
+        (with enable_sampling: the token the sampler drew for every slot, from `sample_inputs`).
 
         tokens/parents/depths: [n_slots] (ddtree.padded): slot 0 is the root at position n_past, slot s sits at
         position n_past + depths[s] and attends to the committed cells and its ancestors; its KV row is written
@@ -525,7 +526,7 @@ class Qwen35Target:
         fg.logits = ctx.mul_mat(w["output.weight"], out).named("out.logits")  # [n_vocab, 1 or n (tree)]
         fg.argmax = ctx.argmax(fg.logits).named("out.argmax")
         outputs = side_effects + [fg.logits, fg.argmax]
-        if self.sampling:   # the sampling hook: filter + draw per row on the device
+        if self.sampling_enabled:   # the sampling hook: filter + draw per row on the device
             fg.sampler = sampling.attach(ctx, fg.logits)
             outputs.append(fg.sampler.tokens)
         fg.graph = ctx.graph(outputs)   # Allocator.allocate checks every node
