@@ -167,6 +167,9 @@ def main(argv=None) -> int:
     p.add_argument("--n-gen", type=int, default=48)
     p.add_argument("--budget", type=int, default=22)
     p.add_argument("--reuse", action="store_true", help="use the draft already trained in --dir")
+    p.add_argument("--logit-std", type=float, default=5.0,
+                   help="the target's logit spread (trained_draft_trees uses 2.0: so flat that sampled text "
+                        "rarely follows any draft; larger is peakier, like a real model's)")
     args = p.parse_args(argv)
     import json
 
@@ -182,7 +185,10 @@ def main(argv=None) -> int:
         with open(os.path.join(draft_dir, "config.json")) as f:
             config = json.load(f)
     else:
-        target_path, draft_dir, config = tdt.make_pair(args.dir)
+        from pydflash.testing import write_dflash_draft, write_qwen35_gguf
+        target_path, draft_dir = os.path.join(args.dir, "target.gguf"), os.path.join(args.dir, "draft")
+        write_qwen35_gguf(target_path, seed=21, logit_std=args.logit_std)
+        config = write_dflash_draft(draft_dir, target_path, n_layer=2, seed=4)
         layers = config["dflash_config"]["target_layer_ids"]
         target = Qwen35Target(target_path, "cpu", n_ctx=256, n_ubatch=tdt.SEQ_PROMPT + tdt.SEQ_GEN,
                               capture_layers=layers)

@@ -180,9 +180,11 @@ class SamplerNodes:
         self.tokens = ggml.sample_tokens(ctx, logits, self.hist, self.params, self.rand).named("out.sampled")
         self.n_rows = n_rows
 
-    def set(self, inputs: StepInputs) -> None:
+    def set(self, inputs: StepInputs | None) -> None:
+        """Upload a forward's inputs; None: neutral ones (greedy settings, no history), so a forward that is not
+        sampling computes on defined values."""
         if inputs is None:
-            raise RuntimeError("this graph samples: set the target's sample_inputs before the forward")
+            inputs = StepInputs(_no_history(self.n_rows), GREEDY.vector(), np.zeros(self.n_rows, np.float32))
         if inputs.hist.shape[0] != self.n_rows or inputs.rand.size != self.n_rows:
             raise ValueError(f"sampler inputs for {inputs.hist.shape[0]} rows, the graph has {self.n_rows}")
         self.hist.set(np.ascontiguousarray(inputs.hist, np.int32))

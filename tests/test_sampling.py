@@ -182,6 +182,20 @@ def test_greedy_with_penalties_is_lossless(decoders):
         assert stats["acceptance_length"] > 1.0
 
 
+def test_target_stays_greedy_without_sample_inputs(decoders):
+    """After a sampled generation the sampler stays in the graphs; forwards given no sample inputs are greedy."""
+    target = decoders["ar"].target
+    _run(decoders["ddtree"], SamplingParams(temperature=1.0), 1, 8)
+    assert target.sampling_enabled
+    target.reset()
+    first = int(np.argmax(target.prefill(PROMPT)))
+    second = target.step(first)
+    target.reset()
+    assert second == int(np.argmax(target.prefill(PROMPT + [first])))
+    with pytest.raises(RuntimeError, match="did not sample"):
+        target.sampled()
+
+
 def plain_sampling_distribution(target, settings, n_tokens: int, floor: float = 1e-4) -> dict:
     """The exact probability, under plain sampling with `settings`, of every n_tokens continuation of PROMPT
     whose prefixes are all above `floor`: the target's logits after each prefix through the float64 reference

@@ -229,7 +229,8 @@ class Qwen35Target:
         self._last: _ForwardGraph | None = None
         self._last_n_captured = 0
         self.sampling_enabled = False     # graphs end in the on-device sampler (enable_sampling)
-        self.sample_inputs = None         # sampling.StepInputs the next forward's sampler reads
+        self.sample_inputs = None         # sampling.StepInputs of the next prefill/step/verify (then cleared)
+        self._last_sampled = False        # the last forward's sampler drew from given inputs
 
     # --- public API ---
 
@@ -255,12 +256,14 @@ class Qwen35Target:
             self._forward(tokens[start: start + self.n_ubatch])
             if on_ubatch is not None:
                 on_ubatch(first, self._last_n_captured)
+        self.sample_inputs = None
         return self.logits() if return_logits else None
 
     def decode(self, token: int) -> np.ndarray:
         """Run one token; returns its logits (f32 [n_vocab])."""
         self._check_room(1)
         self._forward(self._tokens([token]))
+        self.sample_inputs = None
         return self.logits()
 
     def step(self, token: int) -> int:
@@ -268,11 +271,13 @@ class Qwen35Target:
         only 4 bytes come back to the host."""
         self._check_room(1)
         self._forward(self._tokens([token]))
-        return int(self.sampled()[0]) if self._last.sampler is not None else self.argmax()
+        self.sample_inputs = None
+        return int(self.sampled()[0]) if self._last_sampled else self.argmax()
 
     def enable_sampling(self, on: bool) -> None:
-        """Make every graph end in the on-device sampler (pydflash.sampling) instead of only the argmax: each
-        forward then reads `sample_inputs`, and `step`/`verify` return drawn tokens. Built graphs are dropped when
+        """Make every graph end in the on-device sampler (pydflash.sampling) as well as the argmax: a prefill,
+        step or verify then draws from `sample_inputs` when they are set (they are cleared after it), and
+        `step`/`verify` return the drawn tokens; without inputs they stay greedy. Built graphs are dropped when
         this changes."""
         on = bool(on)
         if on != self.sampling_enabled:
@@ -282,8 +287,8 @@ class Qwen35Target:
 
     def sampled(self) -> np.ndarray:
         """The tokens the sampler drew in the last forward, one per logits row (i32)."""
-        if self._last is None or self._last.sampler is None:
-            raise RuntimeError("the last forward did not sample (enable_sampling first)")
+        if self._last is None or not self._last_sampled:
+            raise RuntimeError("the last forward did not sample (enable_sampling, then set sample_inputs)")
         return self._last.sampler.tokens.numpy().reshape(-1)
 
     def forward(self, tokens) -> None:
@@ -293,6 +298,7 @@ class Qwen35Target:
             raise ValueError(f"forward takes 1..{self.n_ubatch} tokens, got {tokens.size}")
         self._check_room(tokens.size)
         self._forward(tokens)
+        self.sample_inputs = None
 
     def logits(self) -> np.ndarray:
         """The last forward's logits for its last token."""
@@ -402,12 +408,12 @@ class Qwen35Target:
             mask[:, n_past:] = -np.inf
             mask[:, n_past:n_past + n][_ancestors(parents)] = 0.0
             fg.mask.set(mask)
-        if fg.sampler is not None:
-            fg.sampler.set(self.sample_inputs)
+        self._set_sampler(fg)
+        self.sample_inputs = None
         self.backend.compute(fg.graph)
         self._last = fg
         self._last_n_captured = n
-        out = fg.sampler.tokens if fg.sampler is not None else fg.argmax
+        out = fg.sampler.tokens if self._last_sampled else fg.argmax
         return out.numpy().reshape(-1)[:n].astype(np.int64)
 
     def commit(self, path) -> None:
@@ -453,6 +459,12 @@ class Qwen35Target:
             raise ValueError(f"token id {bad} outside the vocabulary (0..{self.hp.n_vocab - 1})")
         return tokens.astype(np.int32)
 
+    def _set_sampler(self, fg: _ForwardGraph) -> None:
+        """Upload the sampler's inputs of a forward (neutral ones without sample_inputs: the argmax is read)."""
+        self._last_sampled = fg.sampler is not None and self.sample_inputs is not None
+        if fg.sampler is not None:
+            fg.sampler.set(self.sample_inputs)
+
     def _check_room(self, n: int) -> None:
         if self.cache.n_past + n > self.n_ctx:
             raise ValueError(f"context overflow: {self.cache.n_past} positions used + {n} new > n_ctx {self.n_ctx}")
@@ -477,8 +489,7 @@ class Qwen35Target:
             cells = np.arange(n_kv)[None, :]
             mask = np.where(cells <= pos[:, None], 0.0, -np.inf).astype(np.float16)
             fg.mask.set(mask)
-        if fg.sampler is not None:
-            fg.sampler.set(self.sample_inputs)
+        self._set_sampler(fg)
         self.backend.compute(fg.graph)
         self.cache.n_past = n_past + n
         self._last = fg
