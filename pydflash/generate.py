@@ -30,8 +30,6 @@ def generate_greedy(target, prompt_ids, max_new_tokens: int, tokenizer=None, *, 
         raise ValueError("max_new_tokens must be at least 1")
     if reset:
         target.reset()
-    if hasattr(target, "enable_sampling"):
-        target.enable_sampling(False)     # argmax graphs (a sampled generation may have left the sampler on)
     if target.n_past + len(prompt_ids) + max_new_tokens - 1 > target.n_ctx:
         raise ValueError(f"prompt ({len(prompt_ids)} tokens) + {max_new_tokens} new tokens do not fit in n_ctx "
                          f"{target.n_ctx}")
