@@ -146,6 +146,9 @@ phase bench_oracle 200 python3 "$src/bench/ddtree_step.py" "$data/q27.gguf" --de
     --reps 3
 phase bench_f16 150 python3 "$src/bench/ddtree_step.py" "$data/q27.gguf" --draft "$data/d27" --device cuda \
     --budget 22 --n-gen 32 --reps 5 --f16-states
+# time to first token of a chat's turn 2 (2,000-token turn 1), with and without prefix reuse
+phase bench_prefix 300 python3 "$src/bench/prefix_reuse.py" "$data/q27.gguf" --draft "$data/d27" --device cuda \
+    --prompt-len 2000 --reply 64 --user 64 --reps 3
 # llama.cpp's own batched forwards of 1..40 tokens, beside our verify-size table
 phase bench_llama_pp 120 "$build/bin/llama-bench" -m "$data/q27.gguf" -p 1,2,4,8,16,23,32,40 -n 0 -r 5 -fa 1 \
     -ngl 99 -o md
@@ -156,6 +159,12 @@ phase bench_sampling 200 python3 "$src/bench/sampling_step.py" "$data/q27.gguf" 
     --n-gen 64 --reps 10
 phase bench_sampling_draft 200 python3 "$src/bench/sampling_step.py" "$data/q27.gguf" --draft "$data/d27" \
     --device cuda --budget 22 --n-gen 64 --reps 5
+# the attention-only architectures: a Qwen2.5-Coder-1.5B-shaped qwen2 (random weights, Q4_K_M, tied head; the
+# real file cannot travel to this machine) against llama-bench, decode and a 512-token prefill
+phase model_qwen2 200 python3 -m pydflash.testing write-llama "$data/qwen2-1.5b.gguf" --arch qwen2 --type Q4_K_M \
+    --n-layer 28 --n-embd 1536 --n-ff 8960 --n-head 12 --n-head-kv 2 --n-vocab 151936 --tie-embeddings
+phase bench_ar_qwen2 200 python3 "$src/bench/ar_decode.py" "$data/qwen2-1.5b.gguf" --device cuda --n-gen 128 \
+    --reps 5 --n-prompt 512 --llama-bench "$build/bin/llama-bench"
 phase tests_rest 300 pytest_cuda "$src/tests" --ignore="$src/tests/test_engine.py" \
     --ignore="$src/tests/test_dflash_draft.py" --ignore="$src/tests/test_qwen35.py" \
     --ignore="$src/tests/test_target_tq3.py"
