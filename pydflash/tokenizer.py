@@ -5,6 +5,7 @@ cannot reach Python internals (llama-cpp-python's CVE-2024-34359 was exactly tha
 """
 from __future__ import annotations
 
+import json
 import os
 
 
@@ -33,7 +34,10 @@ class Tokenizer:
         """EOS, end-of-turn (<|im_end|>) or any other token the vocabulary marks as ending generation."""
         return bool(self._llama_cpp.llama_vocab_is_eog(self._vocab, int(token)))
 
-    def apply_chat_template(self, messages: list[dict], *, add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(self, messages: list[dict], *, add_generation_prompt: bool = True,
+                            **template_vars) -> str:
+        """Render `messages` through the GGUF's template; template_vars (tools, enable_thinking, ...) become
+        template variables."""
         if not self.chat_template:
             raise ValueError(f"{self.path}: the GGUF has no tokenizer.chat_template")
         from jinja2.sandbox import ImmutableSandboxedEnvironment
@@ -42,7 +46,16 @@ class Tokenizer:
             raise ValueError(f"chat template: {message}")
 
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        env.filters["tojson"] = _tojson
         template = env.from_string(self.chat_template)
         return template.render(messages=messages, add_generation_prompt=add_generation_prompt,
                                bos_token=self.token_text(self._llm.token_bos()) if self._llm.token_bos() >= 0 else "",
-                               eos_token=self.token_text(self.eos_id), raise_exception=raise_exception)
+                               eos_token=self.token_text(self.eos_id), raise_exception=raise_exception,
+                               **template_vars)
+
+
+def _tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False) -> str:
+    """`tojson` as the Hugging Face chat-template runtime defines it (what model templates are written for):
+    plain json.dumps, not Jinja's HTML-safe Markup, which would escape the text a template adds to it (Qwen3.5's
+    tool-call arguments are rendered as '<parameter=' + name + '>' + value|tojson)."""
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
