@@ -7,7 +7,10 @@
     for piece in engine.stream("def fib(n):", max_tokens=64):
         print(piece, end="", flush=True)
 
-Decoding is greedy; speculative modes return exactly the tokens plain decoding would.
+Decoding is greedy by default; speculative modes return exactly the tokens plain decoding would. Sampling
+options (temperature, top_k, top_p, min_p, seed, repeat_penalty, presence_penalty, frequency_penalty) make it
+sample, with text distributed exactly as plain sampling with those settings in every mode (docs/sampling.md):
+    engine.generate("Once upon a time", max_tokens=64, temperature=0.7, top_p=0.9, seed=1)
 """
 from __future__ import annotations
 
@@ -15,6 +18,7 @@ from dataclasses import dataclass, field
 
 from .engine import MODES, Decoder
 from .plan import DRAFT_WINDOW, PREFIX_BYTES, PREFIX_SNAPSHOTS
+from .sampling import SamplingParams
 
 
 @dataclass
@@ -41,20 +45,24 @@ class Engine:
         return self.decoder.target
 
     def generate(self, prompt, max_tokens: int = 256, chat: bool = False, **sampling) -> Result:
-        """Greedy generation after `prompt` (text, or a list of token ids) until max_tokens new tokens or an
-        end-of-generation token. chat=True wraps a text prompt in the model's chat template as a user turn."""
-        ids = self._prompt_ids(prompt, chat, sampling)
-        tokens, stats = self.decoder.generate_ids(ids, max_tokens)
+        """Generation after `prompt` (text, or a list of token ids) until max_tokens new tokens or an
+        end-of-generation token. chat=True wraps a text prompt in the model's chat template as a user turn.
+        sampling: temperature (0, the default: greedy), top_k, top_p, min_p, seed, repeat_penalty,
+        presence_penalty, frequency_penalty (pydflash.sampling.SamplingParams; unknown names are refused)."""
+        params = SamplingParams.from_options(sampling)
+        ids = self._prompt_ids(prompt, chat)
+        tokens, stats = self.decoder.generate_ids(ids, max_tokens, sampling=params)
         return Result(self._text(tokens), tokens, stats)
 
     def stream(self, prompt, max_tokens: int = 256, chat: bool = False, **sampling):
         """Like `generate`, but yields text pieces as tokens are committed (a piece may hold several tokens:
         a speculative step commits many at once). The stats are in `last_stats` afterwards, also when the
         consumer stops early (closes the generator)."""
-        ids = self._prompt_ids(prompt, chat, sampling)
+        params = SamplingParams.from_options(sampling)
+        ids = self._prompt_ids(prompt, chat)
         tokens = self.last_tokens = []
         shown = ""
-        steps = self.decoder.iter_generate(ids, max_tokens)
+        steps = self.decoder.iter_generate(ids, max_tokens, params)
         try:
             for batch in steps:
                 tokens.extend(batch)
@@ -80,10 +88,9 @@ class Engine:
 
     def prompt_ids(self, prompt, chat: bool = False) -> list[int]:
         """The token ids `generate(prompt, chat=chat)` would decode after."""
-        return self._prompt_ids(prompt, chat, {})
+        return self._prompt_ids(prompt, chat)
 
-    def _prompt_ids(self, prompt, chat: bool, sampling: dict) -> list[int]:
-        _reject_sampling(sampling)
+    def _prompt_ids(self, prompt, chat: bool) -> list[int]:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("this engine has no tokenizer: pass the prompt as token ids")
@@ -101,18 +108,6 @@ class Engine:
         if self.tokenizer is None:
             return ""
         return self.tokenizer.detokenize(tokens)
-
-
-def _reject_sampling(sampling: dict) -> None:
-    """Only greedy decoding is implemented: refuse sampling options instead of ignoring them (DESIGN §13)."""
-    if not sampling:
-        return
-    greedy = {"temperature": 0.0, "top_k": 1}
-    for name, value in sampling.items():
-        if name in greedy and value is not None and float(value) == greedy[name]:
-            continue
-        raise ValueError(f"{name}={value!r}: only greedy decoding is implemented (temperature 0); "
-                         "sampling options are not supported yet")
 
 
 def draft_layer_ids(draft_path) -> list[int]:

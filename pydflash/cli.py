@@ -56,6 +56,32 @@ def _print_stats(stats: dict) -> None:
     print(line, file=sys.stderr)
 
 
+# option -> (type, help) of `pydflash run`'s and `chat`'s sampling flags (--top-k etc.), passed on as Engine.stream keywords
+SAMPLING_OPTIONS = {
+    "temperature": (float, "0 (default): greedy; > 0: sample"),
+    "top_k": (int, "keep the k most likely tokens (0, default: all)"),
+    "top_p": (float, "keep the most likely tokens holding this probability (1, default: all)"),
+    "min_p": (float, "keep tokens at least this fraction as likely as the best (0, default: all)"),
+    "seed": (int, "random seed (default: a fresh one)"),
+    "repeat_penalty": (float, "penalty of tokens among the last 64 (1, default: none)"),
+    "presence_penalty": (float, "subtracted from the logit of tokens among the last 64 (default 0)"),
+    "frequency_penalty": (float, "subtracted per occurrence among the last 64 (default 0)"),
+}
+
+
+def _sampling_options(args: argparse.Namespace, command: str) -> dict | None:
+    """The sampling flags as Engine.stream keywords, checked before anything loads (None, with the error
+    printed, when one is out of range)."""
+    from .sampling import SamplingParams
+    sampling = {name: getattr(args, name) for name in SAMPLING_OPTIONS}
+    try:
+        SamplingParams.from_options(sampling)
+    except ValueError as e:
+        print(f"pydflash {command}: {e}", file=sys.stderr)
+        return None
+    return sampling
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     """Generate from a prompt (--prompt, or stdin) and stream the text; stats go to stderr."""
     from .api import load
@@ -64,6 +90,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     if not prompt:
         print("pydflash run: empty prompt (give --prompt or pipe text on stdin)", file=sys.stderr)
         return 2
+    sampling = _sampling_options(args, "run")
+    if sampling is None:
+        return 2
     from .plan import PlanError
     try:
         engine = load(args.target, args.draft, device=args.device, kv_type=args.kv, max_ctx=_ctx_arg(args.max_ctx),
@@ -71,7 +100,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     except PlanError as e:
         print(f"pydflash run: {e}", file=sys.stderr)
         return 1
-    for piece in engine.stream(prompt, max_tokens=args.n_gen, chat=args.chat):
+    for piece in engine.stream(prompt, max_tokens=args.n_gen, chat=args.chat, **sampling):
         sys.stdout.write(piece)
         sys.stdout.flush()
     sys.stdout.write("\n")
@@ -166,6 +195,9 @@ def cmd_chat(args: argparse.Namespace) -> int:
     from .api import load
     from .chat import ChatSession, repl
 
+    sampling = _sampling_options(args, "chat")
+    if sampling is None:
+        return 2
     with tempfile.TemporaryDirectory(prefix="pydflash-chat-") as tmp:
         target, draft = args.target, args.draft
         if args.demo:
@@ -185,7 +217,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
         except PlanError as e:
             print(f"pydflash chat: {e}", file=sys.stderr)
             return 1
-        return repl(ChatSession(engine, system=args.system, max_tokens=args.n_gen))
+        return repl(ChatSession(engine, system=args.system, max_tokens=args.n_gen, sampling=sampling))
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -257,6 +289,8 @@ def main(argv: list[str] | None = None) -> int:
                      help="KV cache positions, or auto (default): the most that fit, up to the training context")
     run.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (default: auto)")
     run.add_argument("--verbose", action="store_true", help="print the memory plan on load")
+    for name, (type_, help_) in SAMPLING_OPTIONS.items():
+        run.add_argument("--" + name.replace("_", "-"), dest=name, type=type_, help=help_)
     run.set_defaults(func=cmd_run)
 
     chat = sub.add_parser("chat", help="chat in the terminal (multi-turn, streamed, Ctrl+C stops a reply)")
@@ -274,6 +308,8 @@ def main(argv: list[str] | None = None) -> int:
     chat.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (default: auto)")
     chat.add_argument("--no-prefix-cache", action="store_true",
                       help="prefill every turn from scratch (no reuse of the previous turn's state)")
+    for name, (type_, help_) in SAMPLING_OPTIONS.items():
+        chat.add_argument("--" + name.replace("_", "-"), dest=name, type=type_, help=help_)
     chat.set_defaults(func=cmd_chat)
 
     mem = sub.add_parser("plan", help="print the device-memory plan of a target (and draft); no GPU needed")
