@@ -52,9 +52,8 @@ class Engine:
     def stream(self, prompt, max_tokens: int = 256, chat: bool = False, **sampling):
         """Like `generate`, but yields text pieces as tokens are committed (a piece may hold several tokens:
         a speculative step commits many at once). The stats are in `last_stats` afterwards."""
-        ids = self._prompt_ids(prompt, chat, sampling)
         tokens, shown = [], ""
-        for batch in self.decoder.iter_generate(ids, max_tokens):
+        for batch in self.stream_tokens(prompt, max_tokens, chat, **sampling):
             tokens.extend(batch)
             text = self._text(tokens)
             # hold back an incomplete UTF-8 sequence (rendered as U+FFFD) until its last byte arrives
@@ -65,6 +64,12 @@ class Engine:
         text = self._text(tokens)
         if len(text) > len(shown):
             yield text[len(shown):]
+
+    def stream_tokens(self, prompt, max_tokens: int = 256, chat: bool = False, **sampling):
+        """Like `stream`, but yields the new token ids, in the batches they are committed in (the prefill's
+        token first). Closing the generator early stops decoding there."""
+        ids = self._prompt_ids(prompt, chat, sampling)
+        yield from self.decoder.iter_generate(ids, max_tokens)
 
     @property
     def last_stats(self) -> dict:

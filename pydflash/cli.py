@@ -1,5 +1,6 @@
 """Command line: `pydflash info` (build and device check), `pydflash run` (generate), `pydflash demo` (synthetic
-models, nothing to download)."""
+models, nothing to download). `add_model_options` holds the model flags with their llama.cpp aliases, for every
+command that loads a model."""
 from __future__ import annotations
 
 import argparse
@@ -54,19 +55,88 @@ def _print_stats(stats: dict) -> None:
     print(line, file=sys.stderr)
 
 
+def add_model_options(parser: argparse.ArgumentParser) -> None:
+    """The model-loading options of `run` (and `serve`), each with its llama.cpp spelling as an alias so that
+    llama-cli / llama-server muscle memory works: -m, -md, -c, -ctk, --draft-max, -ngl."""
+    parser.add_argument("--target", "-m", "--model", dest="target", required=True,
+                        help="target GGUF (e.g. Qwen3.5-27B-Q4_K_M.gguf)")
+    parser.add_argument("--draft", "-md", "--model-draft", dest="draft",
+                        help="DFlash draft directory (config.json + model.safetensors)")
+    parser.add_argument("--mode", choices=["ar", "chain", "ddtree"], help="default: ddtree with a draft, else ar")
+    parser.add_argument("--budget", "--draft-max", dest="budget", type=int, default=22,
+                        help="tree nodes (ddtree) or chain length (chain) per step (default 22)")
+    parser.add_argument("--kv", "-ctk", "--cache-type-k", dest="kv", default="f16",
+                        choices=["f16", "q8_0", "q4_0", "tq3_0"],
+                        help="KV cache type (default f16; tq3_0 with --mode ar only)")
+    parser.add_argument("--max-ctx", "-c", "--ctx-size", dest="max_ctx", type=int,
+                        help="KV cache positions (default 8192)")
+    parser.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (default: auto)")
+    parser.add_argument("-ngl", "--n-gpu-layers", "--gpu-layers", dest="n_gpu_layers", type=int,
+                        help="accepted for llama.cpp compatibility: every layer runs on --device")
+
+
+SAMPLING_FLAGS = {   # flag -> Engine.generate/stream keyword (llama.cpp's spellings)
+    "--temp": "temperature", "--top-p": "top_p", "--top-k": "top_k", "--min-p": "min_p", "--seed": "seed",
+    "--repeat-penalty": "repeat_penalty", "--presence-penalty": "presence_penalty",
+    "--frequency-penalty": "frequency_penalty"}
+
+
+def add_sampling_options(parser: argparse.ArgumentParser) -> None:
+    """llama.cpp's sampling flags; only those given reach the engine (none given: greedy)."""
+    for flag, name in SAMPLING_FLAGS.items():
+        kind = int if name in ("top_k", "seed") else float
+        parser.add_argument(flag, dest=name, type=kind, help=f"sampling: {name}")
+
+
+def sampling_options(args: argparse.Namespace) -> dict:
+    """The sampling keywords the user gave on the command line."""
+    return {name: getattr(args, name) for name in SAMPLING_FLAGS.values() if getattr(args, name) is not None}
+
+
+def _read_prompt(args: argparse.Namespace) -> str:
+    if args.prompt is not None and args.file is not None:
+        raise ValueError("give --prompt or --file, not both")
+    if args.file is not None:
+        with open(args.file, encoding="utf-8") as f:
+            return f.read()
+    return args.prompt if args.prompt is not None else sys.stdin.read()
+
+
+def _prompt_input(engine, args: argparse.Namespace, prompt: str):
+    """What the engine decodes after: the text itself (default, --raw), or the chat template's rendering of a
+    user turn (--chat), preceded by a system turn with --system."""
+    if args.raw and (args.chat or args.system is not None):
+        raise ValueError("--raw means no chat template; it does not go with --chat or --system")
+    if args.system is None:
+        return prompt
+    messages = [{"role": "system", "content": args.system}, {"role": "user", "content": prompt}]
+    return engine.tokenizer.tokenize(engine.tokenizer.apply_chat_template(messages))
+
+
 def cmd_run(args: argparse.Namespace) -> int:
-    """Generate from a prompt (--prompt, or stdin) and stream the text; stats go to stderr."""
+    """Generate from a prompt (--prompt, --file, or stdin) and stream the text; stats go to stderr."""
     from .api import load
 
-    prompt = args.prompt if args.prompt is not None else sys.stdin.read()
+    try:
+        prompt = _read_prompt(args)
+    except (OSError, ValueError) as e:
+        print(f"pydflash run: {e}", file=sys.stderr)
+        return 2
     if not prompt:
-        print("pydflash run: empty prompt (give --prompt or pipe text on stdin)", file=sys.stderr)
+        print("pydflash run: empty prompt (give --prompt, --file or pipe text on stdin)", file=sys.stderr)
         return 2
     engine = load(args.target, args.draft, device=args.device, kv_type=args.kv, max_ctx=args.max_ctx,
                   mode=args.mode, budget=args.budget, progress=True)
-    for piece in engine.stream(prompt, max_tokens=args.n_gen, chat=args.chat):
-        sys.stdout.write(piece)
-        sys.stdout.flush()
+    try:
+        source = _prompt_input(engine, args, prompt)
+        pieces = engine.stream(source, max_tokens=args.n_gen, chat=args.chat and args.system is None,
+                               **sampling_options(args))
+        for piece in pieces:
+            sys.stdout.write(piece)
+            sys.stdout.flush()
+    except ValueError as e:
+        print(f"pydflash run: {e}", file=sys.stderr)
+        return 2
     sys.stdout.write("\n")
     _print_stats(engine.last_stats)
     return 0
@@ -122,18 +192,19 @@ def main(argv: list[str] | None = None) -> int:
     info.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (default: auto)")
     info.set_defaults(func=cmd_info)
 
-    run = sub.add_parser("run", help="generate text with a target GGUF (and a DFlash draft)")
-    run.add_argument("--target", required=True, help="target GGUF (e.g. Qwen3.5-27B-Q4_K_M.gguf)")
-    run.add_argument("--draft", help="DFlash draft directory (config.json + model.safetensors)")
-    run.add_argument("--prompt", help="prompt text (default: read stdin)")
+    run = sub.add_parser("run", help="generate text with a target GGUF (and a DFlash draft)",
+                         description="Generate text. llama.cpp's flag spellings work as aliases (-m, -md, -c, -n, "
+                                     "-p, -f, -ctk, --draft-max, -ngl, -sys, --temp, ...).")
+    add_model_options(run)
+    run.add_argument("--prompt", "-p", dest="prompt", help="prompt text (default: read stdin)")
+    run.add_argument("--file", "-f", dest="file", help="read the prompt from this file")
     run.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
-    run.add_argument("--n-gen", type=int, default=256, help="new tokens at most (default 256)")
-    run.add_argument("--mode", choices=["ar", "chain", "ddtree"], help="default: ddtree with a draft, else ar")
-    run.add_argument("--budget", type=int, default=22, help="tree nodes (ddtree) or chain length (default 22)")
-    run.add_argument("--kv", default="f16", choices=["f16", "q8_0", "q4_0", "tq3_0"],
-                     help="KV cache type (default f16; tq3_0 with --mode ar only)")
-    run.add_argument("--max-ctx", type=int, help="KV cache positions (default 8192)")
-    run.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (default: auto)")
+    run.add_argument("--system", "-sys", "--system-prompt", dest="system",
+                     help="system message (implies --chat)")
+    run.add_argument("--raw", action="store_true", help="no chat template: continue the text as it is (default)")
+    run.add_argument("--n-gen", "-n", "--n-predict", dest="n_gen", type=int, default=256,
+                     help="new tokens at most (default 256)")
+    add_sampling_options(run)
     run.set_defaults(func=cmd_run)
 
     demo = sub.add_parser("demo", help="synthetic target and draft: AR vs speculative, same tokens, speed")
