@@ -185,7 +185,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
         return 0 if same else 1
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pydflash", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     info = sub.add_parser("info", help="show the build and devices, and run a self-check graph")
@@ -213,7 +213,11 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--seed", type=int, default=0)
     demo.add_argument("--device", default="cpu", help="cpu (default), cuda or auto")
     demo.set_defaults(func=cmd_demo)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     return args.func(args)
 
 
