@@ -106,6 +106,8 @@ class Llama:
             if n_ctx <= 0:
                 raise ValueError(f"{self.model_path}: no context_length in the GGUF; pass n_ctx")
         self._n_ctx = n_ctx
+        if n_gpu_layers == 0 and device not in ("auto", "cpu"):
+            raise ValueError(f"Llama(n_gpu_layers=0, device={device!r}): n_gpu_layers=0 means the CPU")
         verify_slots = budget if draft_model_path is not None and mode != "ar" else 0
         self._engine = load(self.model_path, draft_model_path, device="cpu" if n_gpu_layers == 0 else device,
                             kv_type=kv_type, max_ctx=n_ctx + verify_slots, mode=mode, budget=budget,
@@ -258,14 +260,19 @@ class Llama:
         return max_tokens if max_tokens + n_prompt < self._n_ctx else room
 
     def _sampling(self, **given) -> dict:
-        """The sampling keywords for the engine: what the caller gave, less values that change nothing; the
-        seed only where something samples. None given: DEFAULT_SAMPLING."""
+        """The sampling keywords for the engine: what the caller gave, less values that change nothing. As in
+        llama.cpp, temperature 0 is greedy whatever top_p / top_k / min_p / seed say (the penalties still
+        apply). None given: DEFAULT_SAMPLING."""
         seed = given.pop("seed")
         chosen = {name: value for name, value in given.items()
                   if value is not None and value != ENGINE_SAMPLING_NEUTRAL[name]}
+        if chosen.get("temperature") == 0:
+            for name in ("top_p", "top_k", "min_p"):
+                chosen.pop(name, None)
+            return chosen
         if not chosen:
             return dict(DEFAULT_SAMPLING)
-        if chosen.get("temperature", 1.0) != 0 and (seed is not None or self._seed != LLAMA_DEFAULT_SEED):
+        if seed is not None or self._seed != LLAMA_DEFAULT_SEED:
             chosen["seed"] = seed if seed is not None else self._seed
         return chosen
 

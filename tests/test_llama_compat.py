@@ -175,6 +175,8 @@ def test_default_call_is_greedy_and_sampling_reaches_the_engine(ours, monkeypatc
     assert text_of(ours("The quick brown fox", max_tokens=8, top_p=1.0, repeat_penalty=1.0, min_p=0.0)) == greedy
     with pytest.raises(ValueError, match="greedy"):
         ours("The quick brown fox", max_tokens=8, temperature=0.8)
+    # temperature 0 is greedy in llama.cpp whatever the truncation settings say
+    assert text_of(ours("The quick brown fox", max_tokens=8, temperature=0, top_p=0.5, top_k=3, seed=7)) == greedy
     seen = {}
 
     def record(prompt, max_tokens, **sampling):
