@@ -87,7 +87,6 @@ class Llama:
                  type_v: int | None = None, mode: str | None = None, budget: int = 22, **llama_cpp_args):
         from .api import load
         from .gguf_io import GGUFFile
-        from .tokenizer import Tokenizer
 
         _check_init_args(llama_cpp_args)
         if chat_format is not None:
@@ -111,9 +110,8 @@ class Llama:
         verify_slots = budget if draft_model_path is not None and mode != "ar" else 0
         self._engine = load(self.model_path, draft_model_path, device="cpu" if n_gpu_layers == 0 else device,
                             kv_type=kv_type, max_ctx=n_ctx + verify_slots, mode=mode, budget=budget,
-                            tokenizer=False, progress=verbose)
-        self._tokenizer = Tokenizer(self.model_path)
-        self._engine.tokenizer = self._engine.decoder.tokenizer = self._tokenizer
+                            progress=verbose)
+        self._tokenizer = self._engine.tokenizer
         self.metadata = self._tokenizer.metadata
 
     # --- the vocabulary ---
