@@ -2,6 +2,7 @@
 counts and finish reasons, and the same keys and value types in every returned dict and streamed chunk."""
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -230,7 +231,8 @@ llama_cpp.Llama(sys.argv[1], vocab_only=True, verbose=False)
 def test_llama_cpp_load_messages_stay_quiet(paths):
     """Our vocabulary-only load prints nothing; the same load through llama-cpp-python does print its
     n_ctx_seq warning (so the check can see one)."""
-    run = subprocess.run([sys.executable, "-c", QUIET_SCRIPT, paths[0]], capture_output=True, text=True, check=True)
+    run = subprocess.run([sys.executable, "-c", QUIET_SCRIPT, paths[0]], capture_output=True, text=True, check=True,
+                         cwd=os.path.dirname(paths[0]))   # not a source checkout: the installed package
     ours_part, _, direct_part = run.stderr.partition("--- llama_cpp.Llama directly:")
     assert ours_part.strip() == ""
     assert "n_ctx_seq" in direct_part
