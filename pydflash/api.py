@@ -11,8 +11,6 @@ Decoding is greedy; speculative modes return exactly the tokens plain decoding w
 """
 from __future__ import annotations
 
-import json
-import os
 from dataclasses import dataclass, field
 
 from .engine import MODES, Decoder
@@ -51,29 +49,46 @@ class Engine:
 
     def stream(self, prompt, max_tokens: int = 256, chat: bool = False, **sampling):
         """Like `generate`, but yields text pieces as tokens are committed (a piece may hold several tokens:
-        a speculative step commits many at once). The stats are in `last_stats` afterwards."""
+        a speculative step commits many at once). The stats are in `last_stats` afterwards, also when the
+        consumer stops early (closes the generator)."""
         tokens, shown = [], ""
-        for batch in self.stream_tokens(prompt, max_tokens, chat, **sampling):
-            tokens.extend(batch)
-            text = self._text(tokens)
-            # hold back an incomplete UTF-8 sequence (rendered as U+FFFD) until its last byte arrives
-            stable = text.rstrip("\ufffd")
-            if len(stable) > len(shown):
-                yield stable[len(shown):]
-                shown = stable
+        batches = self.stream_tokens(prompt, max_tokens, chat, **sampling)
+        try:
+            for batch in batches:
+                tokens.extend(batch)
+                text = self._text(tokens)
+                # hold back an incomplete UTF-8 sequence (rendered as U+FFFD) until its last byte arrives
+                stable = text.rstrip("\ufffd")
+                if len(stable) > len(shown):
+                    yield stable[len(shown):]
+                    shown = stable
+        finally:
+            batches.close()    # a consumer that stops early ends the run now (its state and stats are kept)
         text = self._text(tokens)
         if len(text) > len(shown):
             yield text[len(shown):]
 
     def stream_tokens(self, prompt, max_tokens: int = 256, chat: bool = False, **sampling):
         """Like `stream`, but yields the new token ids, in the batches they are committed in (the prefill's
-        token first). Closing the generator early stops decoding there."""
+        token first). Closing the generator early stops decoding there (its state and stats are kept)."""
         ids = self._prompt_ids(prompt, chat, sampling)
-        yield from self.decoder.iter_generate(ids, max_tokens)
+        steps = self.decoder.iter_generate(ids, max_tokens)
+        try:
+            yield from steps
+        finally:
+            steps.close()
 
     @property
     def last_stats(self) -> dict:
         return self.decoder.last_stats
+
+    def reset(self) -> None:
+        """Forget earlier prompts (the prefix cache): the next prompt is prefilled from scratch."""
+        self.decoder.reset()
+
+    def prompt_ids(self, prompt, chat: bool = False) -> list[int]:
+        """The token ids `generate(prompt, chat=chat)` would decode after."""
+        return self._prompt_ids(prompt, chat, {})
 
     def _prompt_ids(self, prompt, chat: bool, sampling: dict) -> list[int]:
         _reject_sampling(sampling)
@@ -109,20 +124,10 @@ def _reject_sampling(sampling: dict) -> None:
 
 
 def draft_layer_ids(draft_path) -> list[int]:
-    """The target layers a DFlash draft reads (`dflash_config.target_layer_ids` in its config.json, or the
-    header of a llama.cpp `dflash` GGUF)."""
-    path = os.fspath(draft_path)
-    if path.endswith(".gguf"):
-        from .gguf_io import GGUFFile
-        from .models.dflash_draft import DFlashHParams
-        return list(DFlashHParams.from_gguf(GGUFFile(path)).target_layer_ids)
-    config_path = os.path.join(path, "config.json") if os.path.isdir(path) else path
-    with open(config_path, encoding="utf-8") as f:
-        config = json.load(f)
-    ids = (config.get("dflash_config") or {}).get("target_layer_ids", config.get("target_layer_ids"))
-    if not isinstance(ids, list) or not ids or not all(isinstance(i, int) for i in ids):
-        raise ValueError(f"{config_path}: no dflash_config.target_layer_ids list")
-    return ids
+    """The target layers a DFlash draft reads: its config's `target_layer_ids` (or z-lab's default spread when
+    absent), or the header of a llama.cpp `dflash` GGUF; the same lookup the draft's loader uses."""
+    from .models.dflash_draft import read_draft_hparams
+    return list(read_draft_hparams(draft_path).target_layer_ids)
 
 
 def _load_draft(draft_path, target, top_k: int = 8):
@@ -135,13 +140,17 @@ def _load_draft(draft_path, target, top_k: int = 8):
 
 
 def load(target, draft=None, *, device: str = "auto", kv_type: str = "f16", max_ctx: int | None = None,
-         mode: str | None = None, budget: int = 22, tokenizer: bool = True, progress: bool | None = None) -> Engine:
+         mode: str | None = None, budget: int = 22, tokenizer: bool = True, progress: bool | None = None,
+         prefix_cache: bool = True, prefix_snapshots: int = 4, prefix_bytes: int | None = 1 << 30) -> Engine:
     """Load a target GGUF (and a DFlash draft: its directory or config.json) and return an `Engine`.
 
     device: 'auto', 'cpu', 'cuda' or 'cuda:N'. kv_type: 'f16', 'q8_0', 'q4_0' or 'tq3_0' (mode 'ar' only for now). max_ctx: positions of the
     KV cache (None: 8192, capped by the model's training context). mode: 'ar', 'chain' or 'ddtree' (None:
     'ddtree' with a draft, 'ar' without). budget: tree nodes per step (ddtree) or chain length (chain).
-    tokenizer: load the GGUF's tokenizer (through llama-cpp-python, vocabulary only) for text in and out."""
+    tokenizer: load the GGUF's tokenizer (through llama-cpp-python, vocabulary only) for text in and out.
+    prefix_cache: resume a prompt that extends an earlier one (a chat's next turn) from the state saved at the
+    end of that prompt or of its generation, instead of prefilling it all; the saved recurrent states are kept on
+    the device, at most prefix_snapshots of them and prefix_bytes in all (least recently used dropped first)."""
     from .gguf_io import GGUFFile
     from .models import load_target
 
@@ -150,8 +159,9 @@ def load(target, draft=None, *, device: str = "auto", kv_type: str = "f16", max_
         raise ValueError(f"mode {mode!r}: expected one of {MODES}")
     if mode != "ar" and draft is None:
         raise ValueError(f"mode {mode!r} needs a draft")
+    target_file = GGUFFile(target)        # parsed once: the target class gets the parsed file
     if max_ctx is None:
-        n_train = int(GGUFFile(target).get(f"{GGUFFile(target).architecture}.context_length", 0) or 0)
+        n_train = int(target_file.get(f"{target_file.architecture}.context_length", 0) or 0)
         max_ctx = min(DEFAULT_MAX_CTX, n_train) if n_train > 0 else DEFAULT_MAX_CTX
     draft_object = draft is not None and hasattr(draft, "propose")   # an already built draft (tests, demo)
     if mode == "ar" or draft is None:
@@ -162,7 +172,7 @@ def load(target, draft=None, *, device: str = "auto", kv_type: str = "f16", max_
         capture = draft_layer_ids(draft)
     # a verify forward must fit in one micro-batch
     n_ubatch = max(512, budget + 1)
-    model = load_target(target, device, n_ctx=max_ctx, kv_type=kv_type, n_ubatch=n_ubatch, capture_layers=capture,
+    model = load_target(target_file, device, n_ctx=max_ctx, kv_type=kv_type, n_ubatch=n_ubatch, capture_layers=capture,
                         progress=progress)
     draft_model = None
     if mode != "ar":
@@ -171,5 +181,8 @@ def load(target, draft=None, *, device: str = "auto", kv_type: str = "f16", max_
     if tokenizer:
         from .tokenizer import Tokenizer
         tok = Tokenizer(target)
-    decoder = Decoder(model, draft_model, mode=mode, budget=budget, tokenizer=tok)
+    if prefix_snapshots < 0 or (prefix_bytes is not None and prefix_bytes < 0):
+        raise ValueError(f"prefix_snapshots ({prefix_snapshots}) and prefix_bytes ({prefix_bytes}) must be >= 0")
+    decoder = Decoder(model, draft_model, mode=mode, budget=budget, tokenizer=tok,
+                      prefix_snapshots=prefix_snapshots if prefix_cache else 0, prefix_bytes=prefix_bytes)
     return Engine(decoder, tok)

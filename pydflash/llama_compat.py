@@ -137,8 +137,9 @@ class Llama:
     # --- state ---
 
     def reset(self) -> None:
-        """Forget the evaluated tokens (every completion starts from its own prompt anyway)."""
-        self._live().target.reset()
+        """Forget the evaluated tokens: the next prompt is prefilled from scratch (without a reset, a prompt that
+        extends an earlier one resumes from it, as in llama-cpp-python; the output is the same either way)."""
+        self._live().reset()
 
     def close(self) -> None:
         """Release the model and its device memory; the object cannot generate afterwards."""
