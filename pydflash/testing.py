@@ -11,8 +11,8 @@ with the same vocabulary.
 `write_dflash_draft(dir, target_gguf, **config)` writes a random DFlash draft in z-lab format (config.json +
 bf16 model.safetensors) that fits a given target GGUF.
 
-Command line: `python -m pydflash.testing write-qwen35 OUT.gguf --preset tiny|27b [--type Q8_0] [--n-layer 8 ...]`
-and `python -m pydflash.testing write-dflash OUT_DIR --target T.gguf [--n-layer 5 ...]`.
+Command line: `python -m pydflash.testing write-qwen35 OUT.gguf --preset tiny|27b [--type Q8_0] [--n-layer 8 ...]`,
+`python -m pydflash.testing write-llama OUT.gguf --arch qwen2 [--type Q4_K_M] [--n-layer 28 ...]` and `python -m pydflash.testing write-dflash OUT_DIR --target T.gguf [--n-layer 5 ...]`.
 """
 from __future__ import annotations
 
@@ -734,6 +734,13 @@ def main(argv=None) -> int:
     wq.add_argument("--rope-sections", type=lambda s: tuple(int(x) for x in s.split(",")))
     wq.add_argument("--recurrent-layers", type=lambda s: tuple(c == "1" for c in s),
                     help="one 0/1 per layer, 1 = Gated DeltaNet (overrides --full-attention-interval)")
+    wl = sub.add_parser("write-llama", help="write a random-weight llama / qwen2 / qwen3 GGUF")
+    wl.add_argument("out")
+    wl.add_argument("--arch", choices=ATTENTION_ARCHS, default="llama")
+    wl.add_argument("--type", dest="weight_type", choices=ATTENTION_WEIGHT_TYPES)
+    for name in ("n_layer", "n_embd", "n_ff", "n_head", "n_head_kv", "head_dim", "n_vocab", "seed"):
+        wl.add_argument("--" + name.replace("_", "-"), dest=name, type=int)
+    wl.add_argument("--tie-embeddings", action="store_true", default=None)
     wd = sub.add_parser("write-dflash", help="write a random DFlash draft (z-lab format) fitting a target GGUF")
     wd.add_argument("out", help="output folder (config.json + model.safetensors)")
     wd.add_argument("--target", required=True, help="the target GGUF the draft must fit")
@@ -748,6 +755,10 @@ def main(argv=None) -> int:
         cfg = write_dflash_draft(out, target, **{k: v for k, v in args.items() if v is not None})
         print(f"wrote {out}: {cfg['num_hidden_layers']} layers, hidden {cfg['hidden_size']}, "
               f"target layers {cfg['dflash_config']['target_layer_ids']}")
+        return 0
+    if cmd == "write-llama":
+        cfg = write_llama_gguf(out, progress=True, **{k: v for k, v in args.items() if v is not None})
+        print(f"wrote {out}: {cfg.arch}, {cfg.n_layer} layers, n_embd {cfg.n_embd}, {cfg.weight_type}")
         return 0
     preset = args.pop("preset")
     overrides = {k: v for k, v in args.items() if v is not None}

@@ -159,6 +159,12 @@ phase bench_llama_pp 120 "$build/bin/llama-bench" -m "$data/q27.gguf" -p 1,2,4,8
     -ngl 99 -o md
 phase bench_tq3 150 python3 "$src/bench/ar_decode.py" "$data/q27.gguf" --device cuda --n-gen 128 --reps 3 \
     --kv tq3_0 --n-depth 512 --n-ctx 1024
+# the attention-only architectures: a Qwen2.5-Coder-1.5B-shaped qwen2 (random weights, Q4_K_M, tied head; the
+# real file cannot travel to this machine) against llama-bench, decode and a 512-token prefill
+phase model_qwen2 200 python3 -m pydflash.testing write-llama "$data/qwen2-1.5b.gguf" --arch qwen2 --type Q4_K_M \
+    --n-layer 28 --n-embd 1536 --n-ff 8960 --n-head 12 --n-head-kv 2 --n-vocab 151936 --tie-embeddings
+phase bench_ar_qwen2 200 python3 "$src/bench/ar_decode.py" "$data/qwen2-1.5b.gguf" --device cuda --n-gen 128 \
+    --reps 5 --n-prompt 512 --llama-bench "$build/bin/llama-bench"
 phase tests_rest 300 pytest_cuda "$src/tests" --ignore="$src/tests/test_engine.py" \
     --ignore="$src/tests/test_dflash_draft.py" --ignore="$src/tests/test_qwen35.py" \
     --ignore="$src/tests/test_target_tq3.py"
