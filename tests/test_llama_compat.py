@@ -93,6 +93,20 @@ def test_completion_of_token_ids(ours, reference):
                            reference.create_completion(ids, max_tokens=20, temperature=0.0))
 
 
+def test_prompt_extending_the_last_resumes_and_reset_forgets(ours, reference):
+    """A prompt that extends the previous one resumes from the engine's prefix cache; reset() drops it. The
+    completion is llama.cpp's either way."""
+    ids = reference.tokenize(b"The lazy dog sleeps", add_bos=False)
+    longer = ids + reference.tokenize(b" under the table", add_bos=False)
+    expected = reference.create_completion(longer, max_tokens=10, temperature=0.0)
+    ours.create_completion(ids, max_tokens=4)
+    assert_same_completion(ours.create_completion(longer, max_tokens=10), expected)
+    assert ours._engine.last_stats["reused_tokens"] == len(ids)
+    ours.reset()
+    assert_same_completion(ours.create_completion(longer, max_tokens=10), expected)
+    assert ours._engine.last_stats["reused_tokens"] == 0
+
+
 @pytest.mark.slow
 def test_speculative_completion_equals_llama_cpp(ours_ddtree, reference):
     """A DFlash draft + DDTree verify behind the same surface: the same greedy tokens as llama.cpp."""
