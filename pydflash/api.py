@@ -14,8 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from .engine import MODES, Decoder
-
-DEFAULT_MAX_CTX = 8192     # positions allocated when max_ctx is None (capped by the model's training context)
+from .plan import DRAFT_WINDOW, PREFIX_BYTES, PREFIX_SNAPSHOTS
 
 
 @dataclass
@@ -31,6 +30,7 @@ class Engine:
     def __init__(self, decoder: Decoder, tokenizer=None):
         self.decoder = decoder
         self.tokenizer = tokenizer
+        self.last_tokens: list[int] = []   # the new token ids of the current (or last) stream, growing as it runs
 
     @property
     def mode(self) -> str:
@@ -51,7 +51,8 @@ class Engine:
         """Like `generate`, but yields text pieces as tokens are committed (a piece may hold several tokens:
         a speculative step commits many at once). The stats are in `last_stats` afterwards, also when the
         consumer stops early (closes the generator)."""
-        tokens, shown = [], ""
+        tokens = self.last_tokens = []
+        shown = ""
         batches = self.stream_tokens(prompt, max_tokens, chat, **sampling)
         try:
             for batch in batches:
@@ -130,27 +131,41 @@ def draft_layer_ids(draft_path) -> list[int]:
     return list(read_draft_hparams(draft_path).target_layer_ids)
 
 
-def _load_draft(draft_path, target, top_k: int = 8):
+def _load_draft(draft_path, target, top_k: int = 8, window: int | None = None):
     try:
         from .models.dflash_draft import DFlashDraft
     except ImportError as e:
         raise RuntimeError("the DFlash draft model is not part of this build yet (pydflash.models.dflash_draft); "
                            "run with mode='ar'") from e
-    return DFlashDraft(draft_path, target, top_k=top_k)
+    return DFlashDraft(draft_path, target, top_k=top_k, window=window or DRAFT_WINDOW)
 
 
-def load(target, draft=None, *, device: str = "auto", kv_type: str = "f16", max_ctx: int | None = None,
+def load(target, draft=None, *, device: str = "auto", kv_type: str = "auto", max_ctx: int | str | None = "auto",
          mode: str | None = None, budget: int = 22, tokenizer: bool = True, progress: bool | None = None,
-         prefix_cache: bool = True, prefix_snapshots: int = 4, prefix_bytes: int | None = 1 << 30) -> Engine:
+         n_ubatch: int | str = "auto", vram=None, verbose: bool = False, draft_window: int = DRAFT_WINDOW,
+         prefix_cache: bool = True, prefix_snapshots: int = PREFIX_SNAPSHOTS,
+         prefix_bytes: int | None = PREFIX_BYTES) -> Engine:
     """Load a target GGUF (and a DFlash draft: its directory or config.json) and return an `Engine`.
 
-    device: 'auto', 'cpu', 'cuda' or 'cuda:N'. kv_type: 'f16', 'q8_0', 'q4_0' or 'tq3_0' (mode 'ar' only for now). max_ctx: positions of the
-    KV cache (None: 8192, capped by the model's training context). mode: 'ar', 'chain' or 'ddtree' (None:
-    'ddtree' with a draft, 'ar' without). budget: tree nodes per step (ddtree) or chain length (chain).
+    device: 'auto', 'cpu', 'cuda' or 'cuda:N'. max_ctx: positions of the KV cache; 'auto' (or None) fits the
+    longest context the device's free memory holds, capped by the model's training context. kv_type: 'f16',
+    'q8_0', 'q4_0', 'tq3_0', or 'auto': f16 while the context fits, then q8_0, q4_0, tq3_0 (pydflash.plan).
+    A request that cannot fit is refused with the memory plan's numbers. vram: the memory to plan for (bytes
+    or '24GiB'; default: the device's free memory). verbose: print the memory plan. mode: 'ar', 'chain' or
+    'ddtree' (None: 'ddtree' with a draft, 'ar' without). budget: tree nodes per step (ddtree) or chain length
+    (chain). n_ubatch: the longest prefill micro-batch (the target's prefill picks the size by prompt length);
+    'auto': 2048 when its buffers leave the fitted context and KV type unchanged, else 512.
+    draft_window: context positions the draft attends to (its ring of projected K/V; the target's captured
+    features are kept for one micro-batch only, so no per-position cost grows with max_ctx besides the KV cache).
     tokenizer: load the GGUF's tokenizer (through llama-cpp-python, vocabulary only) for text in and out.
     prefix_cache: resume a prompt that extends an earlier one (a chat's next turn) from the state saved at the
     end of that prompt or of its generation, instead of prefilling it all; the saved recurrent states are kept on
-    the device, at most prefix_snapshots of them and prefix_bytes in all (least recently used dropped first)."""
+    the device, at most prefix_snapshots of them and prefix_bytes in all (least recently used dropped first). The
+    memory plan counts them after the context: where they would shorten the fitted context or coarsen its KV
+    type, fewer are kept (none, if need be)."""
+    import sys
+
+    from . import ggml, plan
     from .gguf_io import GGUFFile
     from .models import load_target
 
@@ -159,10 +174,9 @@ def load(target, draft=None, *, device: str = "auto", kv_type: str = "f16", max_
         raise ValueError(f"mode {mode!r}: expected one of {MODES}")
     if mode != "ar" and draft is None:
         raise ValueError(f"mode {mode!r} needs a draft")
-    target_file = GGUFFile(target)        # parsed once: the target class gets the parsed file
-    if max_ctx is None:
-        n_train = int(target_file.get(f"{target_file.architecture}.context_length", 0) or 0)
-        max_ctx = min(DEFAULT_MAX_CTX, n_train) if n_train > 0 else DEFAULT_MAX_CTX
+    if prefix_snapshots < 0 or (prefix_bytes is not None and prefix_bytes < 0):
+        raise ValueError(f"prefix_snapshots ({prefix_snapshots}) and prefix_bytes ({prefix_bytes}) must be >= 0")
+    target_file = GGUFFile(target)        # parsed once: the plan and the target class get the parsed file
     draft_object = draft is not None and hasattr(draft, "propose")   # an already built draft (tests, demo)
     if mode == "ar" or draft is None:
         capture = ()
@@ -170,19 +184,26 @@ def load(target, draft=None, *, device: str = "auto", kv_type: str = "f16", max_
         capture = tuple(getattr(draft, "target_layer_ids", ()))
     else:
         capture = draft_layer_ids(draft)
-    # a verify forward must fit in one micro-batch
-    n_ubatch = max(512, budget + 1)
-    model = load_target(target_file, device, n_ctx=max_ctx, kv_type=kv_type, n_ubatch=n_ubatch, capture_layers=capture,
-                        progress=progress)
+    backend = ggml.Backend(device)
+    memory = plan.parse_size(vram) if vram is not None else backend.memory()[0]
+
+    fitted = plan.plan_for_load(target_file, None if (draft_object or mode == "ar") else draft, vram=memory,
+                                max_ctx="auto" if max_ctx is None else max_ctx, kv_type=kv_type, budget=budget,
+                                n_ubatch=n_ubatch, mode=mode, draft_window=draft_window,
+                                prefix_snapshots=prefix_snapshots if prefix_cache else 0, prefix_bytes=prefix_bytes)
+    n_ubatch = fitted.n_ubatch
+    if verbose:
+        print(fitted.table(), file=sys.stderr)
+    model = load_target(target_file, backend, n_ctx=fitted.n_ctx, kv_type=fitted.kv_type, n_ubatch=n_ubatch,
+                        capture_layers=capture, progress=progress)
+    model.memory_plan = fitted
     draft_model = None
     if mode != "ar":
-        draft_model = draft if draft_object else _load_draft(draft, model, top_k=min(budget, 8))
+        draft_model = draft if draft_object else _load_draft(draft, model, top_k=min(budget, 8), window=draft_window)
     tok = None
     if tokenizer:
         from .tokenizer import Tokenizer
         tok = Tokenizer(target)
-    if prefix_snapshots < 0 or (prefix_bytes is not None and prefix_bytes < 0):
-        raise ValueError(f"prefix_snapshots ({prefix_snapshots}) and prefix_bytes ({prefix_bytes}) must be >= 0")
     decoder = Decoder(model, draft_model, mode=mode, budget=budget, tokenizer=tok,
-                      prefix_snapshots=prefix_snapshots if prefix_cache else 0, prefix_bytes=prefix_bytes)
+                      prefix_snapshots=fitted.prefix_snapshots if prefix_cache else 0, prefix_bytes=prefix_bytes)
     return Engine(decoder, tok)

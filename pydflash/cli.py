@@ -1,6 +1,8 @@
 """Command line: `pydflash info` (build and device check), `pydflash run` (generate), `pydflash chat` (a terminal
-chat), `pydflash demo` (synthetic models, nothing to download), `pydflash bench`, `pydflash train-draft`.
-`add_model_options` holds the model flags with their llama.cpp aliases, for every command that loads a model."""
+chat), `pydflash plan` (the memory plan, no GPU needed), `pydflash demo` (synthetic models, nothing to download),
+`pydflash serve` (the OpenAI/Anthropic-compatible server, pydflash.server), `pydflash bench` and
+`pydflash train-draft`. `add_model_options` holds the model flags with their llama.cpp aliases, for every command
+that loads a model."""
 from __future__ import annotations
 
 import argparse
@@ -65,11 +67,11 @@ def add_model_options(parser: argparse.ArgumentParser, *, target_required: bool 
     parser.add_argument("--mode", choices=["ar", "chain", "ddtree"], help="default: ddtree with a draft, else ar")
     parser.add_argument("--budget", "--draft-max", dest="budget", type=int, default=22,
                         help="tree nodes (ddtree) or chain length (chain) per step (default 22)")
-    parser.add_argument("--kv", "-ctk", "--cache-type-k", dest="kv", default="f16",
-                        choices=["f16", "q8_0", "q4_0", "tq3_0"],
-                        help="KV cache type (default f16; tq3_0 with --mode ar only)")
-    parser.add_argument("--max-ctx", "-c", "--ctx-size", dest="max_ctx", type=int,
-                        help="KV cache positions (default 8192)")
+    parser.add_argument("--kv", "-ctk", "--cache-type-k", dest="kv", default="auto",
+                        choices=["auto", "f16", "q8_0", "q4_0", "tq3_0"],
+                        help="KV cache type (default auto: f16 while the context fits, then q8_0, q4_0, tq3_0)")
+    parser.add_argument("--max-ctx", "-c", "--ctx-size", dest="max_ctx", type=_ctx_arg, default="auto",
+                        help="KV cache positions, or auto (default): the most that fit, up to the training context")
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (default: auto)")
     parser.add_argument("-ngl", "--n-gpu-layers", "--gpu-layers", dest="n_gpu_layers", type=int,
                         help="accepted for llama.cpp compatibility: every layer runs on --device")
@@ -125,8 +127,13 @@ def cmd_run(args: argparse.Namespace) -> int:
     if not prompt:
         print("pydflash run: empty prompt (give --prompt, --file or pipe text on stdin)", file=sys.stderr)
         return 2
-    engine = load(args.target, args.draft, device=args.device, kv_type=args.kv, max_ctx=args.max_ctx,
-                  mode=args.mode, budget=args.budget, progress=True)
+    from .plan import PlanError
+    try:
+        engine = load(args.target, args.draft, device=args.device, kv_type=args.kv, max_ctx=_ctx_arg(args.max_ctx),
+                      mode=args.mode, budget=args.budget, progress=True, verbose=args.verbose)
+    except PlanError as e:
+        print(f"pydflash run: {e}", file=sys.stderr)
+        return 1
     try:
         source = _prompt_input(engine, args, prompt)
         pieces = engine.stream(source, max_tokens=args.n_gen, chat=args.chat and args.system is None,
@@ -139,6 +146,45 @@ def cmd_run(args: argparse.Namespace) -> int:
         return 2
     sys.stdout.write("\n")
     _print_stats(engine.last_stats)
+    return 0
+
+
+def _ctx_arg(text):
+    if isinstance(text, int):      # already parsed (add_model_options parses it)
+        return text
+    if text == "auto":
+        return "auto"
+    if not text.isdigit() or int(text) < 1:
+        raise SystemExit(f"pydflash: --max-ctx {text!r}: expected a positive number of positions or 'auto'")
+    return int(text)
+
+
+def _ubatch_arg(text: str):
+    if text == "auto":
+        return "auto"
+    if not text.isdigit() or int(text) < 1:
+        raise SystemExit(f"pydflash: --ubatch {text!r}: expected a positive number of tokens or 'auto'")
+    return int(text)
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    """Print the memory plan for a target (and draft) from their headers. With --vram no device is touched;
+    without it the free memory of --device is planned for."""
+    from . import plan
+
+    vram = args.vram
+    if vram is None:
+        from . import ggml
+        vram = ggml.Backend(args.device).memory()[0]
+    try:
+        result = plan.plan_for_load(args.target, args.draft, vram=vram, max_ctx=_ctx_arg(args.max_ctx),
+                                    kv_type=args.kv, budget=args.budget, mode=args.mode,
+                                    n_ubatch=_ubatch_arg(args.ubatch), state_type=args.state_type,
+                                    prefix_snapshots=args.prefix_snapshots)
+    except ValueError as e:          # PlanError, and unreadable files or sizes (GGUFError, DraftLoadError)
+        print(f"pydflash plan: {e}", file=sys.stderr)
+        return 1
+    print(result.table())
     return 0
 
 
@@ -203,8 +249,14 @@ def cmd_chat(args: argparse.Namespace) -> int:
         elif target is None:
             print("pydflash chat: give --target T.gguf (or --demo)", file=sys.stderr)
             return 2
-        engine = load(target, draft, device=args.device, kv_type=args.kv, max_ctx=args.max_ctx, mode=args.mode,
-                      budget=args.budget, progress=not args.demo, prefix_cache=not args.no_prefix_cache)
+        from .plan import PlanError
+        try:
+            engine = load(target, draft, device=args.device, kv_type=args.kv, max_ctx=_ctx_arg(args.max_ctx),
+                          mode=args.mode, budget=args.budget, progress=not args.demo,
+                          prefix_cache=not args.no_prefix_cache)
+        except PlanError as e:
+            print(f"pydflash chat: {e}", file=sys.stderr)
+            return 1
         return repl(ChatSession(engine, system=args.system, max_tokens=args.n_gen))
 
 
@@ -276,6 +328,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--n-gen", "-n", "--n-predict", dest="n_gen", type=int, default=256,
                      help="new tokens at most (default 256)")
     add_sampling_options(run)
+    run.add_argument("--verbose", action="store_true", help="print the memory plan on load")
     run.set_defaults(func=cmd_run)
 
     chat = sub.add_parser("chat", help="chat in the terminal (multi-turn, streamed, Ctrl+C stops a reply)")
@@ -287,6 +340,27 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--no-prefix-cache", action="store_true",
                       help="prefill every turn from scratch (no reuse of the previous turn's state)")
     chat.set_defaults(func=cmd_chat)
+
+    mem = sub.add_parser("plan", help="print the device-memory plan of a target (and draft); no GPU needed")
+    mem.add_argument("--target", required=True, help="target GGUF (only its header is read)")
+    mem.add_argument("--draft", help="DFlash draft directory or GGUF (only config and header are read)")
+    mem.add_argument("--max-ctx", default="auto", help="positions, or auto (default): the most that fit")
+    mem.add_argument("--kv", default="auto", choices=["auto", "f16", "q8_0", "q4_0", "tq3_0"],
+                     help="KV cache type (default auto)")
+    mem.add_argument("--vram", help="device memory to plan for, e.g. 24GiB or 24GB (default: the free memory "
+                                    "of --device)")
+    mem.add_argument("--device", default="auto", help="device whose free memory is used without --vram")
+    mem.add_argument("--mode", choices=["ar", "chain", "ddtree"], help="default: ddtree with a draft, else ar")
+    mem.add_argument("--budget", type=int, default=22, help="tree nodes (ddtree) or chain length (default 22)")
+    mem.add_argument("--ubatch", default="auto",
+                     help="longest prefill micro-batch, or auto (default, as load: 2048 where it costs no context, "
+                          "else 512)")
+    mem.add_argument("--state-type", default="f32", choices=["f32", "f16"],
+                     help="verify state store type (default f32)")
+    mem.add_argument("--prefix-snapshots", type=int, default=4,
+                     help="recurrent-state snapshots for prefix reuse (default 4, as load; fewer where they would "
+                          "cost context)")
+    mem.set_defaults(func=cmd_plan)
 
     demo = sub.add_parser("demo", help="synthetic target and draft: AR vs speculative, same tokens, speed")
     demo.add_argument("--n-gen", type=int, default=64)
@@ -334,6 +408,11 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--target-device", default="auto", help="pydflash device for the target")
     train.add_argument("--seed", type=int, default=0)
     train.set_defaults(func=cmd_train_draft)
+
+    from .server import cli as server_cli
+    serve = sub.add_parser("serve", help="OpenAI- and Anthropic-compatible HTTP server with a chat page at /")
+    server_cli.add_arguments(serve)
+    serve.set_defaults(func=server_cli.serve)
     return parser
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import os
 import sys
 from collections import Counter
 from dataclasses import dataclass, replace
@@ -291,8 +292,12 @@ def _write_tensor_data(writer, spec: _TensorSpec, type_name: str, seed: int, poo
     writer.write_padding(fout, info.nbytes)
 
 
-def write_qwen35_gguf(path, config: Qwen35Config | None = None, *, progress: bool = False, **overrides) -> Qwen35Config:
+def write_qwen35_gguf(path, config: Qwen35Config | None = None, *, progress: bool = False, data: bool = True,
+                      **overrides) -> Qwen35Config:
     """Write a random-weight qwen35 GGUF to `path`; sizes come from `config` (default: tiny) and `overrides`.
+
+    data=False writes the header and tensor table only and extends the file to its full size as a hole (a
+    sparse file): header readers (e.g. pydflash.plan) see a valid 27B-shaped file that takes no disk or time.
 
     Returns the configuration used. The vocabulary is the tiny byte-level BPE plus ChatML specials, padded to
     `n_vocab` with placeholder control tokens `<|extra_N|>` when that is larger.
@@ -338,7 +343,7 @@ def write_qwen35_gguf(path, config: Qwen35Config | None = None, *, progress: boo
     w.add_file_type({"F32": 0, "F16": 1, "Q8_0": 7, "Q4_K": 14, "Q4_K_M": 15}[cfg.weight_type])
 
     vocab.add_to(w, cfg.chat_template)
-    _write_tensors(w, _tensor_specs(cfg, n_vocab), cfg.weight_type, cfg.seed, progress)
+    _write_tensors(w, path, _tensor_specs(cfg, n_vocab), cfg.weight_type, cfg.seed, progress, data)
     return cfg
 
 
@@ -367,8 +372,10 @@ class _Vocab:
         w.add_chat_template(chat_template)
 
 
-def _write_tensors(w, specs: list[_TensorSpec], weight_type: str, seed: int, progress: bool) -> None:
-    """Write the tensor table and the data of `specs` (after the metadata), then close the writer."""
+def _write_tensors(w, path, specs: list[_TensorSpec], weight_type: str, seed: int, progress: bool,
+                   data: bool = True) -> None:
+    """Write the tensor table and the data of `specs` (after the metadata), then close the writer. data=False:
+    no data, the file extended to its full size as a hole (write_qwen35_gguf's header-only files)."""
     import gguf
     from .ggml import Type, row_size
 
@@ -380,6 +387,13 @@ def _write_tensors(w, specs: list[_TensorSpec], weight_type: str, seed: int, pro
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_ti_data_to_file()
+    if not data:
+        align = w.data_alignment
+        start = -(-w.fout[0].tell() // align) * align
+        sizes = [row_size(Type[t], s.ne[0]) * int(np.prod(s.ne[1:])) for s, t in zip(specs, types)]
+        w.close()
+        os.truncate(path, start + sum(-(-n // align) * align for n in sizes))
+        return
     pools: dict = {}
     for i, (spec, tname) in enumerate(zip(specs, types)):
         _write_tensor_data(w, spec, tname, seed, pools)
@@ -485,7 +499,7 @@ def write_llama_gguf(path, config: LlamaConfig | None = None, *, progress: bool 
     w.add_layer_norm_rms_eps(cfg.rms_eps)
     w.add_rope_freq_base(cfg.rope_base)
     vocab.add_to(w, cfg.chat_template)
-    _write_tensors(w, _llama_tensor_specs(cfg, vocab.n_vocab), cfg.weight_type, cfg.seed, progress)
+    _write_tensors(w, path, _llama_tensor_specs(cfg, vocab.n_vocab), cfg.weight_type, cfg.seed, progress)
     return cfg
 
 

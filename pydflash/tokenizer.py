@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import json
 import os
 
 _drop_log = None      # the ctypes callback that swallows llama.cpp's log lines (kept alive while installed)
@@ -78,13 +79,13 @@ class Tokenizer:
         """EOS, end-of-turn (<|im_end|>) or any other token the vocabulary marks as ending generation."""
         return bool(self._llama_cpp.llama_vocab_is_eog(self._vocab, int(token)))
 
-    def apply_chat_template(self, messages: list[dict], *, add_generation_prompt: bool = True, **context) -> str:
-        """Render `messages` with the GGUF's template; `context` (tools=..., ...) is handed to the template.
-        Like Hugging Face's renderer: loop controls, a `tojson` that keeps non-ASCII text, `strftime_now`."""
+    def apply_chat_template(self, messages: list[dict], *, add_generation_prompt: bool = True,
+                            **template_vars) -> str:
+        """Render `messages` through the GGUF's template; template_vars (tools, enable_thinking, ...) become
+        template variables. Like Hugging Face's renderer: loop controls, `tojson`, `strftime_now`."""
         if not self.chat_template:
             raise ValueError(f"{self.path}: the GGUF has no tokenizer.chat_template")
         import datetime
-        import json
 
         from jinja2.ext import loopcontrols
         from jinja2.sandbox import ImmutableSandboxedEnvironment
@@ -92,15 +93,18 @@ class Tokenizer:
         def raise_exception(message):
             raise ValueError(f"chat template: {message}")
 
-        def tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
-            return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
-                              sort_keys=sort_keys)
-
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
-        env.filters["tojson"] = tojson
+        env.filters["tojson"] = _tojson
         template = env.from_string(self.chat_template)
         bos = self._llm.token_bos()
         return template.render(messages=messages, add_generation_prompt=add_generation_prompt,
                                bos_token=self.token_text(bos) if bos >= 0 else "",
                                eos_token=self.token_text(self.eos_id), raise_exception=raise_exception,
-                               strftime_now=lambda fmt: datetime.datetime.now().strftime(fmt), **context)
+                               strftime_now=lambda fmt: datetime.datetime.now().strftime(fmt), **template_vars)
+
+
+def _tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False) -> str:
+    """`tojson` as the Hugging Face chat-template runtime defines it (what model templates are written for):
+    plain json.dumps, not Jinja's HTML-safe Markup, which would escape the text a template adds to it (Qwen3.5's
+    tool-call arguments are rendered as '<parameter=' + name + '>' + value|tojson)."""
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)

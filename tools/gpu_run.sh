@@ -14,7 +14,8 @@
 #     LLAMA_SRC the pinned llama.cpp tree for llama-bench (tools/build_llama_bench.sh says which parts)
 #     PYLIBS    folder holding llama_cpp (the oracle of the target tests)
 #     SECONDS   time this call may use (default 560)
-# Phases to skip: SKIP="bench_tq3 tests_rest". Logs: $STATE/logs; each call leaves $OUT/summary.md and
+# Phases to skip: SKIP="bench_tq3 tests_rest" (ONLY="lc_" runs just the phases whose name starts so, besides
+# wheels, build, models and llama_bench). Logs: $STATE/logs; each call leaves $OUT/summary.md and
 # $OUT/logs.tgz.
 set -uo pipefail
 src=$(pwd)
@@ -41,6 +42,7 @@ phase() {
     local name=$1 need=$2; shift 2
     [ -e "$state/$name.done" ] && return 0
     case " ${SKIP:-} " in *" $name "*) return 0 ;; esac
+    case "$name" in wheels|build|models|llama_bench) ;; *) [[ "$name" == "${ONLY:-}"* ]] || return 0 ;; esac
     if [ "$(left)" -lt "$need" ]; then
         echo "[$name] needs ~${need} s, $(left) s left: run again" | tee -a "$logs/summary.md"
         finish 0
@@ -172,5 +174,37 @@ phase profile 200 profile_decode 8
 phase profile64 400 profile_decode 64
 phase overhead 150 decode_overhead 8
 phase overhead64 200 decode_overhead 64
+# long context (issue 14): the memory plan, DDTree step and AR by depth per KV type beside llama-bench -d (a real
+# prefill of each depth, so its deep runs get phases of their own), prefill by prompt length, peak memory at 256K
+lc_plan() {
+    for vram in 24GiB 48GiB 80GiB; do
+        python3 -m pydflash.cli plan --target "$data/q27.gguf" --draft "$data/d27" --vram $vram || true
+        python3 -m pydflash.cli plan --target "$data/q27.gguf" --draft "$data/d27" --vram $vram --state-type f16 || true
+        python3 -m pydflash.cli plan --target "$data/q27.gguf" --vram $vram --mode ar || true
+    done
+}
+export -f lc_plan
+lc="$src/bench/long_context.py"
+llama_tg() { "$build/bin/llama-bench" -m "$data/q27.gguf" -p 0 -n 128 -r 1 -fa 1 -ngl 99 -o md "$@"; }
+export -f llama_tg
+phase lc_plan 60 lc_plan
+phase lc_depth_tq3_0 500 python3 "$lc" depth "$data/q27.gguf" --draft "$data/d27" --device cuda --kv tq3_0 \
+    --depths 2048,8192,32768,131072,262144
+phase lc_depth_f16 400 python3 "$lc" depth "$data/q27.gguf" --draft "$data/d27" --device cuda --kv f16 \
+    --depths 2048,8192,32768,131072
+phase lc_depth_q8_0 400 python3 "$lc" depth "$data/q27.gguf" --draft "$data/d27" --device cuda --kv q8_0 \
+    --depths 2048,8192,32768,131072
+phase lc_memory 300 python3 "$lc" memory "$data/q27.gguf" --draft "$data/d27" --device cuda --kv tq3_0 --ctx 262144
+phase lc_memory_f16 300 python3 "$lc" memory "$data/q27.gguf" --draft "$data/d27" --device cuda --kv tq3_0 \
+    --ctx 262144 --f16-states
+phase lc_memory_ar 300 python3 "$lc" memory "$data/q27.gguf" --device cuda --kv tq3_0 --ctx 262144
+phase lc_prefill 500 python3 "$lc" prefill "$data/q27.gguf" --device cuda --lengths 2048,8192,32768 \
+    --llama-bench "$build/bin/llama-bench"
+phase lc_llama_f16 300 llama_tg -d 2048,8192,32768 -ctk f16 -ctv f16
+phase lc_llama_q8_0 300 llama_tg -d 2048,8192,32768 -ctk q8_0 -ctv q8_0
+phase lc_llama_f16_128k 500 llama_tg -d 131072 -ctk f16 -ctv f16
+phase lc_llama_q8_0_128k 500 llama_tg -d 131072 -ctk q8_0 -ctv q8_0
+phase bench_server 400 python3 "$src/bench/server_overhead.py" "$data/q27.gguf" --draft "$data/d27" --device cuda \
+    --n-gen 256 --reps 3 --prompt-tokens 2000
 echo "all phases done" | tee -a "$logs/summary.md"
 finish 0
