@@ -188,8 +188,11 @@ def test_default_call_is_greedy_and_sampling_reaches_the_engine(ours, monkeypatc
     assert text_of(ours("The quick brown fox", max_tokens=8)) == greedy
     # values that change nothing are no sampling request
     assert text_of(ours("The quick brown fox", max_tokens=8, top_p=1.0, repeat_penalty=1.0, min_p=0.0)) == greedy
-    with pytest.raises(ValueError, match="greedy"):
-        ours("The quick brown fox", max_tokens=8, temperature=0.8)
+    # a sampled call reaches the engine's sampler: the same seed gives the same text, and an invalid value is refused
+    sampled = text_of(ours("The quick brown fox", max_tokens=8, temperature=0.8, seed=5))
+    assert text_of(ours("The quick brown fox", max_tokens=8, temperature=0.8, seed=5)) == sampled
+    with pytest.raises(ValueError, match="temperature"):
+        ours("The quick brown fox", max_tokens=8, temperature=-0.8)
     # temperature 0 is greedy in llama.cpp whatever the truncation settings say
     assert text_of(ours("The quick brown fox", max_tokens=8, temperature=0, top_p=0.5, top_k=3, seed=7)) == greedy
     seen = {}
