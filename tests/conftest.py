@@ -1,12 +1,17 @@
 """Shared fixtures: every op test runs on the CPU backend in CI and, with `-m cuda`, on CUDA."""
 from __future__ import annotations
 
+import os
 import zlib
 
 import numpy as np
 import pytest
 
 from pydflash import ggml
+
+# Subprocesses (`python -m pydflash.cli serve`, the examples) must import the installed package, as the tests do:
+# a plain `python -m` from the repository root would put the source checkout, which has no compiled ggml, first.
+os.environ["PYTHONSAFEPATH"] = "1"
 
 
 @pytest.fixture(scope="session", params=["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
