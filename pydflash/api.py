@@ -16,8 +16,12 @@ import os
 from dataclasses import dataclass, field
 
 from .engine import MODES, Decoder
+from .validate import choice_param, int_param, token_ids
 
 DEFAULT_MAX_CTX = 8192     # positions allocated when max_ctx is None (capped by the model's training context)
+MAX_CTX = 1 << 24          # far above any model's context; larger values only fail later, in the memory plan
+MAX_BUDGET = 1024          # tree nodes / chain length per step
+MAX_TOKENS = 1 << 24
 
 
 @dataclass
@@ -45,14 +49,14 @@ class Engine:
     def generate(self, prompt, max_tokens: int = 256, chat: bool = False, **sampling) -> Result:
         """Greedy generation after `prompt` (text, or a list of token ids) until max_tokens new tokens or an
         end-of-generation token. chat=True wraps a text prompt in the model's chat template as a user turn."""
-        ids = self._prompt_ids(prompt, chat, sampling)
+        ids = self._prompt_ids(prompt, max_tokens, chat, sampling)
         tokens, stats = self.decoder.generate_ids(ids, max_tokens)
         return Result(self._text(tokens), tokens, stats)
 
     def stream(self, prompt, max_tokens: int = 256, chat: bool = False, **sampling):
         """Like `generate`, but yields text pieces as tokens are committed (a piece may hold several tokens:
         a speculative step commits many at once). The stats are in `last_stats` afterwards."""
-        ids = self._prompt_ids(prompt, chat, sampling)
+        ids = self._prompt_ids(prompt, max_tokens, chat, sampling)
         tokens, shown = [], ""
         for batch in self.decoder.iter_generate(ids, max_tokens):
             tokens.extend(batch)
@@ -70,20 +74,24 @@ class Engine:
     def last_stats(self) -> dict:
         return self.decoder.last_stats
 
-    def _prompt_ids(self, prompt, chat: bool, sampling: dict) -> list[int]:
+    def _prompt_ids(self, prompt, max_tokens, chat: bool, sampling: dict) -> list[int]:
         _reject_sampling(sampling)
+        int_param("max_tokens", max_tokens, 1, MAX_TOKENS)
+        if not isinstance(chat, bool):
+            raise TypeError(f"chat = {chat!r}: expected True or False")
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("this engine has no tokenizer: pass the prompt as token ids")
+            if not prompt:
+                raise ValueError("the prompt is empty")
             if chat:
-                prompt = self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
-            return self.tokenizer.tokenize(prompt, add_special=not chat)
+                # the user's text is plain text: only the template's own markup may become control tokens, or a
+                # message holding "<|im_end|>" could forge a turn
+                return self.tokenizer.chat_ids([{"role": "user", "content": prompt}])
+            return self.tokenizer.tokenize(prompt, add_special=True)
         if chat:
             raise ValueError("chat=True needs a text prompt")
-        ids = [int(t) for t in prompt]
-        if not ids:
-            raise ValueError("the prompt is empty")
-        return ids
+        return token_ids("prompt", prompt, self.target.hp.n_vocab)
 
     def _text(self, tokens) -> str:
         if self.tokenizer is None:
@@ -97,7 +105,8 @@ def _reject_sampling(sampling: dict) -> None:
         return
     greedy = {"temperature": 0.0, "top_k": 1}
     for name, value in sampling.items():
-        if name in greedy and value is not None and float(value) == greedy[name]:
+        if name in greedy and (value is None or (isinstance(value, (int, float)) and not isinstance(value, bool)
+                                                 and value == greedy[name])):
             continue
         raise ValueError(f"{name}={value!r}: only greedy decoding is implemented (temperature 0); "
                          "sampling options are not supported yet")
@@ -138,16 +147,36 @@ def load(target, draft=None, *, device: str = "auto", kv_type: str = "f16", max_
     'ddtree' with a draft, 'ar' without). budget: tree nodes per step (ddtree) or chain length (chain).
     tokenizer: load the GGUF's tokenizer (through llama-cpp-python, vocabulary only) for text in and out."""
     from .gguf_io import GGUFFile
+    from .kv import kv_type_of
     from .models import load_target
 
-    mode = mode or ("ddtree" if draft is not None else "ar")
-    if mode not in MODES:
-        raise ValueError(f"mode {mode!r}: expected one of {MODES}")
+    # cheap checks first: a bad parameter must not cost a model load
+    if not isinstance(target, (str, os.PathLike)):
+        raise TypeError(f"target = {target!r}: expected the path of a GGUF file")
+    if draft is not None and not isinstance(draft, (str, os.PathLike, tuple, list)) and not hasattr(draft, "propose"):
+        raise TypeError(f"draft = {draft!r}: expected a DFlash draft folder, config.json or GGUF path")
+    if not isinstance(device, str):
+        raise TypeError(f"device = {device!r}: expected 'auto', 'cpu', 'cuda' or 'cuda:N'")
+    kv_type_of(kv_type)
+    if mode is None:
+        mode = "ddtree" if draft is not None else "ar"
+    choice_param("mode", mode, MODES)
     if mode != "ar" and draft is None:
         raise ValueError(f"mode {mode!r} needs a draft")
+    budget = int_param("budget", budget, 1, MAX_BUDGET)
+    if max_ctx is not None:
+        max_ctx = int_param("max_ctx", max_ctx, 1, MAX_CTX)
+    for name, flag in (("tokenizer", tokenizer), ("progress", progress)):
+        if flag is not None and not isinstance(flag, bool):
+            raise TypeError(f"{name} = {flag!r}: expected True or False")
+    gf = GGUFFile(target)
     if max_ctx is None:
-        n_train = int(GGUFFile(target).get(f"{GGUFFile(target).architecture}.context_length", 0) or 0)
+        n_train = gf.get(f"{gf.architecture}.context_length", 0)
+        n_train = n_train if isinstance(n_train, int) and not isinstance(n_train, bool) else 0
         max_ctx = min(DEFAULT_MAX_CTX, n_train) if n_train > 0 else DEFAULT_MAX_CTX
+    if tokenizer:
+        from .tokenizer import check_vocabulary
+        check_vocabulary(gf)      # before llama.cpp's vocabulary loader, which aborts on what this refuses
     draft_object = draft is not None and hasattr(draft, "propose")   # an already built draft (tests, demo)
     if mode == "ar" or draft is None:
         capture = ()

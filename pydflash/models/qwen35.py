@@ -18,12 +18,30 @@ import numpy as np
 from .. import ggml
 from ..gguf_io import GGUFError, GGUFFile, upload
 from ..kv import HybridCache
+from ..validate import check_memory, check_tensors, meta_float, meta_int, meta_ints
 
 ARCH = "qwen35"
 ROPE_TYPE_IMROPE = 40
 KV_BUCKET = 256            # the attended KV length is padded to this, so one graph serves 256 positions
 GRAPH_TENSORS_PER_LAYER = 64   # ~45 used (GDN or attention + FFN, views included), ~55 with rotated KV
 MAX_GRAPHS = 32            # built graphs kept for reuse (LRU): decode buckets plus recent prefill shapes
+# bounds on header sizes: far above any real model, low enough that nothing sized from them hangs or overflows
+MAX_LAYERS = 1024
+MAX_SIZE = 1 << 20
+MAX_STATE = 1024           # GDN head size (Qwen3.5: 128); the state is state_size^2 per head
+MAX_CONV = 64
+
+# the role of each tensor (name without `blk.N.`), which fixes the types it may have (pydflash/validate.py)
+TENSOR_ROLES = {
+    "token_embd.weight": "embedding", "output_norm.weight": "norm", "output.weight": "matrix",
+    "attn_norm.weight": "norm", "post_attention_norm.weight": "norm",
+    "attn_qkv.weight": "matrix", "attn_gate.weight": "matrix", "ssm_conv1d.weight": "ssm_conv",
+    "ssm_dt.bias": "vector", "ssm_a": "vector", "ssm_beta.weight": "matrix", "ssm_alpha.weight": "matrix",
+    "ssm_norm.weight": "norm", "ssm_out.weight": "matrix",
+    "attn_q.weight": "matrix", "attn_k.weight": "matrix", "attn_v.weight": "matrix",
+    "attn_output.weight": "matrix", "attn_q_norm.weight": "norm", "attn_k_norm.weight": "norm",
+    "ffn_gate.weight": "matrix", "ffn_up.weight": "matrix", "ffn_down.weight": "matrix",
+}
 
 
 @dataclass(frozen=True)
@@ -61,50 +79,51 @@ class Qwen35HParams:
 
     @classmethod
     def from_gguf(cls, gf: GGUFFile) -> "Qwen35HParams":
+        """Read and check the hyperparameters: every number typed, finite and in range before it sizes
+        anything (a damaged block_count or head_count must fail here, not hang or divide by zero later)."""
         gf.expect_architecture(ARCH)
-        k = lambda name: gf.require(f"{ARCH}.{name}")  # noqa: E731
-        n_layer, n_embd, n_head = int(k("block_count")), int(k("embedding_length")), int(k("attention.head_count"))
-        head_dim = int(gf.get(f"{ARCH}.attention.key_length", n_embd // n_head))
-        if int(gf.get(f"{ARCH}.attention.value_length", head_dim)) != head_dim:
-            raise GGUFError(f"{gf.path}: qwen35 needs key_length == value_length")
+        size = lambda name, hi=MAX_SIZE, **kw: meta_int(gf, f"{ARCH}.{name}", 1, hi, **kw)  # noqa: E731
+        n_layer, n_embd, n_head = size("block_count", MAX_LAYERS), size("embedding_length"), \
+            size("attention.head_count")
+        n_head_kv = size("attention.head_count_kv")
+        head_dim = size("attention.key_length", default=n_embd // n_head)
+        size("attention.value_length", default=head_dim)
+        if gf.get(f"{ARCH}.attention.value_length", head_dim) != head_dim:
+            raise GGUFError(f"{gf.path}: qwen35 needs attention.key_length == attention.value_length")
         recurrent = gf.get(f"{ARCH}.attention.recurrent_layers")
         if recurrent is not None:
+            recurrent = meta_ints(gf, f"{ARCH}.attention.recurrent_layers", 0, 1, max_len=MAX_LAYERS)
             if len(recurrent) < n_layer:
                 raise GGUFError(f"{gf.path}: attention.recurrent_layers has {len(recurrent)} entries, "
                                 f"expected {n_layer}")
             recurrent = tuple(bool(x) for x in recurrent[:n_layer])
         else:
-            interval = int(gf.get(f"{ARCH}.full_attention_interval", 4))
+            interval = size("full_attention_interval", MAX_LAYERS, default=4)
             recurrent = tuple((i + 1) % interval != 0 for i in range(n_layer))
-        sections = gf.require(f"{ARCH}.rope.dimension_sections")
-        sections = tuple(int(s) for s in (list(sections) + [0, 0, 0, 0])[:4])
+        n_rot = size("rope.dimension_count", default=head_dim)
+        sections = meta_ints(gf, f"{ARCH}.rope.dimension_sections", 0, MAX_SIZE, max_len=4)
+        sections = tuple((sections + [0, 0, 0, 0])[:4])
         emb = gf.tensors.get("token_embd.weight")
         if emb is None:
             raise GGUFError(f"{gf.path}: missing tensor 'token_embd.weight'")
-        n_v_heads = int(k("ssm.time_step_rank"))
+        if len(emb.ne) != 2:
+            raise GGUFError(f"{gf.path}: tensor 'token_embd.weight' has shape {emb.ne}, expected 2 dimensions")
+        n_v_heads = size("ssm.time_step_rank")
+        ssm_inner = size("ssm.inner_size")
         hp = cls(
-            n_layer=n_layer, n_embd=n_embd, n_ff=int(k("feed_forward_length")), n_vocab=int(emb.ne[1]),
-            n_head=n_head, n_head_kv=int(k("attention.head_count_kv")), head_dim=head_dim,
-            n_rot=int(gf.get(f"{ARCH}.rope.dimension_count", head_dim)), rope_sections=sections,
-            rope_base=float(gf.get(f"{ARCH}.rope.freq_base", 10000.0)),
-            rms_eps=float(k("attention.layer_norm_rms_epsilon")),
-            ssm_d_conv=int(k("ssm.conv_kernel")), ssm_d_k=int(k("ssm.state_size")),
-            ssm_n_k_heads=int(k("ssm.group_count")), ssm_n_v_heads=n_v_heads,
-            ssm_d_v=int(k("ssm.inner_size")) // max(n_v_heads, 1), recurrent=recurrent,
-            n_ctx_train=int(gf.get(f"{ARCH}.context_length", 0)))
-        hp._validate(gf.path, int(k("ssm.inner_size")))
+            n_layer=n_layer, n_embd=n_embd, n_ff=size("feed_forward_length"), n_vocab=int(emb.ne[1]),
+            n_head=n_head, n_head_kv=n_head_kv, head_dim=head_dim, n_rot=n_rot, rope_sections=sections,
+            rope_base=meta_float(gf, f"{ARCH}.rope.freq_base", 0.0, math.inf, default=10000.0),
+            rms_eps=meta_float(gf, f"{ARCH}.attention.layer_norm_rms_epsilon", 0.0, 1.0),
+            ssm_d_conv=size("ssm.conv_kernel", MAX_CONV), ssm_d_k=size("ssm.state_size", MAX_STATE),
+            ssm_n_k_heads=size("ssm.group_count"), ssm_n_v_heads=n_v_heads,
+            ssm_d_v=ssm_inner // n_v_heads, recurrent=recurrent,
+            n_ctx_train=meta_int(gf, f"{ARCH}.context_length", 0, 1 << 40, default=0))
+        hp._validate(gf.path, ssm_inner)
         return hp
 
     def _validate(self, path: str, ssm_inner: int) -> None:
-        """Header numbers are untrusted: reject the ones the graph cannot be built from."""
-        sizes = {"block_count": self.n_layer, "embedding_length": self.n_embd, "feed_forward_length": self.n_ff,
-                 "attention.head_count": self.n_head, "attention.head_count_kv": self.n_head_kv,
-                 "attention.key_length": self.head_dim, "ssm.conv_kernel": self.ssm_d_conv,
-                 "ssm.state_size": self.ssm_d_k, "ssm.group_count": self.ssm_n_k_heads,
-                 "ssm.time_step_rank": self.ssm_n_v_heads}
-        for key, value in sizes.items():
-            if not 1 <= value <= 1 << 20:
-                raise GGUFError(f"{path}: {ARCH}.{key} = {value} is out of range")
+        """The numbers must also agree with each other: reject combinations the graph cannot be built from."""
         problems = []
         if self.n_head % self.n_head_kv:
             problems.append(f"head_count {self.n_head} is not a multiple of head_count_kv {self.n_head_kv}")
@@ -114,6 +133,9 @@ class Qwen35HParams:
             problems.append("ssm.time_step_rank is not a multiple of ssm.group_count")
         if not 0 < self.n_rot <= self.head_dim or self.n_rot % 2:
             problems.append(f"rope.dimension_count {self.n_rot} does not fit head size {self.head_dim}")
+        if 2 * sum(self.rope_sections) != self.n_rot:
+            problems.append(f"rope.dimension_sections {list(self.rope_sections)} do not sum to "
+                            f"rope.dimension_count / 2 = {self.n_rot // 2}")
         if problems:
             raise GGUFError(f"{path}: " + "; ".join(problems))
 
@@ -149,9 +171,11 @@ class Qwen35Weights:
 
     def __init__(self, gf: GGUFFile, hp: Qwen35HParams, backend: ggml.Backend, progress: bool | None = None):
         shapes = hp.tensor_shapes()
+        tied = {}
         if "output.weight" not in gf.tensors:   # tied embeddings: the LM head is the embedding matrix
             shapes.pop("output.weight")
-        infos = [gf.check_tensor(name, ne) for name, ne in shapes.items()]
+            tied = {"token_embd.weight": ("matrix",)}
+        infos = check_tensors(gf, shapes, TENSOR_ROLES, backend=backend, tied=tied)
         self._ctx = ggml.Context(n_tensors=len(infos))
         self.t = {info.name: self._ctx.new_tensor(info.type, info.ne, name=info.name[:63]) for info in infos}
         self.buffer = backend.alloc_tensors(self._ctx)
@@ -209,10 +233,15 @@ class Qwen35Target:
         for il in self.capture_layers:
             if not 0 <= il < hp.n_layer:
                 raise ValueError(f"capture layer {il} outside 0..{hp.n_layer - 1}")
-        self.weights = Qwen35Weights(self.gguf, hp, self.backend, progress)
         # cells rounded up to the bucket, so every attended window is a multiple of 256 (what the GPU flash
         # attention kernels want); positions past n_ctx are never written
-        self.cache = HybridCache(self.backend, hp, -(-n_ctx // KV_BUCKET) * KV_BUCKET, kv_type)
+        n_cells = -(-n_ctx // KV_BUCKET) * KV_BUCKET
+        check_memory(self.backend, {"weights": sum(t.nbytes for t in self.gguf.tensors.values()),
+                                    "KV cache and state": HybridCache.plan_bytes(hp, n_cells, kv_type),
+                                    "compute (estimate)": 4 * n_ubatch * (hp.n_vocab + 8 * max(hp.n_ff, hp.conv_dim))},
+                     f"{self.gguf.path} with n_ctx {n_ctx}")
+        self.weights = Qwen35Weights(self.gguf, hp, self.backend, progress)
+        self.cache = HybridCache(self.backend, hp, n_cells, kv_type)
         self._capture_ctx = ggml.Context(n_tensors=1)
         self.captured = None
         if self.capture_layers:
