@@ -11,7 +11,6 @@ Decoding is greedy; speculative modes return exactly the tokens plain decoding w
 """
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass, field
 
@@ -115,17 +114,25 @@ def _reject_sampling(sampling: dict) -> None:
 def draft_layer_ids(draft_path) -> list[int]:
     """The target layers a DFlash draft reads (`dflash_config.target_layer_ids` in its config.json, or the
     header of a llama.cpp `dflash` GGUF)."""
+    if isinstance(draft_path, (tuple, list)):      # (config.json, model.safetensors)
+        draft_path = draft_path[0]
     path = os.fspath(draft_path)
     if path.endswith(".gguf"):
-        from .gguf_io import GGUFFile
-        from .models.dflash_draft import DFlashHParams
-        return list(DFlashHParams.from_gguf(GGUFFile(path)).target_layer_ids)
+        from .gguf_io import GGUFError, GGUFFile
+        from .models.dflash_draft import DFlashHParams, DraftLoadError
+        try:
+            return list(DFlashHParams.from_gguf(GGUFFile(path)).target_layer_ids)
+        except GGUFError as e:
+            raise DraftLoadError(str(e)) from None
+    from .models.dflash_draft import DraftLoadError, read_config
     config_path = os.path.join(path, "config.json") if os.path.isdir(path) else path
-    with open(config_path, encoding="utf-8") as f:
-        config = json.load(f)
-    ids = (config.get("dflash_config") or {}).get("target_layer_ids", config.get("target_layer_ids"))
-    if not isinstance(ids, list) or not ids or not all(isinstance(i, int) for i in ids):
-        raise ValueError(f"{config_path}: no dflash_config.target_layer_ids list")
+    config = read_config(config_path)
+    dcfg = config.get("dflash_config") or {}
+    if not isinstance(dcfg, dict):
+        raise DraftLoadError(f"{config_path}: dflash_config is not an object")
+    ids = dcfg.get("target_layer_ids", config.get("target_layer_ids"))
+    if not isinstance(ids, list) or not ids or not all(type(i) is int and i >= 0 for i in ids):
+        raise DraftLoadError(f"{config_path}: no dflash_config.target_layer_ids list of layer numbers")
     return ids
 
 

@@ -3,6 +3,7 @@ models, nothing to download)."""
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 
@@ -54,14 +55,39 @@ def _print_stats(stats: dict) -> None:
     print(line, file=sys.stderr)
 
 
+class UsageError(ValueError):
+    """A command-line argument is wrong (exit status 2, like argparse's own errors)."""
+
+
+def _check_run_args(args: argparse.Namespace) -> None:
+    """The cheap checks, before any model is loaded: numbers in range, files present, the device known."""
+    from .api import MAX_BUDGET, MAX_CTX, MAX_TOKENS
+    from .ggml.core import _find_device
+
+    for flag, value, hi in (("--n-gen", args.n_gen, MAX_TOKENS), ("--budget", args.budget, MAX_BUDGET),
+                            ("--max-ctx", args.max_ctx, MAX_CTX)):
+        if value is not None and not 1 <= value <= hi:
+            raise UsageError(f"{flag} {value}: expected 1..{hi}")
+    if not os.path.isfile(args.target):
+        raise UsageError(f"--target {args.target}: no such file")
+    if args.draft is not None and not os.path.exists(args.draft):
+        raise UsageError(f"--draft {args.draft}: no such folder or file")
+    if args.mode in ("chain", "ddtree") and args.draft is None:
+        raise UsageError(f"--mode {args.mode} needs --draft")
+    try:
+        _find_device(args.device)
+    except ValueError as e:
+        raise UsageError(f"--device: {e}") from None
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     """Generate from a prompt (--prompt, or stdin) and stream the text; stats go to stderr."""
     from .api import load
 
+    _check_run_args(args)
     prompt = args.prompt if args.prompt is not None else sys.stdin.read()
     if not prompt:
-        print("pydflash run: empty prompt (give --prompt or pipe text on stdin)", file=sys.stderr)
-        return 2
+        raise UsageError("empty prompt (give --prompt or pipe text on stdin)")
     engine = load(args.target, args.draft, device=args.device, kv_type=args.kv, max_ctx=args.max_ctx,
                   mode=args.mode, budget=args.budget, progress=True)
     for piece in engine.stream(prompt, max_tokens=args.n_gen, chat=args.chat):
@@ -117,6 +143,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="pydflash", description=__doc__)
+    parser.add_argument("--debug", action="store_true", help="show the full traceback of an error")
     sub = parser.add_subparsers(dest="command", required=True)
     info = sub.add_parser("info", help="show the build and devices, and run a self-check graph")
     info.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (default: auto)")
@@ -143,7 +170,25 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--device", default="cpu", help="cpu (default), cuda or auto")
     demo.set_defaults(func=cmd_demo)
     args = parser.parse_args(argv)
-    return args.func(args)
+    if args.command == "demo":
+        _check_positive(parser, "--n-gen", args.n_gen)
+        _check_positive(parser, "--budget", args.budget)
+    try:
+        return args.func(args)
+    except KeyboardInterrupt:
+        print(f"pydflash {args.command}: interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:   # every error is the user's to read: one line, no traceback unless --debug
+        if args.debug:
+            raise
+        message = " ".join(str(e).split()) or type(e).__name__
+        print(f"pydflash {args.command}: error: {message}", file=sys.stderr)
+        return 2 if isinstance(e, UsageError) else 1
+
+
+def _check_positive(parser, flag: str, value: int) -> None:
+    if value < 1:
+        parser.error(f"{flag} {value}: expected a positive number")
 
 
 if __name__ == "__main__":

@@ -28,7 +28,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from .. import ggml
-from ..gguf_io import GGUFFile
+from ..gguf_io import GGUFError, GGUFFile, regular_file_size
+from ..validate import check_float
 
 KV_BUCKET = 256             # attended rows are padded to this (what the GPU flash attention kernels want)
 GRAPH_TENSORS_PER_LAYER = 48
@@ -38,6 +39,12 @@ DEFAULT_WINDOW = 2048
 
 class DraftLoadError(ValueError):
     """A draft checkpoint is missing, damaged, unsupported, or does not fit its target."""
+
+
+# config.json fields that must be JSON integers (a float such as 4.5 would be truncated silently)
+_INT_FIELDS = ("num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads",
+               "num_key_value_heads", "head_dim", "vocab_size", "sliding_window", "num_target_layers", "block_size",
+               "mask_token_id")
 
 
 # --- hyperparameters ---------------------------------------------------------------------------------------------
@@ -69,6 +76,24 @@ class DFlashHParams:
     @classmethod
     def from_config(cls, cfg: dict, path: str) -> "DFlashHParams":
         """From a z-lab `config.json` (already parsed); unsupported variants are refused, not ignored."""
+        try:
+            return cls._from_config(cfg, path)
+        except (TypeError, ValueError, AttributeError, KeyError, OverflowError) as e:
+            if isinstance(e, DraftLoadError):
+                raise
+            # a field of the wrong JSON type (a string where a number belongs, a list for an object)
+            raise DraftLoadError(f"{path}: a field has the wrong type or value ({type(e).__name__}: {e})") from None
+
+    @classmethod
+    def _from_config(cls, cfg: dict, path: str) -> "DFlashHParams":
+        for key, value in cfg.items():
+            if isinstance(value, float) and not math.isfinite(value):
+                raise DraftLoadError(f"{path}: {key} = {value}: expected a finite number")
+            if isinstance(value, bool) and key in _INT_FIELDS:
+                raise DraftLoadError(f"{path}: {key} = {value}: expected an integer")
+        for key in _INT_FIELDS:
+            if key in cfg and cfg[key] is not None and not isinstance(cfg[key], int):
+                raise DraftLoadError(f"{path}: {key} = {cfg[key]!r}: expected an integer")
         dcfg = cfg.get("dflash_config") or {}
         if not isinstance(dcfg, dict):
             raise DraftLoadError(f"{path}: dflash_config is not an object")
@@ -143,6 +168,19 @@ class DFlashHParams:
     @classmethod
     def from_gguf(cls, gf: GGUFFile) -> "DFlashHParams":
         """From llama.cpp's `dflash` GGUF (keys as in its src/models/dflash.cpp and conversion/qwen.py)."""
+        try:
+            return cls._from_gguf(gf)
+        except (TypeError, ValueError, OverflowError) as e:
+            if isinstance(e, DraftLoadError):
+                raise
+            raise DraftLoadError(f"{gf.path}: a metadata value has the wrong type ({type(e).__name__}: {e})") \
+                from None
+
+    @classmethod
+    def _from_gguf(cls, gf: GGUFFile) -> "DFlashHParams":
+        for key, value in gf.metadata.items():
+            if key.startswith("dflash.") and isinstance(value, float) and not math.isfinite(value):
+                raise DraftLoadError(f"{gf.path}: {key} = {value}: expected a finite number")
         gf.expect_architecture("dflash")
         k = lambda name, default=None: gf.get(f"dflash.{name}", default)  # noqa: E731
 
@@ -216,8 +254,25 @@ class DFlashHParams:
             raise DraftLoadError(f"{path}: head_dim {self.head_dim} is odd (RoPE rotates pairs)")
         if not self.target_layer_ids:
             raise DraftLoadError(f"{path}: target_layer_ids is empty")
-        if not (self.rope_theta > 0 and self.rms_eps > 0):
-            raise DraftLoadError(f"{path}: rope_theta and rms_norm_eps must be positive")
+        numbers = {"rope_theta": (self.rope_theta, 0.0, math.inf), "rms_norm_eps": (self.rms_eps, 0.0, 1.0),
+                   "input_embedding_scale": (self.embedding_scale, 0.0, math.inf),
+                   "output_multiplier": (self.logit_scale, 0.0, math.inf)}
+        for key, (value, lo, hi) in numbers.items():
+            check_float(f"{path}: {key}", value, lo, hi, DraftLoadError)
+        if not (math.isfinite(self.logit_softcap) and self.logit_softcap >= 0):
+            raise DraftLoadError(f"{path}: final_logit_softcapping = {self.logit_softcap}: expected a finite "
+                                 f"number >= 0 (0: off)")
+        if self.n_layer > 1024 or len(self.target_layer_ids) > 1024:
+            raise DraftLoadError(f"{path}: {self.n_layer} layers / {len(self.target_layer_ids)} target layers: "
+                                 f"at most 1024 expected")
+        if any(i < 0 for i in self.target_layer_ids):
+            raise DraftLoadError(f"{path}: target_layer_ids {list(self.target_layer_ids)} has a negative layer")
+        if any(not 0 <= w <= 1 << 24 for w in self.window):
+            raise DraftLoadError(f"{path}: sliding_window {max(self.window, key=abs)} is out of range: "
+                                 f"expected 1..{1 << 24}")
+        if self.mask_token_id < 0 or self.vocab_size < 0:
+            raise DraftLoadError(f"{path}: mask_token_id {self.mask_token_id} and vocab_size {self.vocab_size} "
+                                 f"must not be negative")
 
     def tensor_shapes(self) -> dict[str, tuple]:
         """Every draft tensor by z-lab name -> ne (ggml order: ne[0] = input features)."""
@@ -251,6 +306,41 @@ def _gguf_names(n_layer: int) -> dict[str, str]:
     return names
 
 
+MAX_CONFIG_BYTES = 16 << 20
+
+
+def read_config(path) -> dict:
+    """A draft's config.json as a dict: a regular file of bounded size (a FIFO would block open(), /dev/zero
+    never ends), valid UTF-8 JSON, an object without duplicate keys."""
+    path = os.fspath(path)
+    try:
+        size = regular_file_size(path)
+        if size > MAX_CONFIG_BYTES:
+            raise DraftLoadError(f"{path}: {size} bytes; a config.json has at most {MAX_CONFIG_BYTES}")
+        with open(path, "rb") as f:
+            raw = f.read(MAX_CONFIG_BYTES + 1)
+    except OSError as e:
+        raise DraftLoadError(f"{path}: cannot read ({e.strerror or e})") from None
+    try:
+        cfg = json.loads(raw.decode("utf-8"), object_pairs_hook=_unique_keys)
+    except UnicodeDecodeError as e:
+        raise DraftLoadError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+    except (json.JSONDecodeError, RecursionError, ValueError) as e:
+        raise DraftLoadError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(cfg, dict):
+        raise DraftLoadError(f"{path}: not a JSON object")
+    return cfg
+
+
+def _unique_keys(pairs) -> dict:
+    out = {}
+    for key, value in pairs:
+        if key in out:
+            raise ValueError(f"duplicate key {key!r}")
+        out[key] = value
+    return out
+
+
 # --- safetensors ------------------------------------------------------------------------------------------------
 
 _ST_TYPES = {"BF16": (ggml.Type.BF16, 2), "F16": (ggml.Type.F16, 2), "F32": (ggml.Type.F32, 4)}
@@ -270,18 +360,18 @@ def read_safetensors_header(path) -> tuple[dict[str, _STTensor], np.ndarray]:
     """The tensor table of a .safetensors file (bounds checked against the file) and a memory map of it."""
     path = os.fspath(path)
     try:
-        size = os.path.getsize(path)
+        size = regular_file_size(path)
         mm = np.memmap(path, dtype=np.uint8, mode="r") if size else np.zeros(0, np.uint8)
     except OSError as e:
-        raise DraftLoadError(f"{path}: cannot open ({e.strerror})") from None
+        raise DraftLoadError(f"{path}: cannot open ({e.strerror or e})") from None
     if size < 8:
         raise DraftLoadError(f"{path}: not a safetensors file (shorter than its header length)")
     n_header = int(np.frombuffer(bytes(mm[:8]), "<u8")[0])
     if n_header > min(size - 8, _ST_MAX_HEADER):
         raise DraftLoadError(f"{path}: damaged safetensors header (length {n_header}, file size {size})")
     try:
-        header = json.loads(bytes(mm[8: 8 + n_header]))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        header = json.loads(bytes(mm[8: 8 + n_header]).decode("utf-8"), object_pairs_hook=_unique_keys)
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError, ValueError) as e:
         raise DraftLoadError(f"{path}: damaged safetensors header ({e})") from None
     if not isinstance(header, dict):
         raise DraftLoadError(f"{path}: damaged safetensors header (not an object)")
@@ -291,10 +381,12 @@ def read_safetensors_header(path) -> tuple[dict[str, _STTensor], np.ndarray]:
         if name == "__metadata__":
             continue
         try:
-            dtype, shape, (begin, end) = entry["dtype"], [int(n) for n in entry["shape"]], entry["data_offsets"]
-            begin, end = int(begin), int(end)
+            dtype, shape, (begin, end) = entry["dtype"], list(entry["shape"]), entry["data_offsets"]
+            if not all(type(n) is int for n in (*shape, begin, end)) or not isinstance(dtype, str):
+                raise TypeError
         except (KeyError, TypeError, ValueError):
-            raise DraftLoadError(f"{path}: tensor {name!r}: damaged header entry") from None
+            raise DraftLoadError(f"{path}: tensor {name!r}: damaged header entry (expected dtype, an integer "
+                                 f"shape and data_offsets)") from None
         if dtype not in _ST_TYPES:
             raise DraftLoadError(f"{path}: tensor {name!r} has dtype {dtype}; expected BF16 (or F16/F32)")
         type_, itemsize = _ST_TYPES[dtype]
@@ -305,6 +397,11 @@ def read_safetensors_header(path) -> tuple[dict[str, _STTensor], np.ndarray]:
             raise DraftLoadError(f"{path}: tensor {name!r}: data [{begin}, {end}) does not match its shape "
                                  f"{shape} {dtype} or lies outside the file ({size} bytes)")
         tensors[name] = _STTensor(name, type_, tuple(shape[::-1]), data_start + begin, nbytes)
+    # two tensors must not share bytes (safetensors files hold each tensor once, in disjoint ranges)
+    spans = sorted((t.offset, t.offset + t.nbytes, t.name) for t in tensors.values())
+    for (_, end_a, a), (begin_b, _, b) in zip(spans, spans[1:]):
+        if begin_b < end_a:
+            raise DraftLoadError(f"{path}: tensors {a!r} and {b!r} overlap in the file")
     return tensors, mm
 
 
@@ -324,6 +421,10 @@ class DFlashWeights:
     def __init__(self, hp: DFlashHParams, backend: ggml.Backend, sources: dict, read, path: str):
         """sources: z-lab name -> (type, ne, nbytes); read(name) -> the raw bytes (uint8 array)."""
         shapes = hp.tensor_shapes()
+        extra = sorted(set(sources) - set(shapes))
+        if extra:
+            raise DraftLoadError(f"{path}: {len(extra)} tensors the draft does not use ({', '.join(extra[:5])}); "
+                                 f"is num_hidden_layers ({hp.n_layer}) right?")
         for name, ne in shapes.items():
             if name not in sources:
                 raise DraftLoadError(f"{path}: missing tensor {name!r}")
@@ -391,22 +492,18 @@ def load_draft_weights(path, backend: ggml.Backend, check=None):
     check(hp, weights_path), if given, runs before anything is uploaded (e.g. the fit to a target)."""
     check = check or (lambda hp, p: None)
     if not isinstance(path, (tuple, list)) and os.fspath(path).endswith(".gguf"):
-        gf = GGUFFile(path)
+        try:
+            gf = GGUFFile(path)
+        except GGUFError as e:
+            raise DraftLoadError(str(e)) from None
         hp = DFlashHParams.from_gguf(gf)
         check(hp, gf.path)
         names = _gguf_names(hp.n_layer)
-        by_zlab = {z: gf.tensors[g] for g, z in names.items() if g in gf.tensors}
+        by_zlab = {names.get(g, g): info for g, info in gf.tensors.items()}
         sources = {z: (info.type, info.ne, info.nbytes) for z, info in by_zlab.items()}
         return hp, DFlashWeights(hp, backend, sources, lambda n: gf.data(by_zlab[n]), gf.path), gf.path
     config_path, weights_path = _resolve_zlab(path)
-    try:
-        with open(config_path, encoding="utf-8") as f:
-            cfg = json.load(f)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise DraftLoadError(f"{config_path}: not valid JSON ({e})") from None
-    if not isinstance(cfg, dict):
-        raise DraftLoadError(f"{config_path}: not a JSON object")
-    hp = DFlashHParams.from_config(cfg, config_path)
+    hp = DFlashHParams.from_config(read_config(config_path), config_path)
     check(hp, weights_path)
     tensors, mm = read_safetensors_header(weights_path)
     # some exports prefix the names with "model."
