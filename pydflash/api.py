@@ -173,9 +173,11 @@ def load(target, draft=None, *, device: str = "auto", kv_type: str = "f16", max_
     budget = int_param("budget", budget, 1, MAX_BUDGET)
     if max_ctx is not None:
         max_ctx = int_param("max_ctx", max_ctx, 1, MAX_CTX)
-    for name, flag in (("tokenizer", tokenizer), ("progress", progress)):
-        if flag is not None and not isinstance(flag, bool):
-            raise TypeError(f"{name} = {flag!r}: expected True or False")
+    if not isinstance(tokenizer, bool) or (progress is not None and not isinstance(progress, bool)):
+        raise TypeError(f"tokenizer = {tokenizer!r}, progress = {progress!r}: expected True or False "
+                        f"(progress: or None)")
+    from .ggml.core import _find_device
+    _find_device(device)
     gf = GGUFFile(target)
     if max_ctx is None:
         n_train = gf.get(f"{gf.architecture}.context_length", 0)

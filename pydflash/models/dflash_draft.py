@@ -45,6 +45,8 @@ class DraftLoadError(ValueError):
 _INT_FIELDS = ("num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads",
                "num_key_value_heads", "head_dim", "vocab_size", "sliding_window", "num_target_layers", "block_size",
                "mask_token_id")
+_FLOAT_FIELDS = ("rms_norm_eps", "rope_theta", "input_embedding_scale", "output_multiplier",
+                 "final_logit_softcapping", "partial_rotary_factor")
 
 
 # --- hyperparameters ---------------------------------------------------------------------------------------------
@@ -91,9 +93,18 @@ class DFlashHParams:
                 raise DraftLoadError(f"{path}: {key} = {value}: expected a finite number")
             if isinstance(value, bool) and key in _INT_FIELDS:
                 raise DraftLoadError(f"{path}: {key} = {value}: expected an integer")
-        for key in _INT_FIELDS:
-            if key in cfg and cfg[key] is not None and not isinstance(cfg[key], int):
-                raise DraftLoadError(f"{path}: {key} = {cfg[key]!r}: expected an integer")
+        for holder, prefix in ((cfg, ""), (cfg.get("dflash_config"), "dflash_config."),
+                               (cfg.get("rope_parameters"), "rope_parameters.")):
+            if not isinstance(holder, dict):
+                continue
+            for key in _INT_FIELDS:
+                value = holder.get(key)
+                if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+                    raise DraftLoadError(f"{path}: {prefix}{key} = {value!r}: expected an integer")
+            for key in _FLOAT_FIELDS:
+                value = holder.get(key)
+                if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+                    raise DraftLoadError(f"{path}: {prefix}{key} = {value!r}: expected a number")
         dcfg = cfg.get("dflash_config") or {}
         if not isinstance(dcfg, dict):
             raise DraftLoadError(f"{path}: dflash_config is not an object")
@@ -188,6 +199,18 @@ class DFlashHParams:
             value = k(name)
             if value is None:
                 raise DraftLoadError(f"{gf.path}: missing metadata key 'dflash.{name}'")
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                return value
+            if isinstance(value, list) and all(type(v) is int for v in value):
+                return value
+            raise DraftLoadError(f"{gf.path}: dflash.{name} = {value!r:.60}: expected a number")
+
+        def need_int(name, default=None):
+            if default is not None and k(name) is None:
+                return default
+            value = need(name)
+            if not isinstance(value, int):
+                raise DraftLoadError(f"{gf.path}: dflash.{name} = {value!r}: expected an integer")
             return value
 
         for key in ("dflash.selector_rank", "dflash.hyper_connection.count", "dflash.attention.value_scale"):
@@ -202,9 +225,9 @@ class DFlashHParams:
         sections = k("rope.dimension_sections")
         if sections is not None and any(int(s) for s in list(sections)[1:]):
             raise DraftLoadError(f"{gf.path}: multi-axis rope sections {list(sections)} are not supported")
-        n_layer, n_embd, n_head = int(need("block_count")), int(need("embedding_length")), \
-            int(need("attention.head_count"))
-        head_dim = int(k("attention.key_length", n_embd // max(n_head, 1)))
+        n_layer, n_embd, n_head = need_int("block_count"), need_int("embedding_length"), \
+            need_int("attention.head_count")
+        head_dim = need_int("attention.key_length", n_embd // max(n_head, 1))
         scale = float(k("attention.scale", 0.0) or 0.0)
         if scale and abs(scale - head_dim ** -0.5) > 1e-6 * head_dim ** -0.5:
             raise DraftLoadError(f"{gf.path}: attention.scale {scale} other than 1/sqrt(head_dim) is not supported")
@@ -225,10 +248,10 @@ class DFlashHParams:
             sliding = [False] * n_layer
         causal_key = k("attention.causal")
         causal = tuple(s if causal_key is None else bool(causal_key) for s in sliding)
-        hp = cls(n_layer=n_layer, n_embd=n_embd, n_ff=int(need("feed_forward_length")), n_head=n_head,
-                 n_head_kv=int(need("attention.head_count_kv")), head_dim=head_dim,
+        hp = cls(n_layer=n_layer, n_embd=n_embd, n_ff=need_int("feed_forward_length"), n_head=n_head,
+                 n_head_kv=need_int("attention.head_count_kv"), head_dim=head_dim,
                  rms_eps=float(need("attention.layer_norm_rms_epsilon")),
-                 rope_theta=float(need("rope.freq_base")), block_size=int(k("block_size", 16)),
+                 rope_theta=float(need("rope.freq_base")), block_size=need_int("block_size", 16),
                  mask_token_id=int(mask), target_layer_ids=layers, causal=causal,
                  window=tuple(n_swa if s else 0 for s in sliding),
                  embedding_scale=float(k("embedding_scale", 0.0) or 1.0),
@@ -245,6 +268,8 @@ class DFlashHParams:
         for key, value in sizes.items():
             if not 1 <= value <= 1 << 20:
                 raise DraftLoadError(f"{path}: {key} = {value} is out of range")
+        if self.block_size > 1024:
+            raise DraftLoadError(f"{path}: block_size {self.block_size} is out of range: expected 2..1024")
         if self.block_size < 2:
             raise DraftLoadError(f"{path}: block_size {self.block_size} leaves nothing to draft")
         if self.n_head % self.n_head_kv:
