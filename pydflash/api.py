@@ -195,7 +195,7 @@ def load(target, draft=None, *, device: str = "auto", kv_type: str = "f16", max_
         capture = draft_layer_ids(draft)
     # a verify forward must fit in one micro-batch
     n_ubatch = max(512, budget + 1)
-    model = load_target(target, device, n_ctx=max_ctx, kv_type=kv_type, n_ubatch=n_ubatch, capture_layers=capture,
+    model = load_target(gf, device, n_ctx=max_ctx, kv_type=kv_type, n_ubatch=n_ubatch, capture_layers=capture,
                         progress=progress)
     draft_model = None
     if mode != "ar":

@@ -134,8 +134,10 @@ def render_template(source: str, max_chars: int, what: str, **variables) -> str:
                 if size > max_chars:
                     raise ChatTemplateError(f"{what}: output exceeds {max_chars} characters")
                 pieces.append(piece)
-        except ChatTemplateError:
-            raise
+        except ChatTemplateError as e:
+            if str(e).startswith(what):
+                raise
+            raise ChatTemplateError(f"{what}: {e}") from None
         except (jinja2.TemplateError, ArithmeticError, LookupError, TypeError, ValueError, AttributeError,
                 MemoryError, RecursionError) as e:
             raise ChatTemplateError(f"{what}: {type(e).__name__}: {e}") from None

@@ -10,9 +10,11 @@ def _targets() -> dict:
 
 
 def load_target(path, backend="auto", **options):
-    """Load the target model of a GGUF with the class for its architecture (options go to that class)."""
-    arch = GGUFFile(path).architecture
+    """Load the target model of a GGUF (a path, or an already parsed GGUFFile: a 248K-token header takes a
+    second to parse) with the class for its architecture (options go to that class)."""
+    gf = path if isinstance(path, GGUFFile) else GGUFFile(path)
+    arch = gf.architecture
     targets = _targets()
     if arch not in targets:
-        raise GGUFError(f"{path}: architecture {arch!r} is not supported (supported: {sorted(targets)})")
-    return targets[arch](path, backend, **options)
+        raise GGUFError(f"{gf.path}: architecture {arch!r} is not supported (supported: {sorted(targets)})")
+    return targets[arch](gf, backend, **options)

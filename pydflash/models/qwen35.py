@@ -224,7 +224,7 @@ class Qwen35Target:
     def __init__(self, path, backend: ggml.Backend | str = "cpu", *, n_ctx: int = 4096, kv_type="f16",
                  n_ubatch: int = 512, capture_layers=(), progress: bool | None = None):
         self.backend = backend if isinstance(backend, ggml.Backend) else ggml.Backend(backend)
-        self.gguf = GGUFFile(path)
+        self.gguf = path if isinstance(path, GGUFFile) else GGUFFile(path)
         self.hp = hp = Qwen35HParams.from_gguf(self.gguf)
         if n_ctx < 1 or n_ubatch < 1:
             raise ValueError("n_ctx and n_ubatch must be positive")
