@@ -266,10 +266,10 @@ class _LlamaLog:
         return False
 
     def errors(self) -> str:
-        """The error lines (level 3, with their continuations), joined on one line."""
+        """The error lines (GGML_LOG_LEVEL_ERROR = 4, with their continuations), joined on one line."""
         out, keep = [], False
         for level, text in self.lines:
-            keep = level == 3 or (level == 5 and keep)
+            keep = level == 4 or (level == 5 and keep)
             if keep:
                 out.append(text.strip())
         return " ".join(t for t in out if t)
