@@ -151,6 +151,9 @@ phase bench_llama_pp 120 "$build/bin/llama-bench" -m "$data/q27.gguf" -p 1,2,4,8
     -ngl 99 -o md
 phase bench_tq3 150 python3 "$src/bench/ar_decode.py" "$data/q27.gguf" --device cuda --n-gen 128 --reps 3 \
     --kv tq3_0 --n-depth 512 --n-ctx 1024
+# what the load-time validation (issue 18) costs next to a complete load of the 27B-shaped file on the GPU
+phase bench_load_validation 150 python3 "$src/bench/load_validation.py" "$data/q27.gguf" --device cuda --full \
+    --repeat 3
 phase tests_rest 300 pytest_cuda "$src/tests" --ignore="$src/tests/test_engine.py" \
     --ignore="$src/tests/test_dflash_draft.py" --ignore="$src/tests/test_qwen35.py" \
     --ignore="$src/tests/test_target_tq3.py"
