@@ -166,7 +166,14 @@ def _target_case(spec: GGUFSpec, expect: str, what: str, **extra) -> dict:
 def _case_target(rng, base) -> dict:
     spec = base["target"].copy()
     names = [t[0] for t in spec.tensors]
-    choice = rng.randrange(11)
+    choice = rng.randrange(12)
+    if choice == 11:
+        t = rng.choice([t for t in spec.tensors if len(t[1]) == 1])
+        values = bytearray(t[3])
+        at = 4 * rng.randrange(len(values) // 4)
+        values[at: at + 4] = struct.pack("<f", rng.choice([float("nan"), float("inf"), float("-inf")]))
+        t[3] = bytes(values)
+        return _target_case(spec, "refuse", f"non-finite value in {t[0]}")
     if choice == 0:
         key = f"qwen35.{rng.choice(TARGET_INT_KEYS)}"
         vtype, value = rng.choice(BAD_INTS)

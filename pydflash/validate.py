@@ -104,6 +104,21 @@ def _backend_computes(backend, role: str, type_, ne0: int) -> bool:
         ctx.close()
 
 
+def check_finite(gf, infos, *, error=None) -> None:
+    """The small f32 tensors (norm weights, ssm_a, dt bias: a few MB on a 27B model) hold finite values: a NaN
+    there makes every logit NaN and the argmax token 0 forever. Matrices are not read (that would cost a pass
+    over the weights)."""
+    import numpy as np
+    error = error or _gguf_error()
+    for info in infos:
+        if info.type == ggml.Type.F32:
+            values = np.frombuffer(gf.data(info), dtype="<f4")
+            if not np.isfinite(values).all():
+                bad = int(np.flatnonzero(~np.isfinite(values))[0])
+                raise error(f"{gf.path}: tensor {info.name!r} holds {values[bad]} at index {bad}: expected "
+                            f"finite values")
+
+
 def _gguf_error():
     from .gguf_io import GGUFError
     return GGUFError

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import time
 
+import numpy as np
 import pytest
 
 import pydflash
@@ -76,6 +77,16 @@ def test_tensor_types_outside_their_role_are_refused(tiny, tmp_path, name, type_
         t[2], t[3] = int(type_), bytes(n)
     with pytest.raises(GGUFError, match=rf"tensor '{name}' is {type_.name}, which a {role} cannot be"):
         Qwen35Target(mutated(tiny, tmp_path, edit), "cpu", n_ctx=256)
+
+
+def test_nan_in_a_norm_weight_is_refused(tiny, tmp_path):
+    def edit(spec):
+        t = next(t for t in spec.tensors if t[0] == "blk.1.ssm_norm.weight")
+        values = np.frombuffer(t[3], "<f4").copy()
+        values[3] = np.nan
+        t[3] = values.tobytes()
+    with pytest.raises(GGUFError, match=r"tensor 'blk.1.ssm_norm.weight' holds nan at index 3"):
+        Qwen35Target(mutated(tiny, tmp_path, edit), "cpu")
 
 
 def test_mixed_quantisations_on_matrices_are_accepted(tmp_path):

@@ -18,7 +18,8 @@ import numpy as np
 from .. import ggml
 from ..gguf_io import GGUFError, GGUFFile, upload
 from ..kv import HybridCache
-from ..validate import check_memory, check_tensors, meta_float, meta_int, meta_ints
+from ..validate import (check_finite, check_memory, check_tensors, meta_float, meta_int, meta_ints, role_of,
+                        tensor_bytes)
 
 ARCH = "qwen35"
 ROPE_TYPE_IMROPE = 40
@@ -176,6 +177,7 @@ class Qwen35Weights:
             shapes.pop("output.weight")
             tied = {"token_embd.weight": ("matrix",)}
         infos = check_tensors(gf, shapes, TENSOR_ROLES, backend=backend, tied=tied)
+        check_finite(gf, [i for i in infos if role_of(i.name, TENSOR_ROLES) in ("norm", "vector")])
         self._ctx = ggml.Context(n_tensors=len(infos))
         self.t = {info.name: self._ctx.new_tensor(info.type, info.ne, name=info.name[:63]) for info in infos}
         self.buffer = backend.alloc_tensors(self._ctx)
@@ -357,6 +359,8 @@ class Qwen35Target:
         self._verify_ctx = ggml.Context(n_tensors=2 * n_rec + 1)
         S, H = hp.ssm_d_v, hp.ssm_n_v_heads
         store_type = ggml.Type.F16 if state_type == "f16" else ggml.Type.F32
+        check_memory(self.backend, {"verify state store": n_rec * n_slots * (
+            tensor_bytes(store_type, (S * S, H)) + 4 * hp.conv_dim)}, f"{self.gguf.path} with {n_slots} verify slots")
         self.slot_states = {il: self._verify_ctx.new_tensor(store_type, (S * S, H, n_slots, 1),
                                                             name=f"verify.l{il}.states")
                             for il in range(hp.n_layer) if hp.recurrent[il]}
