@@ -73,17 +73,19 @@ def main(argv=None) -> int:
     from pydflash.gguf_io import GGUFFile
     from pydflash.models.qwen35 import TENSOR_ROLES, Qwen35HParams
     from pydflash.tokenizer import check_vocabulary
-    from pydflash.validate import check_tensors
+    from pydflash.validate import check_finite, check_tensors, role_of
 
     backend = ggml.Backend(args.device)
     gf = GGUFFile(args.model)
     hp = Qwen35HParams.from_gguf(gf)
+    small = [i for i in gf.tensors.values() if role_of(i.name, TENSOR_ROLES) in ("norm", "vector")]
     rows = {
         "GGUF header parse (GGUFFile)": best(lambda: GGUFFile(args.model), args.repeat),
         "hyperparameter checks": best(lambda: Qwen35HParams.from_gguf(gf), args.repeat),
         "tensor table: shapes, roles, backend probes": best(
             lambda: check_tensors(gf, hp.tensor_shapes(), TENSOR_ROLES, backend=backend), args.repeat),
         "tokenizer metadata checks": best(lambda: check_vocabulary(gf), args.repeat),
+        "small f32 tensors finite (norms, ssm_a, dt bias)": best(lambda: check_finite(gf, small), args.repeat),
     }
     checks = sum(v for k, v in rows.items() if "parse" not in k)
     print(f"| {os.path.basename(args.model)}: {len(gf.tensors)} tensors, {hp.n_vocab} tokens | seconds |")

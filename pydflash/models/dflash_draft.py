@@ -182,7 +182,7 @@ class DFlashHParams:
         try:
             return cls._from_gguf(gf)
         except (TypeError, ValueError, OverflowError) as e:
-            if isinstance(e, DraftLoadError):
+            if isinstance(e, (DraftLoadError, GGUFError)):   # already a refusal naming the file
                 raise
             raise DraftLoadError(f"{gf.path}: a metadata value has the wrong type ({type(e).__name__}: {e})") \
                 from None
