@@ -98,8 +98,8 @@ def main(argv=None) -> int:
         engine = pydflash.load(args.model, mode="ar", device=args.device, max_ctx=4096, progress=False)
         full = time.perf_counter() - t
         del engine
-        print(f"| complete pydflash.load ({args.device}, weights {sum(i.nbytes for i in gf.tensors.values()) / 2**30:.1f}"
-              f" GiB) | {full:.3f} |")
+        weights = sum(i.nbytes for i in gf.tensors.values()) / 2**30
+        print(f"| complete pydflash.load ({args.device}, weights {weights:.1f} GiB) | {full:.3f} |")
         print(f"| validation checks / complete load | {100 * checks / full:.2f} % |")
     return 0
 

@@ -173,8 +173,8 @@ class GGUFFile:
             infos.append((name, ne, type_id, offset))
         alignment = self.metadata.get("general.alignment", 32)
         if "general.alignment" in self.metadata and self.value_types["general.alignment"] != 4:
-            raise GGUFError(f"{self.path}: general.alignment is a {_TYPE_NAMES.get(self.value_types['general.alignment'])}"
-                            f", expected a uint32")
+            found = _TYPE_NAMES.get(self.value_types["general.alignment"])
+            raise GGUFError(f"{self.path}: general.alignment is a {found}, expected a uint32")
         if alignment <= 0 or alignment & (alignment - 1):
             raise GGUFError(f"{self.path}: general.alignment {alignment} is not a power of two")
         data_start = -(-cur.pos // alignment) * alignment

@@ -158,7 +158,8 @@ def _environment():
             def call_binop(self, context, operator, left, right):
                 if operator == "*":
                     for seq, n in ((left, right), (right, left)):
-                        if isinstance(seq, (str, list, tuple)) and isinstance(n, int) and len(seq) * n > MAX_INT_ARGUMENT:
+                        if isinstance(seq, (str, list, tuple)) and isinstance(n, int) \
+                                and len(seq) * n > MAX_INT_ARGUMENT:
                             raise ChatTemplateError(f"a sequence repeated to {len(seq) * n} items")
                 if operator == "**" and isinstance(right, (int, float)) and abs(right) > 64:
                     raise ChatTemplateError(f"exponent {right} is too large")
