@@ -203,6 +203,6 @@ def load(target, draft=None, *, device: str = "auto", kv_type: str = "f16", max_
     tok = None
     if tokenizer:
         from .tokenizer import Tokenizer
-        tok = Tokenizer(target)
+        tok = Tokenizer(target, gf)
     decoder = Decoder(model, draft_model, mode=mode, budget=budget, tokenizer=tok)
     return Engine(decoder, tok)

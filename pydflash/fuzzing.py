@@ -375,6 +375,7 @@ def _case_config(rng, base) -> dict:
         field = rng.choice(CONFIG_FIELDS)
         # fields with a default take None/0 as "use the default"; any finite rope_theta > 0 is valid
         allowed = {"vocab_size": (0, None), "block_size": (None,), "head_dim": (0, None),
+                   ("dflash_config", "mask_token_id"): (0,),
                    ("dflash_config", "target_layer_ids"): (None,), ("rope_parameters", "rope_theta"): (2**70, 1.5)}
         value = rng.choice([v for v in BAD_JSON if not any(v is a or (type(v) is type(a) and v == a)
                                                            for a in allowed.get(field, ()))])

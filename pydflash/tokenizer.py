@@ -37,7 +37,8 @@ def check_vocabulary(gf) -> None:
 
 
 class Tokenizer:
-    def __init__(self, path):
+    def __init__(self, path, gguf=None):
+        """path: the GGUF; gguf: its already parsed GGUFFile, if at hand (the chat template is read from it)."""
         import llama_cpp
         from llama_cpp._internals import LlamaModel
 
@@ -54,7 +55,12 @@ class Tokenizer:
         self._vocab = self._model.vocab
         self.n_vocab = int(llama_cpp.llama_vocab_n_tokens(self._vocab))
         self.eos_id = int(llama_cpp.llama_vocab_eos(self._vocab))
-        self.chat_template = self._model.metadata().get("tokenizer.chat_template")
+        if gguf is None:
+            from .gguf_io import GGUFFile
+            gguf = GGUFFile(self.path)
+        # from our own reader: llama-cpp-python's metadata() fails on a value that is not valid UTF-8
+        template = gguf.get("tokenizer.chat_template")
+        self.chat_template = template if isinstance(template, str) else None
 
     def tokenize(self, text: str, *, add_special: bool = False, parse_special: bool = True) -> list[int]:
         """Text to token ids. parse_special: special tokens written in the text (e.g. <|im_end|>) become their

@@ -35,6 +35,7 @@ KV_BUCKET = 256             # attended rows are padded to this (what the GPU fla
 GRAPH_TENSORS_PER_LAYER = 48
 MAX_GRAPHS = 32
 DEFAULT_WINDOW = 2048
+MAX_LAYERS = 1024          # bound on layer counts read from a file, checked before anything is sized by them
 
 
 class DraftLoadError(ValueError):
@@ -138,6 +139,8 @@ class DFlashHParams:
 
         n_layer, n_embd, n_head = int(need("num_hidden_layers")), int(need("hidden_size")), \
             int(need("num_attention_heads"))
+        if not 1 <= n_layer <= MAX_LAYERS:    # before per-layer lists are built from it
+            raise DraftLoadError(f"{path}: num_hidden_layers = {n_layer} is out of range: expected 1..{MAX_LAYERS}")
         head_dim = int(cfg.get("head_dim") or n_embd // max(n_head, 1))
         layer_ids = draft_value("target_layer_ids")
         if layer_ids is None:    # z-lab's default spread over the target's depth
@@ -205,12 +208,14 @@ class DFlashHParams:
                 return value
             raise DraftLoadError(f"{gf.path}: dflash.{name} = {value!r:.60}: expected a number")
 
-        def need_int(name, default=None):
+        def need_int(name, default=None, hi=1 << 20):
             if default is not None and k(name) is None:
                 return default
             value = need(name)
             if not isinstance(value, int):
                 raise DraftLoadError(f"{gf.path}: dflash.{name} = {value!r}: expected an integer")
+            if not 1 <= value <= hi:     # before anything is sized by it (a per-layer table, a pattern list)
+                raise DraftLoadError(f"{gf.path}: dflash.{name} = {value} is out of range: expected 1..{hi}")
             return value
 
         for key in ("dflash.selector_rank", "dflash.hyper_connection.count", "dflash.attention.value_scale"):
@@ -225,7 +230,7 @@ class DFlashHParams:
         sections = k("rope.dimension_sections")
         if sections is not None and any(int(s) for s in list(sections)[1:]):
             raise DraftLoadError(f"{gf.path}: multi-axis rope sections {list(sections)} are not supported")
-        n_layer, n_embd, n_head = need_int("block_count"), need_int("embedding_length"), \
+        n_layer, n_embd, n_head = need_int("block_count", hi=MAX_LAYERS), need_int("embedding_length"), \
             need_int("attention.head_count")
         head_dim = need_int("attention.key_length", n_embd // max(n_head, 1))
         scale = float(k("attention.scale", 0.0) or 0.0)
@@ -287,9 +292,9 @@ class DFlashHParams:
         if not (math.isfinite(self.logit_softcap) and self.logit_softcap >= 0):
             raise DraftLoadError(f"{path}: final_logit_softcapping = {self.logit_softcap}: expected a finite "
                                  f"number >= 0 (0: off)")
-        if self.n_layer > 1024 or len(self.target_layer_ids) > 1024:
+        if self.n_layer > MAX_LAYERS or len(self.target_layer_ids) > MAX_LAYERS:
             raise DraftLoadError(f"{path}: {self.n_layer} layers / {len(self.target_layer_ids)} target layers: "
-                                 f"at most 1024 expected")
+                                 f"at most {MAX_LAYERS} expected")
         if any(i < 0 for i in self.target_layer_ids):
             raise DraftLoadError(f"{path}: target_layer_ids {list(self.target_layer_ids)} has a negative layer")
         if any(not 0 <= w <= 1 << 24 for w in self.window):
