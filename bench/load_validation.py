@@ -71,21 +71,23 @@ def main(argv=None) -> int:
     import pydflash
     from pydflash import ggml
     from pydflash.gguf_io import GGUFFile
-    from pydflash.models.qwen35 import TENSOR_ROLES, Qwen35HParams
+    from pydflash.models import target_classes
     from pydflash.tokenizer import check_vocabulary
-    from pydflash.validate import check_finite, check_tensors, role_of
+    from pydflash.validate import SMALL_F32_ROLES, check_finite, check_tensors
 
     backend = ggml.Backend(args.device)
     gf = GGUFFile(args.model)
-    hp = Qwen35HParams.from_gguf(gf)
-    small = [i for i in gf.tensors.values() if role_of(i.name, TENSOR_ROLES) in ("norm", "vector")]
+    HParams = target_classes()[gf.architecture].HParams      # noqa: N806 (a class)
+    hp = HParams.from_gguf(gf)
+    specs = hp.tensors()
+    small = [gf.tensors[n] for n, s in specs.items() if s.role in SMALL_F32_ROLES and n in gf.tensors]
     rows = {
         "GGUF header parse (GGUFFile)": best(lambda: GGUFFile(args.model), args.repeat),
-        "hyperparameter checks": best(lambda: Qwen35HParams.from_gguf(gf), args.repeat),
+        "hyperparameter checks": best(lambda: HParams.from_gguf(gf), args.repeat),
         "tensor table: shapes, roles, backend probes": best(
-            lambda: check_tensors(gf, hp.tensor_shapes(), TENSOR_ROLES, backend=backend), args.repeat),
+            lambda: check_tensors(gf, hp.tensors(), backend=backend), args.repeat),
         "tokenizer metadata checks": best(lambda: check_vocabulary(gf), args.repeat),
-        "small f32 tensors finite (norms, ssm_a, dt bias)": best(lambda: check_finite(gf, small), args.repeat),
+        "small f32 tensors finite (norms, biases, ssm_a)": best(lambda: check_finite(gf, small), args.repeat),
     }
     checks = sum(v for k, v in rows.items() if "parse" not in k)
     print(f"| {os.path.basename(args.model)}: {len(gf.tensors)} tensors, {hp.n_vocab} tokens | seconds |")

@@ -21,6 +21,7 @@ DEFAULT_MAX_CTX = 8192     # positions allocated when max_ctx is None (capped by
 MAX_CTX = 1 << 24          # far above any model's context; larger values only fail later, in the memory plan
 MAX_BUDGET = 1024          # tree nodes / chain length per step
 MAX_TOKENS = 1 << 24
+MAX_SNAPSHOTS = 1 << 16    # saved prefix states (each one also bounded by prefix_bytes)
 
 
 @dataclass
@@ -48,23 +49,30 @@ class Engine:
     def generate(self, prompt, max_tokens: int = 256, chat: bool = False, **sampling) -> Result:
         """Greedy generation after `prompt` (text, or a list of token ids) until max_tokens new tokens or an
         end-of-generation token. chat=True wraps a text prompt in the model's chat template as a user turn."""
-        ids = self._prompt_ids(prompt, max_tokens, chat, sampling)
+        int_param("max_tokens", max_tokens, 1, MAX_TOKENS)
+        ids = self._prompt_ids(prompt, chat, sampling)
         tokens, stats = self.decoder.generate_ids(ids, max_tokens)
         return Result(self._text(tokens), tokens, stats)
 
     def stream(self, prompt, max_tokens: int = 256, chat: bool = False, **sampling):
         """Like `generate`, but yields text pieces as tokens are committed (a piece may hold several tokens:
-        a speculative step commits many at once). The stats are in `last_stats` afterwards."""
-        ids = self._prompt_ids(prompt, max_tokens, chat, sampling)
+        a speculative step commits many at once). The stats are in `last_stats` afterwards, also when the
+        consumer stops early (closes the generator)."""
+        int_param("max_tokens", max_tokens, 1, MAX_TOKENS)
+        ids = self._prompt_ids(prompt, chat, sampling)
         tokens, shown = [], ""
-        for batch in self.decoder.iter_generate(ids, max_tokens):
-            tokens.extend(batch)
-            text = self._text(tokens)
-            # hold back an incomplete UTF-8 sequence (rendered as U+FFFD) until its last byte arrives
-            stable = text.rstrip("\ufffd")
-            if len(stable) > len(shown):
-                yield stable[len(shown):]
-                shown = stable
+        steps = self.decoder.iter_generate(ids, max_tokens)
+        try:
+            for batch in steps:
+                tokens.extend(batch)
+                text = self._text(tokens)
+                # hold back an incomplete UTF-8 sequence (rendered as U+FFFD) until its last byte arrives
+                stable = text.rstrip("\ufffd")
+                if len(stable) > len(shown):
+                    yield stable[len(shown):]
+                    shown = stable
+        finally:
+            steps.close()    # a consumer that stops early ends the run now (its state and stats are kept)
         text = self._text(tokens)
         if len(text) > len(shown):
             yield text[len(shown):]
@@ -73,9 +81,16 @@ class Engine:
     def last_stats(self) -> dict:
         return self.decoder.last_stats
 
-    def _prompt_ids(self, prompt, max_tokens, chat: bool, sampling: dict) -> list[int]:
+    def reset(self) -> None:
+        """Forget earlier prompts (the prefix cache): the next prompt is prefilled from scratch."""
+        self.decoder.reset()
+
+    def prompt_ids(self, prompt, chat: bool = False) -> list[int]:
+        """The token ids `generate(prompt, chat=chat)` would decode after."""
+        return self._prompt_ids(prompt, chat, {})
+
+    def _prompt_ids(self, prompt, chat: bool, sampling: dict) -> list[int]:
         _reject_sampling(sampling)
-        int_param("max_tokens", max_tokens, 1, MAX_TOKENS)
         if not isinstance(chat, bool):
             raise TypeError(f"chat = {chat!r}: expected True or False")
         if isinstance(prompt, str):
@@ -112,28 +127,15 @@ def _reject_sampling(sampling: dict) -> None:
 
 
 def draft_layer_ids(draft_path) -> list[int]:
-    """The target layers a DFlash draft reads (`dflash_config.target_layer_ids` in its config.json, or the
-    header of a llama.cpp `dflash` GGUF)."""
-    if isinstance(draft_path, (tuple, list)):      # (config.json, model.safetensors)
-        draft_path = draft_path[0]
-    path = os.fspath(draft_path)
-    if path.endswith(".gguf"):
-        from .gguf_io import GGUFError, GGUFFile
-        from .models.dflash_draft import DFlashHParams, DraftLoadError
-        try:
-            return list(DFlashHParams.from_gguf(GGUFFile(path)).target_layer_ids)
-        except GGUFError as e:
-            raise DraftLoadError(str(e)) from None
-    from .models.dflash_draft import DraftLoadError, read_config
-    config_path = os.path.join(path, "config.json") if os.path.isdir(path) else path
-    config = read_config(config_path)
-    dcfg = config.get("dflash_config") or {}
-    if not isinstance(dcfg, dict):
-        raise DraftLoadError(f"{config_path}: dflash_config is not an object")
-    ids = dcfg.get("target_layer_ids", config.get("target_layer_ids"))
-    if not isinstance(ids, list) or not ids or not all(type(i) is int and i >= 0 for i in ids):
-        raise DraftLoadError(f"{config_path}: no dflash_config.target_layer_ids list of layer numbers")
-    return ids
+    """The target layers a DFlash draft reads: its config's `target_layer_ids` (or z-lab's default spread when
+    absent), or the header of a llama.cpp `dflash` GGUF; the same lookup the draft's loader uses. A file that
+    cannot be read as a draft is a DraftLoadError."""
+    from .gguf_io import GGUFError
+    from .models.dflash_draft import DraftLoadError, read_draft_hparams
+    try:
+        return list(read_draft_hparams(draft_path).target_layer_ids)
+    except GGUFError as e:
+        raise DraftLoadError(str(e)) from None
 
 
 def _load_draft(draft_path, target, top_k: int = 8):
@@ -146,13 +148,17 @@ def _load_draft(draft_path, target, top_k: int = 8):
 
 
 def load(target, draft=None, *, device: str = "auto", kv_type: str = "f16", max_ctx: int | None = None,
-         mode: str | None = None, budget: int = 22, tokenizer: bool = True, progress: bool | None = None) -> Engine:
+         mode: str | None = None, budget: int = 22, tokenizer: bool = True, progress: bool | None = None,
+         prefix_cache: bool = True, prefix_snapshots: int = 4, prefix_bytes: int | None = 1 << 30) -> Engine:
     """Load a target GGUF (and a DFlash draft: its directory or config.json) and return an `Engine`.
 
     device: 'auto', 'cpu', 'cuda' or 'cuda:N'. kv_type: 'f16', 'q8_0', 'q4_0' or 'tq3_0' (mode 'ar' only for now). max_ctx: positions of the
     KV cache (None: 8192, capped by the model's training context). mode: 'ar', 'chain' or 'ddtree' (None:
     'ddtree' with a draft, 'ar' without). budget: tree nodes per step (ddtree) or chain length (chain).
-    tokenizer: load the GGUF's tokenizer (through llama-cpp-python, vocabulary only) for text in and out."""
+    tokenizer: load the GGUF's tokenizer (through llama-cpp-python, vocabulary only) for text in and out.
+    prefix_cache: resume a prompt that extends an earlier one (a chat's next turn) from the state saved at the
+    end of that prompt or of its generation, instead of prefilling it all; the saved recurrent states are kept on
+    the device, at most prefix_snapshots of them and prefix_bytes in all (least recently used dropped first)."""
     from .gguf_io import GGUFFile
     from .kv import kv_type_of
     from .models import load_target
@@ -173,12 +179,17 @@ def load(target, draft=None, *, device: str = "auto", kv_type: str = "f16", max_
     budget = int_param("budget", budget, 1, MAX_BUDGET)
     if max_ctx is not None:
         max_ctx = int_param("max_ctx", max_ctx, 1, MAX_CTX)
-    if not isinstance(tokenizer, bool) or (progress is not None and not isinstance(progress, bool)):
-        raise TypeError(f"tokenizer = {tokenizer!r}, progress = {progress!r}: expected True or False "
-                        f"(progress: or None)")
+    for name, value in (("tokenizer", tokenizer), ("prefix_cache", prefix_cache)):
+        if not isinstance(value, bool):
+            raise TypeError(f"{name} = {value!r}: expected True or False")
+    if progress is not None and not isinstance(progress, bool):
+        raise TypeError(f"progress = {progress!r}: expected True, False or None")
+    prefix_snapshots = int_param("prefix_snapshots", prefix_snapshots, 0, MAX_SNAPSHOTS)
+    if prefix_bytes is not None:
+        prefix_bytes = int_param("prefix_bytes", prefix_bytes, 0, 1 << 62)
     from .ggml.core import _find_device
     _find_device(device)
-    gf = GGUFFile(target)
+    gf = GGUFFile(target)                 # parsed once: the target class and the tokenizer get the parsed file
     if max_ctx is None:
         n_train = gf.get(f"{gf.architecture}.context_length", 0)
         n_train = n_train if isinstance(n_train, int) and not isinstance(n_train, bool) else 0
@@ -204,5 +215,6 @@ def load(target, draft=None, *, device: str = "auto", kv_type: str = "f16", max_
     if tokenizer:
         from .tokenizer import Tokenizer
         tok = Tokenizer(target, gf)
-    decoder = Decoder(model, draft_model, mode=mode, budget=budget, tokenizer=tok)
+    decoder = Decoder(model, draft_model, mode=mode, budget=budget, tokenizer=tok,
+                      prefix_snapshots=prefix_snapshots if prefix_cache else 0, prefix_bytes=prefix_bytes)
     return Engine(decoder, tok)

@@ -1,5 +1,5 @@
-"""Command line: `pydflash info` (build and device check), `pydflash run` (generate), `pydflash demo` (synthetic
-models, nothing to download)."""
+"""Command line: `pydflash info` (build and device check), `pydflash run` (generate), `pydflash chat` (a terminal
+chat), `pydflash demo` (synthetic models, nothing to download)."""
 from __future__ import annotations
 
 import argparse
@@ -141,6 +141,81 @@ def cmd_demo(args: argparse.Namespace) -> int:
         return 0 if same else 1
 
 
+def cmd_chat(args: argparse.Namespace) -> int:
+    """A terminal chat with the model (--demo: the synthetic pair, nothing to download)."""
+    import tempfile
+
+    from .api import load
+    from .chat import ChatSession, repl
+
+    with tempfile.TemporaryDirectory(prefix="pydflash-chat-") as tmp:
+        target, draft = args.target, args.draft
+        if args.demo:
+            from . import testing
+            target, draft = f"{tmp}/target.gguf", f"{tmp}/draft"
+            testing.write_qwen35_gguf(target, seed=0)
+            testing.write_dflash_draft(draft, target, seed=0)
+            print("demo: a synthetic target and DFlash draft (random weights: the replies are noise)", file=sys.stderr)
+        elif target is None:
+            print("pydflash chat: give --target T.gguf (or --demo)", file=sys.stderr)
+            return 2
+        else:
+            _check_run_args(args)
+        engine = load(target, draft, device=args.device, kv_type=args.kv, max_ctx=args.max_ctx, mode=args.mode,
+                      budget=args.budget, progress=not args.demo, prefix_cache=not args.no_prefix_cache)
+        return repl(ChatSession(engine, system=args.system, max_tokens=args.n_gen))
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    """AR against speculative decoding over the benchmark prompt sets; markdown, JSON and PNG reports."""
+    import tempfile
+
+    from . import benchmark
+    from .api import load
+
+    datasets = [d.strip() for d in args.datasets.split(",") if d.strip()]
+    with tempfile.TemporaryDirectory(prefix="pydflash-bench-") as tmp:
+        target, draft = args.target, args.draft
+        if args.demo:
+            from . import testing
+            target, draft = f"{tmp}/target.gguf", f"{tmp}/draft"
+            testing.write_qwen35_gguf(target, seed=args.seed)
+            testing.write_dflash_draft(draft, target, seed=args.seed)
+        elif not target or not draft:
+            print("pydflash bench: give --target and --draft (or --demo for the synthetic pair)", file=sys.stderr)
+            return 2
+        else:
+            _check_run_args(args)
+        engine = load(target, draft, device=args.device, max_ctx=args.max_ctx, mode=args.mode, budget=args.budget,
+                      progress=True)
+        runs, summary = benchmark.run_bench(engine, datasets, n_prompts=args.n_prompts, n_gen=args.n_gen,
+                                            seed=args.seed, prompt_format=args.format)
+        settings = benchmark.settings_of(engine, target=target, draft=draft, device=args.device, n_gen=args.n_gen,
+                                         seed=args.seed, prompt_format=args.format)
+        paths = benchmark.write_report(args.out, runs, summary, settings)
+    print(benchmark.markdown(summary, settings))
+    print("wrote " + ", ".join(paths.values()), file=sys.stderr)
+    return 0
+
+
+def cmd_train_draft(args: argparse.Namespace) -> int:
+    """Train a DFlash draft on the target GGUF's own continuations and features (needs the `train` extra)."""
+    from .train_draft import train_draft
+
+    shape = {"n_layer": args.n_layer, "n_head": args.n_head, "n_head_kv": args.n_head_kv, "head_dim": args.head_dim,
+             "n_ff": args.n_ff, "block_size": args.block_size}
+    if args.target_layers:
+        shape["target_layer_ids"] = [int(i) for i in args.target_layers.split(",")]
+    summary = train_draft(args.target, args.out, data=args.data, n_seq=args.n_seq, n_held_out=args.held_out,
+                          n_gen=args.n_gen, max_prompt_tokens=args.max_prompt_tokens, steps=args.steps,
+                          device=args.device, target_device=args.target_device, batch=args.batch, lr=args.lr,
+                          seed=args.seed, draft_shape=shape)
+    print(f"draft written to {summary['draft_dir']}: loss {summary['loss_first']:.3f} -> {summary['loss_last']:.3f}"
+          f" over {summary['steps']} steps, held-out acceptance length {summary['held_out_acceptance_length']:.2f}"
+          f" (outputs equal AR: {'yes' if summary['outputs_equal_ar'] else 'NO'})")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="pydflash", description=__doc__)
     parser.add_argument("--debug", action="store_true", help="show the full traceback of an error")
@@ -163,12 +238,67 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (default: auto)")
     run.set_defaults(func=cmd_run)
 
+    chat = sub.add_parser("chat", help="chat in the terminal (multi-turn, streamed, Ctrl+C stops a reply)")
+    chat.add_argument("--target", help="target GGUF with a chat template")
+    chat.add_argument("--draft", help="DFlash draft directory (config.json + model.safetensors)")
+    chat.add_argument("--demo", action="store_true", help="chat with a synthetic target/draft pair (no download)")
+    chat.add_argument("--system", help="system prompt")
+    chat.add_argument("--n-gen", type=int, default=512, help="new tokens per reply at most (default 512)")
+    chat.add_argument("--mode", choices=["ar", "chain", "ddtree"], help="default: ddtree with a draft, else ar")
+    chat.add_argument("--budget", type=int, default=22, help="tree nodes (ddtree) or chain length (default 22)")
+    chat.add_argument("--kv", default="f16", choices=["f16", "q8_0", "q4_0", "tq3_0"], help="KV cache type")
+    chat.add_argument("--max-ctx", type=int, help="KV cache positions (default 8192)")
+    chat.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (default: auto)")
+    chat.add_argument("--no-prefix-cache", action="store_true",
+                      help="prefill every turn from scratch (no reuse of the previous turn's state)")
+    chat.set_defaults(func=cmd_chat)
+
     demo = sub.add_parser("demo", help="synthetic target and draft: AR vs speculative, same tokens, speed")
     demo.add_argument("--n-gen", type=int, default=64)
     demo.add_argument("--budget", type=int, default=22)
     demo.add_argument("--seed", type=int, default=0)
     demo.add_argument("--device", default="cpu", help="cpu (default), cuda or auto")
     demo.set_defaults(func=cmd_demo)
+    bench = sub.add_parser("bench", help="AR vs speculative tok/s on HumanEval, GSM8K and MATH-500")
+    bench.add_argument("--target", help="target GGUF")
+    bench.add_argument("--draft", help="DFlash draft directory")
+    bench.add_argument("--demo", action="store_true", help="use a synthetic target/draft pair (no download)")
+    bench.add_argument("--datasets", default="humaneval,gsm8k,math500", help="comma-separated prompt sets")
+    bench.add_argument("--n-prompts", type=int, default=20, help="prompts per dataset (default 20)")
+    bench.add_argument("--n-gen", type=int, default=256, help="new tokens per prompt (default 256)")
+    bench.add_argument("--format", choices=["auto", "chat", "raw"], default="auto",
+                       help="auto: HumanEval raw, math questions chat-templated (default)")
+    bench.add_argument("--mode", choices=["chain", "ddtree"], default="ddtree")
+    bench.add_argument("--budget", type=int, default=22)
+    bench.add_argument("--max-ctx", type=int, default=4096)
+    bench.add_argument("--seed", type=int, default=0)
+    bench.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (default: auto)")
+    bench.add_argument("--out", default="pydflash-bench", help="folder for bench.md/json/png")
+    bench.set_defaults(func=cmd_bench)
+
+    train = sub.add_parser("train-draft", help="train a DFlash draft on a GGUF target's own outputs (needs torch)")
+    train.add_argument("--target", required=True, help="target GGUF")
+    train.add_argument("--out", required=True, help="work folder: data/, checkpoint.pt, draft/ (resumable)")
+    train.add_argument("--data", default="sharegpt",
+                       help="sharegpt, random (synthetic targets), or a .jsonl/.txt file of prompts")
+    train.add_argument("--n-seq", type=int, default=256, help="training sequences (default 256)")
+    train.add_argument("--held-out", type=int, default=8, help="held-out prompts for acceptance (default 8)")
+    train.add_argument("--n-gen", type=int, default=128, help="target tokens generated per prompt (default 128)")
+    train.add_argument("--max-prompt-tokens", type=int, default=256)
+    train.add_argument("--steps", type=int, default=2000)
+    train.add_argument("--batch", type=int, default=16)
+    train.add_argument("--lr", type=float, default=2e-3)
+    train.add_argument("--n-layer", type=int, default=2, help="draft layers (default 2)")
+    train.add_argument("--n-head", type=int, default=8)
+    train.add_argument("--n-head-kv", type=int, default=2)
+    train.add_argument("--head-dim", type=int, default=128)
+    train.add_argument("--n-ff", type=int, default=2048)
+    train.add_argument("--block-size", type=int, default=16)
+    train.add_argument("--target-layers", help="comma-separated 0-based target layers (default: spread)")
+    train.add_argument("--device", default="cpu", help="torch device for training: cpu or cuda")
+    train.add_argument("--target-device", default="auto", help="pydflash device for the target")
+    train.add_argument("--seed", type=int, default=0)
+    train.set_defaults(func=cmd_train_draft)
     args = parser.parse_args(argv)
     if args.command == "demo":
         _check_positive(parser, "--n-gen", args.n_gen)

@@ -12,6 +12,7 @@ A draft is any object with
                                                      (rows of target.captured) become context positions
                                                      first_position, first_position + 1, ...
     propose(tokens, k) -> (logp [B-1, k], ids [B-1, k])   tokens: every committed token, the root last
+    truncate(n) -> bool   (optional, for prefix reuse) keep context positions 0..n-1; False if it cannot
 The DFlash draft (pydflash.models.dflash_draft.DFlashDraft) is adapted to it by `engine_draft`.
 """
 from __future__ import annotations
@@ -52,6 +53,9 @@ class _DFlashAdapter:
     def reset(self) -> None:
         self.draft.reset()
 
+    def truncate(self, n: int) -> bool:
+        return self.draft.truncate(n)
+
     def append_context(self, target, first_position: int, slots) -> None:
         if first_position != self.draft.n_ctx:
             raise RuntimeError(f"draft context holds {self.draft.n_ctx} positions, got features for {first_position}")
@@ -75,16 +79,23 @@ def engine_draft(draft):
 
 # --- step functions ---
 
-def prefill(target, draft, prompt_ids: list[int]) -> int:
-    """Run the prompt through the target (the draft takes its features); returns the first new token."""
-    target.reset()
+def prefill(target, draft, prompt_ids: list[int], prefix=None) -> tuple[int, int]:
+    """Run the prompt through the target (the draft takes its features); returns (the first new token, prompt
+    tokens reused). With a PrefixCache the prompt resumes from its longest usable snapshot, else from scratch."""
+    reused = prefix.restore(prompt_ids) if prefix is not None else 0
+    if reused == 0:
+        target.reset()
+        if draft is not None:
+            draft.reset()
+    rest = prompt_ids[reused:]
     if draft is None:
-        target.prefill(prompt_ids, return_logits=False)
+        target.prefill(rest, return_logits=False)
     else:
-        draft.reset()
-        target.prefill(prompt_ids, return_logits=False,
+        target.prefill(rest, return_logits=False,
                        on_ubatch=lambda first, n: draft.append_context(target, first, list(range(n))))
-    return target.argmax()
+    if prefix is not None:
+        prefix.save(prompt_ids)
+    return target.argmax(), reused
 
 
 def draft_step(draft, context: list[int], k: int) -> tuple[np.ndarray, np.ndarray]:
@@ -122,10 +133,12 @@ class Decoder:
     per position the draft hands over (ddtree). seed_chain: seed the tree with the draft's top-1 chain.
     state_type: 'f32' or 'f16' recurrent states of the tree nodes (f16 needs the tree ops).
     eog: a predicate on token ids that ends generation (the tokenizer's end-of-generation test); stop_tokens:
-    more ids that do."""
+    more ids that do. prefix_snapshots / prefix_bytes: the bound of the prefix cache (pydflash.prefix_cache)
+    that lets a prompt extending an earlier one resume from it; 0 snapshots turn prefix reuse off."""
 
     def __init__(self, target, draft=None, *, mode: str | None = None, budget: int = 22, top_k: int | None = None,
-                 seed_chain: bool = False, state_type: str = "f32", tokenizer=None, stop_tokens=()):
+                 seed_chain: bool = False, state_type: str = "f32", tokenizer=None, stop_tokens=(),
+                 prefix_snapshots: int = 0, prefix_bytes: int | None = None):
         mode = mode or ("ddtree" if draft is not None else "ar")
         if mode not in MODES:
             raise ValueError(f"mode {mode!r}: expected one of {MODES}")
@@ -156,6 +169,15 @@ class Decoder:
             self.budget = budget
             self.top_k = min(top_k or min(budget, 8), budget)
             target.enable_verify(budget + 1, tree=True, state_type=state_type)
+        self.prefix = None
+        if prefix_snapshots:
+            from .prefix_cache import PrefixCache
+            self.prefix = PrefixCache(target, draft, max_snapshots=prefix_snapshots, max_bytes=prefix_bytes)
+
+    def reset(self) -> None:
+        """Forget earlier prompts: the next one is prefilled from scratch."""
+        if self.prefix is not None:
+            self.prefix.clear()
 
     def _ends(self, token: int) -> bool:
         if token in self.stop_tokens:
@@ -200,18 +222,31 @@ class Decoder:
             self.target.enable_verify(self.budget + 1, tree=self.mode == "ddtree" or _has_tree_ops(),
                                       state_type=self.state_type)
         t0 = time.perf_counter()
-        root = prefill(self.target, self.draft, prompt_ids)
+        root, reused = prefill(self.target, self.draft, prompt_ids, self.prefix)
         t1 = time.perf_counter()
         run = _Run(context=prompt_ids + [root])
-        yield self._take(run, [root], max_tokens)
         t_yield = 0.0        # time spent in the consumer between steps is not decode time
-        while not run.done:
-            taken = self._ar_step(run, max_tokens) if self.mode == "ar" else self._spec_step(run, max_tokens)
+        settled = True       # the cache holds run.context[:-1] (false while a step is under way)
+        try:
             ty = time.perf_counter()
-            yield taken
+            yield self._take(run, [root], max_tokens)
             t_yield += time.perf_counter() - ty
-        t2 = time.perf_counter()
-        self.last_stats = self._stats(run, len(prompt_ids), t1 - t0, t2 - t1 - t_yield)
+            while not run.done:
+                settled = False
+                taken = self._ar_step(run, max_tokens) if self.mode == "ar" else self._spec_step(run, max_tokens)
+                settled = True
+                ty = time.perf_counter()
+                yield taken
+                t_yield += time.perf_counter() - ty
+        finally:
+            # also when the consumer stops early (generator closed at a yield) or a step raised
+            if self.prefix is not None:
+                if settled:
+                    self.prefix.save(run.context[:-1])
+                else:
+                    self.prefix.forget()
+            t2 = time.perf_counter()
+            self.last_stats = self._stats(run, len(prompt_ids), reused, t1 - t0, t2 - t1 - t_yield)
 
     def _ar_step(self, run: _Run, max_tokens: int) -> list[int]:
         token = self.target.step(run.context[-1])
@@ -229,6 +264,10 @@ class Decoder:
         argmax = verify_step(self.target, tree, run.context[-1])
         t3 = time.perf_counter()
         path, new = ddtree.accept(tree, argmax)
+        taken = self._take(run, new, max_tokens)
+        # commit no further than the output goes (max_tokens, an ending token): the cache then holds exactly the
+        # prompt and the output but its last token, a state the next turn of a chat can resume from
+        path, new = path[:len(taken)], taken
         t4 = time.perf_counter()
         commit_step(self.target, self.draft, path)
         t5 = time.perf_counter()
@@ -236,25 +275,26 @@ class Decoder:
         run.steps += 1
         run.committed_per_step.append(len(new))
         run.off_chain_steps += path != list(range(len(path)))
-        taken = self._take(run, new, max_tokens)
         run.draft_s += t1 - t0
         run.verify_s += t3 - t2
         run.commit_s += t5 - t4
         run.host_s += (t2 - t1) + (t4 - t3) + (time.perf_counter() - t5)
         return taken
 
-    def _stats(self, run: _Run, n_prompt: int, prefill_s: float, decode_s: float) -> dict:
+    def _stats(self, run: _Run, n_prompt: int, reused: int, prefill_s: float, decode_s: float) -> dict:
         n_decoded = len(run.new) - 1          # the first token comes out of the prefill
         hist = np.bincount(run.committed_per_step, minlength=1).tolist() if run.committed_per_step else []
         stats = {
             "mode": self.mode,
             "prompt_tokens": n_prompt,
+            "reused_tokens": reused,               # prompt tokens resumed from the prefix cache
+            "prefilled_tokens": n_prompt - reused,
             "new_tokens": len(run.new),
             "steps": run.steps,
             "acceptance_length": (sum(run.committed_per_step) / run.steps) if run.steps else 0.0,
             "prefill_s": prefill_s,
             "decode_s": decode_s,
-            "prefill_tok_s": n_prompt / prefill_s if prefill_s > 0 else 0.0,
+            "prefill_tok_s": (n_prompt - reused) / prefill_s if prefill_s > 0 else 0.0,
             "decode_tok_s": n_decoded / decode_s if decode_s > 0 and n_decoded > 0 else 0.0,
             "committed_per_step": list(run.committed_per_step),
             "acceptance_histogram": hist,      # index = tokens committed in a step

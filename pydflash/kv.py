@@ -47,6 +47,7 @@ class HybridCache:
     def __init__(self, backend: ggml.Backend, hp, n_ctx: int, kv_type="f16"):
         self.n_ctx = n_ctx
         self.kv_type = kv_type_of(kv_type)
+        self.epoch = 0
         self.n_past = 0
         n_attn = sum(1 for r in hp.recurrent if not r)
         n_rec = hp.n_layer - n_attn
@@ -85,8 +86,9 @@ class HybridCache:
         n_rec = hp.n_layer - n_attn
         kv_row = hp.head_dim * hp.n_head_kv
         kv = 2 * n_attn * tensor_bytes(kv_type, (kv_row, n_ctx))
-        state = 4 * n_rec * ((hp.ssm_d_conv - 1) * hp.conv_dim + hp.ssm_d_v * hp.ssm_d_v * hp.ssm_n_v_heads)
-        return kv + state
+        if not n_rec:      # attention-only models have no recurrent sizes
+            return kv
+        return kv + 4 * n_rec * ((hp.ssm_d_conv - 1) * hp.conv_dim + hp.ssm_d_v * hp.ssm_d_v * hp.ssm_n_v_heads)
 
     def reset(self) -> None:
         """Forget the sequence: zero the states (KV rows past n_past are masked, but zeroed too)."""
@@ -95,6 +97,17 @@ class HybridCache:
             self.k_rot.set(hadamard(self.k_rot.ne[0]))
             self.v_rot.set(hadamard(64))
         self.n_past = 0
+
+    @property
+    def n_past(self) -> int:
+        return self._n_past
+
+    @n_past.setter
+    def n_past(self, value: int) -> None:
+        # every forward, commit and reset sets n_past: the epoch tells a holder of saved state (the prefix
+        # cache) whether anyone has run the model since it last looked
+        self._n_past = int(value)
+        self.epoch += 1
 
     @property
     def nbytes(self) -> int:

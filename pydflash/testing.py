@@ -5,6 +5,9 @@ small byte-level BPE vocabulary (ChatML special tokens and a chat template), so 
 template it and serve as the oracle for our graphs. Tensors are generated and written one at a time, so even the
 27B-shaped preset (~16 GB) never sits in memory.
 
+`write_llama_gguf(path, arch=..., **config)` writes a random `llama`, `qwen2` or `qwen3` (attention-only) GGUF
+with the same vocabulary.
+
 `write_dflash_draft(dir, target_gguf, **config)` writes a random DFlash draft in z-lab format (config.json +
 bf16 model.safetensors) that fits a given target GGUF.
 
@@ -304,13 +307,8 @@ def write_qwen35_gguf(path, config: Qwen35Config | None = None, *, progress: boo
     if 2 * sum(cfg.rope_sections) != cfg.n_rot:
         raise ValueError(f"rope_sections {cfg.rope_sections} must sum to n_rot/2 = {cfg.n_rot // 2}")
 
-    tokens, merges = tiny_bpe_vocab(cfg.n_merges)
-    n_normal = len(tokens)
-    tokens = tokens + list(SPECIAL_TOKENS)
-    n_vocab = max(len(tokens), int(cfg.n_vocab or 0))
-    tokens += [f"<|extra_{i}|>" for i in range(n_vocab - len(tokens))]
-    token_types = [1] * n_normal + [3] * (n_vocab - n_normal)   # NORMAL, then CONTROL
-    tok_id = {t: i for i, t in enumerate(tokens)}
+    vocab = _Vocab(cfg.n_merges, cfg.n_vocab)
+    n_vocab = vocab.n_vocab
 
     arch = "qwen35"
     w = gguf.GGUFWriter(str(path), arch)
@@ -339,20 +337,42 @@ def write_qwen35_gguf(path, config: Qwen35Config | None = None, *, progress: boo
     # llama_ftype: ALL_F32 0, MOSTLY_F16 1, MOSTLY_Q8_0 7, MOSTLY_Q4_K_S 14, MOSTLY_Q4_K_M 15
     w.add_file_type({"F32": 0, "F16": 1, "Q8_0": 7, "Q4_K": 14, "Q4_K_M": 15}[cfg.weight_type])
 
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("qwen2")
-    w.add_token_list(tokens)
-    w.add_token_types(token_types)
-    w.add_token_merges(merges)
-    w.add_bos_token_id(tok_id["<|endoftext|>"])
-    w.add_eos_token_id(tok_id["<|im_end|>"])
-    w.add_pad_token_id(tok_id["<|endoftext|>"])
-    w.add_add_bos_token(False)
-    w.add_chat_template(cfg.chat_template)
+    vocab.add_to(w, cfg.chat_template)
+    _write_tensors(w, _tensor_specs(cfg, n_vocab), cfg.weight_type, cfg.seed, progress)
+    return cfg
 
-    specs = _tensor_specs(cfg, n_vocab)
+
+class _Vocab:
+    """The tiny byte-level BPE vocabulary plus ChatML specials, padded with <|extra_N|> control tokens."""
+
+    def __init__(self, n_merges: int, n_vocab: int | None):
+        tokens, self.merges = tiny_bpe_vocab(n_merges)
+        n_normal = len(tokens)
+        tokens = tokens + list(SPECIAL_TOKENS)
+        self.n_vocab = max(len(tokens), int(n_vocab or 0))
+        self.tokens = tokens + [f"<|extra_{i}|>" for i in range(self.n_vocab - len(tokens))]
+        self.token_types = [1] * n_normal + [3] * (self.n_vocab - n_normal)   # NORMAL, then CONTROL
+
+    def add_to(self, w, chat_template: str) -> None:
+        tok_id = {t: i for i, t in enumerate(self.tokens)}
+        w.add_tokenizer_model("gpt2")
+        w.add_tokenizer_pre("qwen2")
+        w.add_token_list(self.tokens)
+        w.add_token_types(self.token_types)
+        w.add_token_merges(self.merges)
+        w.add_bos_token_id(tok_id["<|endoftext|>"])
+        w.add_eos_token_id(tok_id["<|im_end|>"])
+        w.add_pad_token_id(tok_id["<|endoftext|>"])
+        w.add_add_bos_token(False)
+        w.add_chat_template(chat_template)
+
+
+def _write_tensors(w, specs: list[_TensorSpec], weight_type: str, seed: int, progress: bool) -> None:
+    """Write the tensor table and the data of `specs` (after the metadata), then close the writer."""
+    import gguf
     from .ggml import Type, row_size
-    types = [_storage_type(s, cfg.weight_type) for s in specs]
+
+    types = [_storage_type(s, weight_type) for s in specs]
     for spec, tname in zip(specs, types):
         nbytes = row_size(Type[tname], spec.ne[0]) * int(np.prod(spec.ne[1:]))
         w.add_tensor_info(spec.name, list(spec.ne[::-1]), np.dtype(np.float32), nbytes,
@@ -362,13 +382,110 @@ def write_qwen35_gguf(path, config: Qwen35Config | None = None, *, progress: boo
     w.write_ti_data_to_file()
     pools: dict = {}
     for i, (spec, tname) in enumerate(zip(specs, types)):
-        _write_tensor_data(w, spec, tname, cfg.seed, pools)
+        _write_tensor_data(w, spec, tname, seed, pools)
         w.state = gguf.gguf_writer.WriterState.WEIGHTS
         if progress:
             print(f"\r{i + 1}/{len(specs)} tensors", end="", file=sys.stderr, flush=True)
     if progress:
         print(file=sys.stderr)
     w.close()
+
+
+# --- attention-only architectures (llama, qwen2, qwen3) ------------------------------------------------------
+
+ATTENTION_ARCHS = ("llama", "qwen2", "qwen3")
+# the weight types of the real files these architectures come in, plus the ones above
+ATTENTION_WEIGHT_TYPES = WEIGHT_TYPES + ("Q4_0", "Q4_1", "Q5_0", "Q5_K", "Q6_K", "BF16")
+
+
+@dataclass
+class LlamaConfig:
+    """Every size of a llama-family (attention-only) model; defaults are a tiny CI model.
+
+    qwen2 adds Q/K/V biases, qwen3 per-head Q/K norms (and usually a head size other than n_embd / n_head)."""
+    arch: str = "llama"
+    n_layer: int = 2
+    n_embd: int = 64
+    n_ff: int = 128
+    n_head: int = 4
+    n_head_kv: int = 2
+    head_dim: int | None = None        # None: n_embd / n_head (the key is written only when it differs)
+    rope_base: float = 10000.0
+    n_merges: int = 200
+    n_vocab: int | None = None
+    n_ctx_train: int = 4096
+    rms_eps: float = 1e-5
+    weight_type: str = "F32"
+    tie_embeddings: bool = False       # no output.weight: the LM head is the token embedding
+    seed: int = 0
+    name: str = "pydflash-synthetic"
+    chat_template: str = CHATML_TEMPLATE
+
+
+def _llama_tensor_specs(cfg: LlamaConfig, n_vocab: int) -> list[_TensorSpec]:
+    E, L = cfg.n_embd, cfg.n_layer
+    hd = cfg.head_dim or E // cfg.n_head
+    q_dim, kv_dim = hd * cfg.n_head, hd * cfg.n_head_kv
+    out_scale = 1.0 / np.sqrt(2.0 * L)
+
+    def gauss(shape, std):
+        return lambda rng: (rng.standard_normal(shape, dtype=np.float32) * np.float32(std))
+
+    def norm(name, n):
+        return _TensorSpec(name, (n,), "norm",
+                           lambda rng: (1.0 + 0.1 * rng.standard_normal(n, dtype=np.float32)).astype(np.float32))
+
+    def mat(name, n_in, n_out, std=None, out=False):
+        std = (1.0 / np.sqrt(n_in)) * (out_scale if out else 1.0) if std is None else std
+        return _TensorSpec(name, (n_in, n_out), "matrix", gauss((n_out, n_in), std), std)
+
+    # a tied LM head is the embedding itself: scale it like a head so the logits stay O(1..10)
+    emb_std = 2.0 / np.sqrt(E) if cfg.tie_embeddings else 1.0
+    specs = [_TensorSpec("token_embd.weight", (E, n_vocab), "matrix", gauss((n_vocab, E), emb_std), emb_std),
+             norm("output_norm.weight", E)]
+    if not cfg.tie_embeddings:
+        specs.append(mat("output.weight", E, n_vocab, std=2.0 / np.sqrt(E)))
+    for il in range(L):
+        p = f"blk.{il}."
+        specs += [norm(p + "attn_norm.weight", E), mat(p + "attn_q.weight", E, q_dim),
+                  mat(p + "attn_k.weight", E, kv_dim), mat(p + "attn_v.weight", E, kv_dim)]
+        if cfg.arch == "qwen2":
+            specs += [_TensorSpec(p + f"attn_{x}.bias", (n,), "raw", gauss((n,), 0.5))
+                      for x, n in (("q", q_dim), ("k", kv_dim), ("v", kv_dim))]
+        if cfg.arch == "qwen3":
+            specs += [norm(p + "attn_q_norm.weight", hd), norm(p + "attn_k_norm.weight", hd)]
+        specs += [mat(p + "attn_output.weight", q_dim, E, out=True), norm(p + "ffn_norm.weight", E),
+                  mat(p + "ffn_gate.weight", E, cfg.n_ff), mat(p + "ffn_up.weight", E, cfg.n_ff),
+                  mat(p + "ffn_down.weight", cfg.n_ff, E, out=True)]
+    return specs
+
+
+def write_llama_gguf(path, config: LlamaConfig | None = None, *, progress: bool = False, **overrides) -> LlamaConfig:
+    """Write a random-weight llama / qwen2 / qwen3 GGUF (config.arch) to `path`, with the tiny BPE vocabulary of
+    `write_qwen35_gguf`. Returns the configuration used."""
+    import gguf
+
+    cfg = replace(config or LlamaConfig(), **overrides)
+    if cfg.arch not in ATTENTION_ARCHS:
+        raise ValueError(f"arch {cfg.arch!r}: expected one of {ATTENTION_ARCHS}")
+    if cfg.weight_type not in ATTENTION_WEIGHT_TYPES:
+        raise ValueError(f"weight_type {cfg.weight_type!r}: expected one of {ATTENTION_WEIGHT_TYPES}")
+    vocab = _Vocab(cfg.n_merges, cfg.n_vocab)
+    w = gguf.GGUFWriter(str(path), cfg.arch)
+    w.add_name(cfg.name)
+    w.add_context_length(cfg.n_ctx_train)
+    w.add_embedding_length(cfg.n_embd)
+    w.add_block_count(cfg.n_layer)
+    w.add_feed_forward_length(cfg.n_ff)
+    w.add_head_count(cfg.n_head)
+    w.add_head_count_kv(cfg.n_head_kv)
+    if cfg.head_dim:
+        w.add_key_length(cfg.head_dim)
+        w.add_value_length(cfg.head_dim)
+    w.add_layer_norm_rms_eps(cfg.rms_eps)
+    w.add_rope_freq_base(cfg.rope_base)
+    vocab.add_to(w, cfg.chat_template)
+    _write_tensors(w, _llama_tensor_specs(cfg, vocab.n_vocab), cfg.weight_type, cfg.seed, progress)
     return cfg
 
 
@@ -558,6 +675,12 @@ class OracleDraft:
     def reset(self) -> None:
         self.n_context = 0
         self.calls = 0
+
+    def truncate(self, n: int) -> bool:
+        if not 0 <= n <= self.n_context:
+            raise AssertionError(f"truncate to {n}: the draft context holds {self.n_context} positions")
+        self.n_context = n
+        return True
 
     def append_context(self, target, first_position: int, slots) -> None:
         if first_position != self.n_context:

@@ -5,9 +5,10 @@ condition that a file or a parameter can trigger is checked here first and repor
 the file, the key or tensor, what was found and what was expected.
 
 - metadata readers (`meta_int`, `meta_float`, `meta_ints`, `meta_str`): typed, finite and in range;
-- tensor roles: a model declares each tensor's role ("matrix", "embedding", "norm", "vector", "ssm_conv") and
-  `check_tensors` holds the file to it: every tensor present with its shape and a type allowed for its role, and
-  no tensor the model would not use (llama.cpp refuses those too: a wrong block_count would drop layers);
+- tensor roles: an architecture declares each tensor's shape and role (`TensorSpec`, docs/targets.md:
+  embedding, output, matrix, norm, bias, vector, conv) and `check_tensors` holds the file to it: every tensor
+  present with its shape and a type allowed for its role (`ROLE_TYPES`), and no tensor the model would not use
+  (llama.cpp refuses those too: a wrong block_count would drop layers); `check_finite`: the small f32 ones;
 - `check_tokenizer`: the vocabulary metadata llama.cpp's loader trusts;
 - `check_memory`: the allocation plan against the device's memory, before anything is allocated.
 """
@@ -19,6 +20,11 @@ import re
 from . import ggml
 
 REQUIRED = object()
+
+# bounds on header sizes: far above any real model, low enough that nothing sized from them hangs or overflows
+MAX_LAYERS = 1024
+MAX_SIZE = 1 << 20          # any width, head count or head size
+MAX_CTX_TRAIN = 1 << 40     # context_length (only caps the default max_ctx and feeds the rope)
 
 # --- allow-lists per tensor role ---------------------------------------------------------------------------------
 # A new ggml type is an explicit decision: add it here once the graph can compute it in that role.
@@ -33,69 +39,77 @@ def _types(*names) -> frozenset:
 
 
 ROLE_TYPES = {
-    # the weight operand of mul_mat: float and llama.cpp's weight quantisations (mixes such as UD-Q4_K_XL put
-    # Q5_K/Q6_K/Q8_0/IQ4 on some matrices); whether this backend multiplies a type is probed as well
+    # the weight operand of mul_mat (a weight matrix, the LM head): float and llama.cpp's weight quantisations
+    # (mixes such as UD-Q4_K_XL put Q5_K/Q6_K/Q8_0/IQ4 on some matrices); whether this backend multiplies a type
+    # is probed as well
     "matrix": _types("F32", "F16", "BF16", *_WEIGHT_QUANTS),
+    "output": _types("F32", "F16", "BF16", *_WEIGHT_QUANTS),
     # the source of get_rows (token embeddings): any weight type with a dequantiser
     "embedding": _types("F32", "F16", "BF16", *_WEIGHT_QUANTS),
-    # elementwise operands next to f32 activations (norm weights, ssm_a, ssm_dt.bias): ggml's binary ops want
-    # f32 here, and llama.cpp's quantiser keeps them f32
+    # elementwise operands next to f32 activations (norm weights, biases, ssm_a): ggml's binary ops want f32
+    # here, and llama.cpp's quantiser keeps them f32
     "norm": _types("F32"),
+    "bias": _types("F32"),
     "vector": _types("F32"),
     # the kernel of ssm_conv (f32 only in ggml; llama.cpp keeps ssm_conv1d f32)
-    "ssm_conv": _types("F32"),
+    "conv": _types("F32"),
 }
-
-_LAYER_PREFIX = re.compile(r"^blk\.\d+\.")
-
-
-def role_of(name: str, roles: dict) -> str:
-    """The role of a tensor from a table keyed by its name without the `blk.N.` prefix."""
-    return roles[_LAYER_PREFIX.sub("", name)]
+SMALL_F32_ROLES = ("norm", "bias", "vector")   # read whole at load by check_finite (a few MB on a 27B model)
+_MULTIPLIED = ("matrix", "output")              # roles whose tensor is the weight operand of mul_mat
 
 
-def check_tensors(gf, shapes: dict, roles: dict, *, error=None, backend=None, tied: dict | None = None) -> list:
-    """Hold a GGUF's tensor table to a model's expectation; returns the TensorInfos in `shapes` order.
+def check_tensors(gf, specs: dict, *, error=None, backend=None) -> list:
+    """Hold a GGUF's tensor table to a model's expectation; returns the TensorInfos of the tensors present, in
+    `specs` order.
 
-    shapes: name -> ne (ggml order) of every tensor the model reads; roles: role by name without `blk.N.`;
-    tied: name -> extra roles a tensor also plays (token_embd as the LM head when output.weight is absent);
-    backend: if given, each (role, type) pair is probed with a one-node graph on it (no allocation)."""
+    specs: name -> TensorSpec(ne, role, optional) (pydflash/models/runtime.py) of every tensor the model reads;
+    an optional tensor may be absent. A tied LM head (no `output.weight`) makes `token_embd.weight` play the
+    'output' role too. backend: if given, each (role, type) pair is probed with a one-node graph on it (no
+    allocation)."""
     error = error or _gguf_error()
-    extra = sorted(set(gf.tensors) - set(shapes))
+    extra = sorted(set(gf.tensors) - set(specs))
     if extra:
         more = f" and {len(extra) - 5} more" if len(extra) > 5 else ""
         raise error(f"{gf.path}: {len(extra)} tensors the model does not use ({', '.join(extra[:5])}{more}); "
-                    f"is block_count ({len(shapes)} tensors expected) right?")
+                    f"is block_count ({len(specs)} tensors expected) right?")
+    tied = "output.weight" in specs and "output.weight" not in gf.tensors
     infos, probes = [], {}
-    for name, ne in shapes.items():
+    for name, spec in specs.items():
         info = gf.tensors.get(name)
         if info is None:
+            if spec.optional:
+                continue
             raise error(f"{gf.path}: missing tensor {name!r}")
-        if tuple(info.ne) != tuple(ne):
-            raise error(f"{gf.path}: tensor {name!r} has shape {info.ne}, expected {tuple(ne)}")
-        for role in (role_of(name, roles), *((tied or {}).get(name, ()))):
+        if tuple(info.ne) != tuple(spec.ne):
+            raise error(f"{gf.path}: tensor {name!r} has shape {info.ne}, expected {tuple(spec.ne)}")
+        roles = (spec.role, "output") if tied and name == "token_embd.weight" else (spec.role,)
+        for role in roles:
             if info.type not in ROLE_TYPES[role]:
                 allowed = ", ".join(sorted(t.name for t in ROLE_TYPES[role]))
-                raise error(f"{gf.path}: tensor {name!r} is {info.type.name}, which a {role} cannot be; "
+                raise error(f"{gf.path}: tensor {name!r} is {info.type.name}, which {_a(role)} cannot be; "
                             f"expected one of {allowed}")
             probes.setdefault((role, info.type, info.ne[0]), name)
         infos.append(info)
     if backend is not None:
         for (role, type_, ne0), name in probes.items():
             if not _backend_computes(backend, role, type_, ne0):
-                raise error(f"{gf.path}: tensor {name!r} is {type_.name}, which {backend.name} cannot use as a "
-                            f"{role}")
+                raise error(f"{gf.path}: tensor {name!r} is {type_.name}, which {backend.name} cannot use as "
+                            f"{_a(role)}")
     return infos
+
+
+def _a(role: str) -> str:
+    return ("an " if role[0] in "aeiou" else "a ") + role
 
 
 def _backend_computes(backend, role: str, type_, ne0: int) -> bool:
     """Whether the backend runs the op a tensor of this role feeds (a graph node only: nothing is allocated)."""
-    if role not in ("matrix", "embedding"):
+    if role not in (*_MULTIPLIED, "embedding"):
         return True   # f32 elementwise operands: every backend computes them
     ctx = ggml.Context(n_tensors=4)
     try:
         w = ctx.new_tensor(type_, (ne0, 2))
-        if role == "matrix":
+        if role in _MULTIPLIED:
             node = ctx.mul_mat(w, ctx.new_tensor(ggml.Type.F32, (ne0, 1)))
         else:
             node = ctx.get_rows(w, ctx.new_tensor(ggml.Type.I32, (1,)))
@@ -197,6 +211,17 @@ def meta_str(gf, key: str, default=REQUIRED, *, choices=None, max_len: int = 1 <
     if choices is not None and value not in choices:
         raise error(f"{gf.path}: {key} = {value!r} is not supported: expected one of {sorted(choices)}")
     return value
+
+
+def vocab_rows(gf, *, error=None) -> int:
+    """The vocabulary size: the rows of `token_embd.weight` (2 dimensions, 1..2^31-1 rows: token ids are i32)."""
+    error = error or _gguf_error()
+    emb = gf.tensors.get("token_embd.weight")
+    if emb is None:
+        raise error(f"{gf.path}: missing tensor 'token_embd.weight'")
+    if len(emb.ne) != 2 or not 1 <= emb.ne[1] < 1 << 31:
+        raise error(f"{gf.path}: tensor 'token_embd.weight' has shape {emb.ne}, expected [n_embd, n_vocab]")
+    return int(emb.ne[1])
 
 
 # --- tokenizer metadata ------------------------------------------------------------------------------------------

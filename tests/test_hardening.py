@@ -66,16 +66,18 @@ def test_bad_header_values_are_refused_by_name(tiny, tmp_path, edit, message):
 
 
 @pytest.mark.parametrize("name, type_, role", [
-    ("output.weight", ggml.Type.I8, "matrix"), ("blk.0.attn_qkv.weight", ggml.Type.F64, "matrix"),
+    ("output.weight", ggml.Type.I8, "output"), ("blk.0.attn_qkv.weight", ggml.Type.F64, "matrix"),
     ("blk.0.attn_norm.weight", ggml.Type.F16, "norm"), ("blk.0.ssm_a", ggml.Type.BF16, "vector"),
-    ("blk.0.ssm_conv1d.weight", ggml.Type.F16, "ssm_conv"), ("token_embd.weight", ggml.Type.I32, "embedding"),
+    ("blk.0.ssm_dt.bias", ggml.Type.F16, "bias"),
+    ("blk.0.ssm_conv1d.weight", ggml.Type.F16, "conv"), ("token_embd.weight", ggml.Type.I32, "embedding"),
 ])
 def test_tensor_types_outside_their_role_are_refused(tiny, tmp_path, name, type_, role):
     def edit(spec):
         t = next(t for t in spec.tensors if t[0] == name)
         n = ggml.row_size(type_, t[1][0]) * math.prod(t[1][1:])
         t[2], t[3] = int(type_), bytes(n)
-    with pytest.raises(GGUFError, match=rf"tensor '{name}' is {type_.name}, which a {role} cannot be"):
+    article = "an" if role[0] in "aeiou" else "a"
+    with pytest.raises(GGUFError, match=rf"tensor '{name}' is {type_.name}, which {article} {role} cannot be"):
         Qwen35Target(mutated(tiny, tmp_path, edit), "cpu", n_ctx=256)
 
 
@@ -254,3 +256,81 @@ def test_regular_files_only(tmp_path):
     from pydflash.models.dflash_draft import DraftLoadError
     with pytest.raises(DraftLoadError, match="config.json: cannot read \\(not a regular file\\)"):
         draft_layer_ids(draft)
+
+
+# --- the same checks on the attention-only architectures (they run in the shared runtime) ----------------------
+
+ATTENTION_FILES = {"llama": dict(arch="llama", tie_embeddings=True), "qwen2": dict(arch="qwen2", seed=1),
+                   "qwen3": dict(arch="qwen3", head_dim=32, seed=2)}
+
+
+@pytest.fixture(scope="module")
+def attention_files(tmp_path_factory):
+    from pydflash.testing import write_llama_gguf
+    folder = tmp_path_factory.mktemp("hardening-attention")
+    out = {}
+    for arch, cfg in ATTENTION_FILES.items():
+        out[arch] = folder / f"{arch}.gguf"
+        write_llama_gguf(out[arch], **cfg)
+    return out
+
+
+def _retype(name, type_):
+    def edit(spec):
+        t = next(t for t in spec.tensors if t[0] == name)
+        t[2], t[3] = int(type_), bytes(ggml.row_size(type_, t[1][0]) * math.prod(t[1][1:]))
+    return edit
+
+
+def _nan_at(name, index):
+    def edit(spec):
+        t = next(t for t in spec.tensors if t[0] == name)
+        values = np.frombuffer(t[3], "<f4").copy()
+        values[index] = np.nan
+        t[3] = values.tobytes()
+    return edit
+
+
+@pytest.mark.parametrize("arch, edit, error, message", [
+    ("llama", set_kv("llama.block_count", 8, "2"), GGUFError, r"llama.block_count = '2': expected an integer"),
+    ("qwen2", set_kv("qwen2.attention.layer_norm_rms_epsilon", 6, math.inf),
+     GGUFError, r"qwen2.attention.layer_norm_rms_epsilon = inf is out of range"),
+    ("qwen3", set_kv("qwen3.attention.head_count_kv", 4, 0), GGUFError,
+     r"qwen3.attention.head_count_kv = 0 is out of range"),
+    ("llama", set_kv("llama.block_count", 4, 1), GGUFError, r"tensors the model does not use \(blk.1\."),
+    ("llama", _retype("blk.0.ffn_norm.weight", ggml.Type.F16), GGUFError,
+     r"tensor 'blk.0.ffn_norm.weight' is F16, which a norm cannot be"),
+    ("llama", _retype("token_embd.weight", ggml.Type.F64), GGUFError,
+     r"tensor 'token_embd.weight' is F64, which an embedding cannot be"),
+    ("qwen2", _retype("blk.1.attn_k.bias", ggml.Type.BF16), GGUFError,
+     r"tensor 'blk.1.attn_k.bias' is BF16, which a bias cannot be"),
+    ("qwen2", _retype("output.weight", ggml.Type.I16), GGUFError,
+     r"tensor 'output.weight' is I16, which an output cannot be"),
+    ("qwen3", _nan_at("blk.1.attn_k_norm.weight", 5), GGUFError,
+     r"tensor 'blk.1.attn_k_norm.weight' holds nan at index 5"),
+])
+def test_attention_architectures_are_validated_too(attention_files, tmp_path, arch, edit, error, message):
+    from pydflash.models import load_target
+    with pytest.raises(error, match=message):
+        load_target(mutated(attention_files[arch], tmp_path, edit), "cpu", n_ctx=256)
+
+
+def test_attention_architecture_memory_plan_is_checked(attention_files):
+    from pydflash.models import load_target
+    with pytest.raises(MemoryError, match=r"qwen3.gguf with n_ctx 1099511627776 needs .* GiB \(KV cache"):
+        load_target(attention_files["qwen3"], "cpu", n_ctx=2**40)
+
+
+def test_attention_architecture_quantised_matrices_are_accepted(attention_files, tmp_path):
+    """A mix of weight quantisations on the matrices and the (tied) LM head loads (zeros: acceptance is what
+    is tested); token_embd.weight plays both the embedding and the output role here."""
+    from pydflash.models import load_target
+    mix = {"blk.0.attn_q.weight": ggml.Type.Q8_0, "blk.1.ffn_up.weight": ggml.Type.F16,
+           "token_embd.weight": ggml.Type.Q8_0}
+
+    def edit(spec):
+        for name, type_ in mix.items():
+            _retype(name, type_)(spec)
+    target = load_target(mutated(attention_files["llama"], tmp_path, edit), "cpu", n_ctx=256)
+    assert {name: target.weights[name].type for name in mix} == mix
+    assert target.weights["output.weight"] is target.weights["token_embd.weight"]

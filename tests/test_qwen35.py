@@ -253,8 +253,8 @@ def _copy_with(path_in, path_out, *, arch=None, drop=None, reshape=None):
 def test_bad_files_give_errors_that_name_file_and_problem(tmp_path, models):
     good = models[("A", "F32")]
     cases = {}
-    cases["arch"] = tmp_path / "llama.gguf"
-    _copy_with(good, cases["arch"], arch="llama")
+    cases["arch"] = tmp_path / "mamba.gguf"
+    _copy_with(good, cases["arch"], arch="mamba")
     cases["missing"] = tmp_path / "missing.gguf"
     _copy_with(good, cases["missing"], drop="blk.1.ssm_out.weight")
     cases["shape"] = tmp_path / "shape.gguf"
@@ -263,7 +263,7 @@ def test_bad_files_give_errors_that_name_file_and_problem(tmp_path, models):
     cases["truncated"].write_bytes(good.read_bytes()[:-1000])
     cases["not_gguf"] = tmp_path / "junk.gguf"
     cases["not_gguf"].write_bytes(b"GGUF\x03\x00\x00\x00" + b"\xff" * 35)   # 43 bytes: header counts absurd
-    expected = {"arch": "architecture is 'llama', expected 'qwen35'", "missing": "missing tensor 'blk.1.ssm_out",
+    expected = {"arch": "architecture is 'mamba', expected 'qwen35'", "missing": "missing tensor 'blk.1.ssm_out",
                 "shape": "tensor 'blk.3.attn_k.weight' has shape", "truncated": "truncated",
                 "not_gguf": "damaged GGUF header"}
     for case, path in cases.items():
@@ -272,7 +272,7 @@ def test_bad_files_give_errors_that_name_file_and_problem(tmp_path, models):
         assert str(path) in str(info.value), case
         assert expected[case] in str(info.value), (case, str(info.value))
     from pydflash.models import load_target
-    with pytest.raises(GGUFError, match="architecture 'llama' is not supported"):
+    with pytest.raises(GGUFError, match="architecture 'mamba' is not supported"):
         load_target(cases["arch"], "cpu")
     assert isinstance(load_target(good, "cpu", n_ctx=32), Qwen35Target)
 

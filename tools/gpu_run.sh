@@ -146,6 +146,9 @@ phase bench_oracle 200 python3 "$src/bench/ddtree_step.py" "$data/q27.gguf" --de
     --reps 3
 phase bench_f16 150 python3 "$src/bench/ddtree_step.py" "$data/q27.gguf" --draft "$data/d27" --device cuda \
     --budget 22 --n-gen 32 --reps 5 --f16-states
+# time to first token of a chat's turn 2 (2,000-token turn 1), with and without prefix reuse
+phase bench_prefix 300 python3 "$src/bench/prefix_reuse.py" "$data/q27.gguf" --draft "$data/d27" --device cuda \
+    --prompt-len 2000 --reply 64 --user 64 --reps 3
 # llama.cpp's own batched forwards of 1..40 tokens, beside our verify-size table
 phase bench_llama_pp 120 "$build/bin/llama-bench" -m "$data/q27.gguf" -p 1,2,4,8,16,23,32,40 -n 0 -r 5 -fa 1 \
     -ngl 99 -o md

@@ -295,6 +295,16 @@ class Tensor:
         lib.ggml_mul_mat_set_hint(self._ptr, lib.GGML_HINT_SRC0_IS_HADAMARD)
         return self
 
+    def copy_to(self, dst: "Tensor") -> None:
+        """Copy this tensor's data into `dst` (same type and shape); between two tensors of one device it stays
+        on the device (no host round trip)."""
+        if self.type != dst.type or self.ne != dst.ne:
+            raise ValueError(f"copy {self.name or '?'} ({self.type.name} {self.ne}) into {dst.name or '?'} "
+                             f"({dst.type.name} {dst.ne}): type and shape must match")
+        if not (self.is_allocated and dst.is_allocated):
+            raise GGMLError("copy between tensors that have no data yet")
+        lib.ggml_backend_tensor_copy(self._ptr, dst._ptr)
+
     def numpy(self) -> np.ndarray:
         """Copy out to a new array shaped ne[::-1] (C order); raw uint8 rows for quantised types."""
         self._check_io(self.nbytes, "numpy")

@@ -516,16 +516,40 @@ def _resolve_zlab(path) -> tuple[str, str]:
     return config_path, weights_path
 
 
+def _is_gguf(path) -> bool:
+    return not isinstance(path, (tuple, list)) and os.fspath(path).endswith(".gguf")
+
+
+def read_draft_hparams(path) -> DFlashHParams:
+    """The hyperparameters of a draft without loading its weights: a z-lab folder, its config.json, a
+    (config, safetensors) pair, or a llama.cpp `dflash` GGUF. The one lookup of target_layer_ids (and its
+    default) that loading and `pydflash.load` share."""
+    if _is_gguf(path):
+        return DFlashHParams.from_gguf(_open_gguf(path))
+    if isinstance(path, (tuple, list)):
+        config_path = os.fspath(path[0])
+    else:
+        path = os.fspath(path)
+        config_path = os.path.join(path, "config.json") if os.path.isdir(path) else path
+    return DFlashHParams.from_config(read_config(config_path), config_path)
+
+
+def _open_gguf(path) -> GGUFFile:
+    """A draft GGUF parsed; a damaged file is a DraftLoadError (a wrong architecture, found later by from_gguf,
+    stays a GGUFError)."""
+    try:
+        return GGUFFile(path)
+    except GGUFError as e:
+        raise DraftLoadError(str(e)) from None
+
+
 def load_draft_weights(path, backend: ggml.Backend, check=None):
     """(hparams, weights, weights path) of a z-lab draft folder / (config, safetensors) pair, or a GGUF.
 
     check(hp, weights_path), if given, runs before anything is uploaded (e.g. the fit to a target)."""
     check = check or (lambda hp, p: None)
-    if not isinstance(path, (tuple, list)) and os.fspath(path).endswith(".gguf"):
-        try:
-            gf = GGUFFile(path)
-        except GGUFError as e:
-            raise DraftLoadError(str(e)) from None
+    if _is_gguf(path):
+        gf = _open_gguf(path)
         hp = DFlashHParams.from_gguf(gf)
         check(hp, gf.path)
         names = _gguf_names(hp.n_layer)
@@ -592,6 +616,20 @@ class DraftContextCache:
     @property
     def n_filled(self) -> int:
         return min(self.n_ctx, self.window)
+
+    def truncate(self, n: int) -> bool:
+        """Forget positions n.. so that the next append continues at position n (prefix reuse).
+
+        A context of n positions keeps max(0, n - window)..n-1 in the ring; once later positions have overwritten
+        any of them this is impossible: returns False and changes nothing (rebuild the context from scratch)."""
+        if not 0 <= n <= self.n_ctx:
+            raise ValueError(f"truncate to {n} positions: the context holds 0..{self.n_ctx}")
+        kept = np.arange(max(0, n - self.window), n)
+        if not np.array_equal(self.slot_pos[kept % self.window], kept):
+            return False
+        self.slot_pos[self.slot_pos >= n] = -1     # masked from now on; the next appends overwrite them
+        self.n_ctx = n
+        return True
 
     def rows_for(self, positions: np.ndarray) -> np.ndarray:
         return self.block + positions % self.window
@@ -676,6 +714,10 @@ class DFlashDraft:
     def reset(self) -> None:
         self.cache.reset()
 
+    def truncate(self, n: int) -> bool:
+        """Keep context positions 0..n-1 only; False (nothing changed) when the ring no longer holds them."""
+        return self.cache.truncate(n)
+
     # --- context appends ---
 
     def append_features(self, features: np.ndarray) -> None:
@@ -704,7 +746,7 @@ class DFlashDraft:
         if tuple(self.target.capture_layers) != self.hp.target_layer_ids:
             raise ValueError(f"the target captures layers {self.target.capture_layers}, the draft needs "
                              f"{self.hp.target_layer_ids}")
-        n_last = self.target._last_n_captured
+        n_last = self.target.n_captured
         rows = np.arange(n_last) if rows is None else np.asarray(rows, dtype=np.int64).reshape(-1)
         if rows.size == 0:
             return

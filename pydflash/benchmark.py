@@ -1,0 +1,192 @@
+"""`pydflash bench`: AR against speculative decoding on the benchmark prompt sets, per prompt and per dataset.
+
+Each prompt is decoded twice on the same loaded target: plain AR (greedy) and the engine's speculative mode
+(chain or ddtree with its draft). Decode tok/s excludes the prefill, which is reported on its own; acceptance
+length is tokens committed per verify step. Every speculative output is compared with AR's token for token
+(on the CPU they must be identical; on CUDA a batched verify rounds differently from a single-token decode,
+see docs/benchmarks.md, so the count of differing outputs is reported rather than asserted).
+
+Prompt format: `auto` feeds HumanEval prompts raw (code completion, as they are written) and wraps the math
+questions in the chat template as a user turn; `chat` and `raw` force one format for all.
+Outputs: a markdown table (stdout and bench.md), bench.json (settings, per-prompt and per-dataset numbers) and,
+when matplotlib is installed (`pip install pydflash[plot]`), bench.png: speed-up per dataset and the
+acceptance-length histogram.
+"""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import sys
+import time
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+from .datasets import BENCHMARKS, load_prompts
+
+FORMATS = ("auto", "chat", "raw")
+
+
+@dataclass
+class PromptRun:
+    dataset: str
+    id: str
+    chat: bool
+    prompt_tokens: int
+    ar_tokens: int             # new tokens of each run (equal whenever the outputs are)
+    spec_tokens: int
+    ar_decode_s: float
+    ar_prefill_s: float
+    spec_decode_s: float
+    spec_steps: int
+    spec_committed: int
+    identical: bool
+    histogram: list            # index = tokens committed in one step
+
+    @property
+    def ar_tok_s(self) -> float:       # the first new token comes out of the prefill, not the decode
+        return (self.ar_tokens - 1) / self.ar_decode_s if self.ar_decode_s > 0 else 0.0
+
+    @property
+    def spec_tok_s(self) -> float:
+        return (self.spec_tokens - 1) / self.spec_decode_s if self.spec_decode_s > 0 else 0.0
+
+
+def summarize(runs: list[PromptRun]) -> dict:
+    """Per-dataset totals: tok/s as total decoded tokens over total decode time, acceptance length as total
+    committed over total steps (so long outputs weigh by their length, not by one vote per prompt)."""
+    ar_decoded = sum(r.ar_tokens - 1 for r in runs)
+    spec_decoded = sum(r.spec_tokens - 1 for r in runs)
+    ar_s = sum(r.ar_decode_s for r in runs)
+    spec_s = sum(r.spec_decode_s for r in runs)
+    steps = sum(r.spec_steps for r in runs)
+    hist = np.zeros(max((len(r.histogram) for r in runs), default=1), np.int64)
+    for r in runs:
+        hist[:len(r.histogram)] += r.histogram
+    ar_tok_s = ar_decoded / ar_s if ar_s > 0 else 0.0
+    spec_tok_s = spec_decoded / spec_s if spec_s > 0 else 0.0
+    prompt_tokens = sum(r.prompt_tokens for r in runs)
+    prefill_s = sum(r.ar_prefill_s for r in runs)
+    return {
+        "prompts": len(runs),
+        "decoded_tokens": ar_decoded,
+        "ar_tok_s": ar_tok_s,
+        "spec_tok_s": spec_tok_s,
+        "speedup": spec_tok_s / ar_tok_s if ar_tok_s > 0 else 0.0,
+        "acceptance_length": sum(r.spec_committed for r in runs) / steps if steps else 0.0,
+        "prefill_tok_s": prompt_tokens / prefill_s if prefill_s > 0 else 0.0,
+        "identical_outputs": sum(r.identical for r in runs),
+        "acceptance_histogram": hist.tolist(),
+    }
+
+
+def run_bench(engine, datasets=BENCHMARKS, *, n_prompts: int = 20, n_gen: int = 256, seed: int = 0,
+              prompt_format: str = "auto", max_prompt_tokens: int | None = None, progress: bool = True
+              ) -> tuple[list[PromptRun], dict]:
+    """Decode `n_prompts` of each dataset with AR and with `engine` (a speculative pydflash Engine).
+
+    Returns the per-prompt runs and {dataset: summary}. Prompts whose tokens (plus n_gen and the verify
+    slots) would not fit the engine's context are skipped with a note, never truncated silently."""
+    from tqdm import tqdm
+
+    from .api import Engine
+    from .engine import Decoder
+
+    if engine.mode == "ar":
+        raise ValueError("pydflash bench compares AR with a speculative mode: load the engine with a draft")
+    if prompt_format not in FORMATS:
+        raise ValueError(f"prompt format {prompt_format!r}: expected one of {FORMATS}")
+    if engine.tokenizer is None:
+        raise ValueError("pydflash bench needs the target's tokenizer (load with tokenizer=True)")
+    ar = Engine(Decoder(engine.target, None, mode="ar", tokenizer=engine.tokenizer), engine.tokenizer)
+    room = engine.target.n_ctx - n_gen - engine.decoder.budget
+    limit = room if max_prompt_tokens is None else min(room, max_prompt_tokens)
+    runs: list[PromptRun] = []
+    for name in datasets:
+        prompts = load_prompts(name, n_prompts, seed=seed)
+        bar = tqdm(prompts, desc=f"bench {name}", unit="prompt", disable=not progress, file=sys.stderr)
+        for p in bar:
+            chat = p.chat if prompt_format == "auto" else prompt_format == "chat"
+            ids = engine.prompt_ids(p.text, chat=chat)
+            n_prompt = len(ids)
+            if n_prompt > limit:
+                bar.write(f"skipped {p.id}: {n_prompt} prompt tokens > {limit} that fit the context")
+                continue
+            ref = ar.generate(ids, max_tokens=n_gen)
+            out = engine.generate(ids, max_tokens=n_gen)
+            s = out.stats
+            runs.append(PromptRun(
+                dataset=name, id=p.id, chat=chat, prompt_tokens=n_prompt, ar_tokens=len(ref.tokens),
+                spec_tokens=len(out.tokens),
+                ar_decode_s=ref.stats["decode_s"], ar_prefill_s=ref.stats["prefill_s"],
+                spec_decode_s=s["decode_s"], spec_steps=s["steps"], spec_committed=sum(s["committed_per_step"]),
+                identical=out.tokens == ref.tokens, histogram=list(s["acceptance_histogram"])))
+    summary = {name: summarize([r for r in runs if r.dataset == name]) for name in datasets}
+    return runs, summary
+
+
+def markdown(summary: dict, settings: dict) -> str:
+    lines = [f"Target `{settings['target']}`, draft `{settings['draft']}`, mode {settings['mode']} (budget "
+             f"{settings['budget']}), device {settings['device']}, n_gen {settings['n_gen']}, prompt format "
+             f"{settings['prompt_format']}, seed {settings['seed']}.", "",
+             "| dataset | prompts | AR tok/s | speculative tok/s | speed-up | acceptance length | prefill tok/s "
+             "| outputs equal to AR |",
+             "|---|---|---|---|---|---|---|---|"]
+    for name, s in summary.items():
+        lines.append(f"| {name} | {s['prompts']} | {s['ar_tok_s']:.1f} | {s['spec_tok_s']:.1f} | "
+                     f"{s['speedup']:.2f}x | {s['acceptance_length']:.2f} | {s['prefill_tok_s']:.1f} | "
+                     f"{s['identical_outputs']}/{s['prompts']} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(summary: dict, path: str) -> bool:
+    """Speed-up per dataset and the acceptance-length histogram as a PNG; False when matplotlib is missing."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    names = list(summary)
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    left.bar(names, [summary[n]["speedup"] for n in names], color="#3b7dd8")
+    left.axhline(1.0, color="grey", linewidth=1)
+    left.set_ylabel("decode speed-up over AR")
+    left.set_title("speculative / AR tok/s")
+    for i, n in enumerate(names):
+        hist = np.asarray(summary[n]["acceptance_histogram"], np.float64)
+        if hist.sum() > 0:
+            right.plot(np.arange(hist.size), hist / hist.sum(), marker="o", label=f"{n} (AL "
+                       f"{summary[n]['acceptance_length']:.2f})")
+    right.set_xlabel("tokens committed per step")
+    right.set_ylabel("fraction of steps")
+    right.set_title("acceptance length histogram")
+    right.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return True
+
+
+def write_report(out_dir: str, runs: list[PromptRun], summary: dict, settings: dict) -> dict:
+    """bench.md, bench.json and (with matplotlib) bench.png under out_dir; returns {kind: path}."""
+    os.makedirs(out_dir, exist_ok=True)
+    paths = {"md": os.path.join(out_dir, "bench.md"), "json": os.path.join(out_dir, "bench.json")}
+    with open(paths["md"], "w", encoding="utf-8") as f:
+        f.write(markdown(summary, settings))
+    record = {"settings": settings, "datasets": summary,
+              "prompts": [dict(asdict(r), ar_tok_s=r.ar_tok_s, spec_tok_s=r.spec_tok_s) for r in runs]}
+    with open(paths["json"], "w", encoding="utf-8") as f:
+        json.dump(record, f, indent=1)
+    png = os.path.join(out_dir, "bench.png")
+    if plot(summary, png):
+        paths["png"] = png
+    return paths
+
+
+def settings_of(engine, *, target: str, draft: str, device: str, n_gen: int, seed: int, prompt_format: str) -> dict:
+    return {"target": os.path.basename(str(target)), "draft": os.path.basename(str(draft).rstrip("/")),
+            "mode": engine.mode, "budget": engine.decoder.budget, "device": device, "n_gen": n_gen, "seed": seed,
+            "prompt_format": prompt_format, "host": platform.node(), "python": platform.python_version(),
+            "date": time.strftime("%Y-%m-%d")}

@@ -1,0 +1,100 @@
+"""Graph pieces shared by the target architectures: the weight matmul, norms, the SwiGLU FFN, rotary
+embeddings and attention over the KV cache.
+
+Every weight matmul of an architecture's graph goes through `linear`, so that one place decides how a
+(quantised) weight meets the activations.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from .. import ggml
+
+ROPE_TYPE_NORMAL = 0      # llama: rotate adjacent pairs (x0, x1), (x2, x3), ...
+ROPE_TYPE_NEOX = 2        # qwen2/qwen3: rotate halves (x0, x_{d/2}), ...
+ROPE_TYPE_IMROPE = 40     # qwen35: interleaved multi-section rope over 4 position axes
+
+
+def linear(ctx: ggml.Context, w: ggml.Tensor, x: ggml.Tensor) -> ggml.Tensor:
+    """w^T x for a weight w [n_in, n_out] (ggml order) and activations x [n_in, ...] -> [n_out, ...]."""
+    return ctx.mul_mat(w, x)
+
+
+def rms_norm(ctx: ggml.Context, x: ggml.Tensor, weight: ggml.Tensor, eps: float, name: str) -> ggml.Tensor:
+    """RMS norm over ne[0], times a weight vector."""
+    return ctx.mul(ctx.rms_norm(x, eps), weight).named(name)
+
+
+def l2_norm(ctx: ggml.Context, x: ggml.Tensor, eps: float) -> ggml.Tensor:
+    # llama.cpp's form: rms_norm with eps/d, scaled by 1/sqrt(d)  ==  x / sqrt(sum x^2 + eps)
+    d = x.ne[0]
+    return ctx.scale(ctx.rms_norm(x, eps / d), 1.0 / math.sqrt(d))
+
+
+def swiglu_ffn(ctx: ggml.Context, x: ggml.Tensor, gate_w: ggml.Tensor, up_w: ggml.Tensor, down_w: ggml.Tensor,
+               name: str) -> ggml.Tensor:
+    """down(silu(gate x) * up x)."""
+    gate = linear(ctx, gate_w, x)
+    up = linear(ctx, up_w, x)
+    return linear(ctx, down_w, ctx.swiglu_split(gate, up)).named(name)
+
+
+def rope(ctx: ggml.Context, x: ggml.Tensor, pos: ggml.Tensor, *, n_rot: int, mode: int, base: float,
+         n_ctx_train: int, freq_scale: float = 1.0) -> ggml.Tensor:
+    """Rotary embedding of x [head_dim, n_head, n] at positions pos (i32 [n]), no YaRN extension."""
+    return ctx.rope_ext(x, pos, None, n_rot, mode, n_ctx_train, base, freq_scale, 0.0, 1.0, 32.0, 1.0)
+
+
+def attention(ctx: ggml.Context, cache, il: int, q: ggml.Tensor, k: ggml.Tensor, v: ggml.Tensor, inputs,
+              scale: float | None = None) -> ggml.Tensor:
+    """Write this batch's K/V rows into the cache of layer il, then attend q over the first n_kv cells.
+
+    q [hd, n_head, n], k and v [hd, n_head_kv, n] (roped already); inputs: the runtime's graph inputs
+    (kv_rows: the cells to write, kq_mask: f16 [n_kv, n], n_tokens, n_kv). Returns [hd * n_head, n]."""
+    hd, n_head, n_head_kv = q.ne[0], q.ne[1], k.ne[1]
+    n, n_kv = inputs.n_tokens, inputs.n_kv
+    if cache.k_rot is not None:   # quantised KV: rotate Q, K and V like llama.cpp before quantising
+        q = hadamard_rotate(ctx, q, cache.k_rot)
+        k = hadamard_rotate(ctx, k, cache.k_rot)
+        v = hadamard_rotate(ctx, v, cache.v_rot)
+    elif cache.tq3_rotation is not None:   # TQ3_0 rotates K and V as it quantises them: Q follows
+        q = cache.tq3_rotation.rotate(ctx, q)
+    kv_row = hd * n_head_kv
+    k_cache, v_cache = cache.k[il], cache.v[il]
+    # write this batch's rows, then read the first n_kv cells through views of the writes (so the reads
+    # depend on them)
+    k_written = ctx.set_rows(k_cache, ctx.view_2d(k, kv_row, n, k.nb[2], 0), inputs.kv_rows)
+    v_written = ctx.set_rows(v_cache, ctx.view_2d(v, kv_row, n, v.nb[2], 0), inputs.kv_rows)
+    kt = ctx.view_3d(k_written, hd, n_head_kv, n_kv, ggml.row_size(cache.kv_type, hd), k_cache.nb[1], 0)
+    vt = ctx.view_3d(v_written, hd, n_head_kv, n_kv, ggml.row_size(cache.kv_type, hd), v_cache.nb[1], 0)
+    scale = 1.0 / math.sqrt(hd) if scale is None else scale
+    out = ctx.flash_attn_ext(ctx.permute(q, 0, 2, 1, 3), ctx.permute(kt, 0, 2, 1, 3),
+                             ctx.permute(vt, 0, 2, 1, 3), inputs.kq_mask, scale, 0.0, 0.0)
+    out.accumulate_f32()
+    out = ctx.reshape_2d(out, hd * n_head, n)                    # [hd n_head, n]
+    if cache.v_rot is not None:
+        out = hadamard_rotate(ctx, out, cache.v_rot)
+    elif cache.tq3_rotation is not None:   # attention over rotated V gives the rotated output
+        out = cache.tq3_rotation.unrotate(ctx, out)
+    return out
+
+
+def hadamard_rotate(ctx: ggml.Context, x: ggml.Tensor, rot: ggml.Tensor) -> ggml.Tensor:
+    """x @ H per group of H's size along ne[0] (H symmetric and orthonormal)."""
+    m = rot.ne[0]
+    n_elem = int(np.prod(x.ne))
+    flat = ctx.reshape_2d(x if is_contiguous(x) else ctx.cont(x), m, n_elem // m)
+    y = ctx.mul_mat(rot, flat).hint_src0_hadamard()
+    return ctx.reshape_4d(y, *x.ne)
+
+
+def is_contiguous(t: ggml.Tensor) -> bool:
+    expected = ggml.row_size(t.type, t.ne[0])
+    if t.nb[1] != expected:
+        return False
+    for i in range(2, 4):
+        if t.ne[i - 1] > 1 and t.nb[i] != t.nb[i - 1] * t.ne[i - 1]:
+            return False
+    return True

