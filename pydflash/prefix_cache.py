@@ -30,7 +30,8 @@ class _Snapshot:
                      for il, t in cache.conv.items()}
         self.ssm = {il: self._ctx.new_tensor(t.type, t.ne, name=f"snapshot.l{il}.ssm")
                     for il, t in cache.ssm.items()}
-        self.buffer = backend.alloc_tensors(self._ctx)
+        # an attention-only model has no recurrent state: its snapshot is empty (the KV rows stay in the cache)
+        self.buffer = backend.alloc_tensors(self._ctx) if self.conv or self.ssm else None
 
     def save(self, cache) -> None:
         for il in cache.conv:
