@@ -1,11 +1,12 @@
-"""Autoregressive greedy decode speed of pydflash's qwen35 target on one GGUF and device, like llama-bench's tg test.
+"""Autoregressive greedy decode speed of a pydflash target (any supported architecture) on one GGUF and device, like llama-bench's tg test.
 
     python bench/ar_decode.py MODEL.gguf --device cuda --n-gen 128 --reps 5 [--llama-bench path/to/llama-bench]
 
 Each repetition starts from an empty cache, runs a --n-depth token prompt (0 = none, llama-bench's default), then
 times --n-gen single-token steps (the argmax is the only thing copied back per step). With --llama-bench, the same
 test runs through llama.cpp's own benchmark on the same file (flash attention on, all layers on the GPU) and the
-table gets its tokens/s and our ratio to it. Prints a markdown table.
+table gets its tokens/s and our ratio to it. --n-prompt N also times a prefill of N tokens (llama-bench's pp test)
+per repetition. Prints a markdown table.
 """
 from __future__ import annotations
 
@@ -24,14 +25,22 @@ except ImportError:      # running from a source checkout without installing
 
 
 def bench_pydflash(args) -> dict:
-    from pydflash.models.qwen35 import Qwen35Target
+    from pydflash.models import load_target
 
     t0 = time.perf_counter()
-    target = Qwen35Target(args.model, args.device, n_ctx=args.n_ctx, kv_type=args.kv, n_ubatch=args.n_ubatch,
-                          progress=True)
+    target = load_target(args.model, args.device, n_ctx=args.n_ctx, kv_type=args.kv, n_ubatch=args.n_ubatch,
+                         progress=True)
     load_s = time.perf_counter() - t0
-    rates = []
+    rates, pp_rates = [], []
     for rep in range(args.reps + 1):          # the first run warms up (graph build, allocation, CUDA graphs)
+        if args.n_prompt:
+            target.reset()
+            target.backend.synchronize()
+            t = time.perf_counter()
+            target.prefill(list(range(1, args.n_prompt + 1)), return_logits=False)
+            target.backend.synchronize()
+            if rep:
+                pp_rates.append(args.n_prompt / (time.perf_counter() - t))
         target.reset()
         token = 1
         if args.n_depth:
@@ -46,17 +55,19 @@ def bench_pydflash(args) -> dict:
             rates.append(args.n_gen / dt)
     return {"load_s": load_s, "tok_s": statistics.mean(rates),
             "tok_s_std": statistics.stdev(rates) if len(rates) > 1 else 0.0, "n_graphs": target.n_graphs,
-            "device": target.backend.name}
+            "device": target.backend.name, "pp_tok_s": statistics.mean(pp_rates) if pp_rates else None}
 
 
 def bench_llama(args) -> dict:
-    cmd = [args.llama_bench, "-m", args.model, "-p", "0", "-n", str(args.n_gen), "-r", str(args.reps),
+    cmd = [args.llama_bench, "-m", args.model, "-p", str(args.n_prompt), "-n", str(args.n_gen), "-r", str(args.reps),
            "-fa", "1", "-ngl", "99", "-o", "json", "-ctk", args.kv, "-ctv", args.kv]
     if args.n_depth:
         cmd += ["-d", str(args.n_depth)]
     out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
     runs = [r for r in json.loads(out) if r.get("n_gen")]
-    return {"tok_s": runs[0]["avg_ts"], "tok_s_std": runs[0].get("stddev_ts", 0.0), "cmd": " ".join(cmd)}
+    pp = [r for r in json.loads(out) if r.get("n_prompt") and not r.get("n_gen")]
+    return {"tok_s": runs[0]["avg_ts"], "tok_s_std": runs[0].get("stddev_ts", 0.0), "cmd": " ".join(cmd),
+            "pp_tok_s": pp[0]["avg_ts"] if pp else None}
 
 
 def bench_llama_cpp_python(args) -> dict:
@@ -67,8 +78,15 @@ def bench_llama_cpp_python(args) -> dict:
     llm = llama_cpp.Llama(args.model, n_ctx=args.n_ctx, n_batch=args.n_ubatch, n_threads=os.cpu_count(),
                           flash_attn=True, type_k=types[args.kv], type_v=types[args.kv], verbose=False)
     n_vocab = llm.n_vocab()
-    rates = []
+    rates, pp_rates = [], []
     for rep in range(args.reps + 1):
+        if args.n_prompt:
+            llm.reset()
+            llm._ctx.kv_cache_clear() if hasattr(llm._ctx, "kv_cache_clear") else None
+            t = time.perf_counter()
+            llm.eval(list(range(1, args.n_prompt + 1)))
+            if rep:
+                pp_rates.append(args.n_prompt / (time.perf_counter() - t))
         llm.reset()
         llm._ctx.kv_cache_clear() if hasattr(llm._ctx, "kv_cache_clear") else None
         token = 1
@@ -83,7 +101,7 @@ def bench_llama_cpp_python(args) -> dict:
         if rep:
             rates.append(args.n_gen / dt)
     return {"tok_s": statistics.mean(rates), "tok_s_std": statistics.stdev(rates) if len(rates) > 1 else 0.0,
-            "cmd": "llama-cpp-python Llama.eval per token (CPU wheel)"}
+            "cmd": "llama-cpp-python Llama.eval per token (CPU wheel)", "pp_tok_s": statistics.mean(pp_rates) if pp_rates else None}
 
 
 def main(argv=None) -> int:
@@ -92,6 +110,7 @@ def main(argv=None) -> int:
     p.add_argument("--device", default="auto")
     p.add_argument("--n-gen", type=int, default=128)
     p.add_argument("--n-depth", type=int, default=0)
+    p.add_argument("--n-prompt", type=int, default=0, help="also time a prefill of this many tokens (0: no)")
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--kv", default="f16", choices=["f16", "q8_0", "q4_0", "tq3_0"])
     p.add_argument("--n-ctx", type=int, default=1024)
@@ -100,8 +119,8 @@ def main(argv=None) -> int:
     p.add_argument("--llama-cpp-python", action="store_true",
                    help="compare with llama.cpp via llama-cpp-python in-process instead (CPU runs)")
     args = p.parse_args(argv)
-    if args.n_depth + args.n_gen > args.n_ctx:
-        p.error("--n-depth + --n-gen must fit in --n-ctx")
+    if args.n_depth + args.n_gen > args.n_ctx or args.n_prompt > args.n_ctx:
+        p.error("--n-depth + --n-gen and --n-prompt must fit in --n-ctx")
 
     ours = bench_pydflash(args)
     ref = bench_llama(args) if args.llama_bench else bench_llama_cpp_python(args) if args.llama_cpp_python else None
@@ -116,6 +135,9 @@ def main(argv=None) -> int:
         print(f"| {engine} | {name} | {ours['device']} | {test} | {ref['tok_s']:.2f} ± "
               f"{ref['tok_s_std']:.2f} | 1.000 |")
         print(f"\nreference: `{ref['cmd']}`")
+    if args.n_prompt:
+        ref_pp = f", reference {ref['pp_tok_s']:.1f} tok/s" if ref and ref.get("pp_tok_s") else ""
+        print(f"\nprefill pp{args.n_prompt}: pydflash {ours['pp_tok_s']:.1f} tok/s{ref_pp}")
     print(f"\npydflash: load {ours['load_s']:.1f} s, {ours['n_graphs']} graphs built")
     return 0
 

@@ -15,9 +15,9 @@ import os
 from dataclasses import dataclass, field
 
 from .engine import MODES, Decoder
+from .plan import DRAFT_WINDOW, PREFIX_BYTES, PREFIX_SNAPSHOTS
 from .validate import choice_param, int_param, token_ids
 
-DEFAULT_MAX_CTX = 8192     # positions allocated when max_ctx is None (capped by the model's training context)
 MAX_CTX = 1 << 24          # far above any model's context; larger values only fail later, in the memory plan
 MAX_BUDGET = 1024          # tree nodes / chain length per step
 MAX_TOKENS = 1 << 24
@@ -37,6 +37,7 @@ class Engine:
     def __init__(self, decoder: Decoder, tokenizer=None):
         self.decoder = decoder
         self.tokenizer = tokenizer
+        self.last_tokens: list[int] = []   # the new token ids of the current (or last) stream, growing as it runs
 
     @property
     def mode(self) -> str:
@@ -60,7 +61,8 @@ class Engine:
         consumer stops early (closes the generator)."""
         int_param("max_tokens", max_tokens, 1, MAX_TOKENS)
         ids = self._prompt_ids(prompt, chat, sampling)
-        tokens, shown = [], ""
+        tokens = self.last_tokens = []
+        shown = ""
         steps = self.decoder.iter_generate(ids, max_tokens)
         try:
             for batch in steps:
@@ -138,27 +140,41 @@ def draft_layer_ids(draft_path) -> list[int]:
         raise DraftLoadError(str(e)) from None
 
 
-def _load_draft(draft_path, target, top_k: int = 8):
+def _load_draft(draft_path, target, top_k: int = 8, window: int | None = None):
     try:
         from .models.dflash_draft import DFlashDraft
     except ImportError as e:
         raise RuntimeError("the DFlash draft model is not part of this build yet (pydflash.models.dflash_draft); "
                            "run with mode='ar'") from e
-    return DFlashDraft(draft_path, target, top_k=top_k)
+    return DFlashDraft(draft_path, target, top_k=top_k, window=window or DRAFT_WINDOW)
 
 
-def load(target, draft=None, *, device: str = "auto", kv_type: str = "f16", max_ctx: int | None = None,
+def load(target, draft=None, *, device: str = "auto", kv_type: str = "auto", max_ctx: int | str | None = "auto",
          mode: str | None = None, budget: int = 22, tokenizer: bool = True, progress: bool | None = None,
-         prefix_cache: bool = True, prefix_snapshots: int = 4, prefix_bytes: int | None = 1 << 30) -> Engine:
+         n_ubatch: int | str = "auto", vram=None, verbose: bool = False, draft_window: int = DRAFT_WINDOW,
+         prefix_cache: bool = True, prefix_snapshots: int = PREFIX_SNAPSHOTS,
+         prefix_bytes: int | None = PREFIX_BYTES) -> Engine:
     """Load a target GGUF (and a DFlash draft: its directory or config.json) and return an `Engine`.
 
-    device: 'auto', 'cpu', 'cuda' or 'cuda:N'. kv_type: 'f16', 'q8_0', 'q4_0' or 'tq3_0' (mode 'ar' only for now). max_ctx: positions of the
-    KV cache (None: 8192, capped by the model's training context). mode: 'ar', 'chain' or 'ddtree' (None:
-    'ddtree' with a draft, 'ar' without). budget: tree nodes per step (ddtree) or chain length (chain).
+    device: 'auto', 'cpu', 'cuda' or 'cuda:N'. max_ctx: positions of the KV cache; 'auto' (or None) fits the
+    longest context the device's free memory holds, capped by the model's training context. kv_type: 'f16',
+    'q8_0', 'q4_0', 'tq3_0', or 'auto': f16 while the context fits, then q8_0, q4_0, tq3_0 (pydflash.plan).
+    A request that cannot fit is refused with the memory plan's numbers. vram: the memory to plan for (bytes
+    or '24GiB'; default: the device's free memory). verbose: print the memory plan. mode: 'ar', 'chain' or
+    'ddtree' (None: 'ddtree' with a draft, 'ar' without). budget: tree nodes per step (ddtree) or chain length
+    (chain). n_ubatch: the longest prefill micro-batch (the target's prefill picks the size by prompt length);
+    'auto': 2048 when its buffers leave the fitted context and KV type unchanged, else 512.
+    draft_window: context positions the draft attends to (its ring of projected K/V; the target's captured
+    features are kept for one micro-batch only, so no per-position cost grows with max_ctx besides the KV cache).
     tokenizer: load the GGUF's tokenizer (through llama-cpp-python, vocabulary only) for text in and out.
     prefix_cache: resume a prompt that extends an earlier one (a chat's next turn) from the state saved at the
     end of that prompt or of its generation, instead of prefilling it all; the saved recurrent states are kept on
-    the device, at most prefix_snapshots of them and prefix_bytes in all (least recently used dropped first)."""
+    the device, at most prefix_snapshots of them and prefix_bytes in all (least recently used dropped first). The
+    memory plan counts them after the context: where they would shorten the fitted context or coarsen its KV
+    type, fewer are kept (none, if need be)."""
+    import sys
+
+    from . import ggml, plan
     from .gguf_io import GGUFFile
     from .kv import kv_type_of
     from .models import load_target
@@ -170,33 +186,40 @@ def load(target, draft=None, *, device: str = "auto", kv_type: str = "f16", max_
         raise TypeError(f"draft = {draft!r}: expected a DFlash draft folder, config.json or GGUF path")
     if not isinstance(device, str):
         raise TypeError(f"device = {device!r}: expected 'auto', 'cpu', 'cuda' or 'cuda:N'")
-    kv_type_of(kv_type)
+    if not (isinstance(kv_type, str) and kv_type == "auto"):
+        kv_type_of(kv_type)
     if mode is None:
         mode = "ddtree" if draft is not None else "ar"
     choice_param("mode", mode, MODES)
     if mode != "ar" and draft is None:
         raise ValueError(f"mode {mode!r} needs a draft")
     budget = int_param("budget", budget, 1, MAX_BUDGET)
-    if max_ctx is not None:
+    if max_ctx is None or (isinstance(max_ctx, str) and max_ctx == "auto"):
+        max_ctx = "auto"
+    else:
         max_ctx = int_param("max_ctx", max_ctx, 1, MAX_CTX)
-    for name, value in (("tokenizer", tokenizer), ("prefix_cache", prefix_cache)):
+    if not (isinstance(n_ubatch, str) and n_ubatch == "auto"):
+        n_ubatch = int_param("n_ubatch", n_ubatch, 1, MAX_CTX)
+    draft_window = int_param("draft_window", draft_window, 1, MAX_CTX)
+    for name, value in (("tokenizer", tokenizer), ("prefix_cache", prefix_cache), ("verbose", verbose)):
         if not isinstance(value, bool):
             raise TypeError(f"{name} = {value!r}: expected True or False")
     if progress is not None and not isinstance(progress, bool):
         raise TypeError(f"progress = {progress!r}: expected True, False or None")
+    if vram is not None:
+        if isinstance(vram, bool) or not isinstance(vram, (int, str)):
+            raise TypeError(f"vram = {vram!r}: expected a byte count or a size such as '24GiB'")
+        if plan.parse_size(vram) <= 0:
+            raise ValueError(f"vram = {vram!r}: expected a positive size")
     prefix_snapshots = int_param("prefix_snapshots", prefix_snapshots, 0, MAX_SNAPSHOTS)
     if prefix_bytes is not None:
         prefix_bytes = int_param("prefix_bytes", prefix_bytes, 0, 1 << 62)
     from .ggml.core import _find_device
     _find_device(device)
-    gf = GGUFFile(target)                 # parsed once: the target class and the tokenizer get the parsed file
-    if max_ctx is None:
-        n_train = gf.get(f"{gf.architecture}.context_length", 0)
-        n_train = n_train if isinstance(n_train, int) and not isinstance(n_train, bool) else 0
-        max_ctx = min(DEFAULT_MAX_CTX, n_train) if n_train > 0 else DEFAULT_MAX_CTX
+    target_file = GGUFFile(target)        # parsed once: the plan, the target class and the tokenizer get it
     if tokenizer:
         from .tokenizer import check_vocabulary
-        check_vocabulary(gf)      # before llama.cpp's vocabulary loader, which aborts on what this refuses
+        check_vocabulary(target_file)     # before llama.cpp's vocabulary loader, which aborts on what this refuses
     draft_object = draft is not None and hasattr(draft, "propose")   # an already built draft (tests, demo)
     if mode == "ar" or draft is None:
         capture = ()
@@ -204,17 +227,26 @@ def load(target, draft=None, *, device: str = "auto", kv_type: str = "f16", max_
         capture = tuple(getattr(draft, "target_layer_ids", ()))
     else:
         capture = draft_layer_ids(draft)
-    # a verify forward must fit in one micro-batch
-    n_ubatch = max(512, budget + 1)
-    model = load_target(gf, device, n_ctx=max_ctx, kv_type=kv_type, n_ubatch=n_ubatch, capture_layers=capture,
-                        progress=progress)
+    backend = ggml.Backend(device)
+    memory = plan.parse_size(vram) if vram is not None else backend.memory()[0]
+
+    fitted = plan.plan_for_load(target_file, None if (draft_object or mode == "ar") else draft, vram=memory,
+                                max_ctx=max_ctx, kv_type=kv_type, budget=budget,
+                                n_ubatch=n_ubatch, mode=mode, draft_window=draft_window,
+                                prefix_snapshots=prefix_snapshots if prefix_cache else 0, prefix_bytes=prefix_bytes)
+    n_ubatch = fitted.n_ubatch
+    if verbose:
+        print(fitted.table(), file=sys.stderr)
+    model = load_target(target_file, backend, n_ctx=fitted.n_ctx, kv_type=fitted.kv_type, n_ubatch=n_ubatch,
+                        capture_layers=capture, progress=progress)
+    model.memory_plan = fitted
     draft_model = None
     if mode != "ar":
-        draft_model = draft if draft_object else _load_draft(draft, model, top_k=min(budget, 8))
+        draft_model = draft if draft_object else _load_draft(draft, model, top_k=min(budget, 8), window=draft_window)
     tok = None
     if tokenizer:
         from .tokenizer import Tokenizer
-        tok = Tokenizer(target, gf)
+        tok = Tokenizer(target, target_file)
     decoder = Decoder(model, draft_model, mode=mode, budget=budget, tokenizer=tok,
-                      prefix_snapshots=prefix_snapshots if prefix_cache else 0, prefix_bytes=prefix_bytes)
+                      prefix_snapshots=fitted.prefix_snapshots if prefix_cache else 0, prefix_bytes=prefix_bytes)
     return Engine(decoder, tok)

@@ -1,5 +1,7 @@
 """Command line: `pydflash info` (build and device check), `pydflash run` (generate), `pydflash chat` (a terminal
-chat), `pydflash demo` (synthetic models, nothing to download)."""
+chat), `pydflash plan` (the memory plan, no GPU needed), `pydflash demo` (synthetic models, nothing to download),
+`pydflash serve` (the OpenAI/Anthropic-compatible server, pydflash.server), `pydflash bench` and
+`pydflash train-draft`."""
 from __future__ import annotations
 
 import argparse
@@ -64,8 +66,9 @@ def _check_run_args(args: argparse.Namespace) -> None:
     from .api import MAX_BUDGET, MAX_CTX, MAX_TOKENS
     from .ggml.core import _find_device
 
+    max_ctx = _ctx_arg(args.max_ctx)
     for flag, value, hi in (("--n-gen", args.n_gen, MAX_TOKENS), ("--budget", args.budget, MAX_BUDGET),
-                            ("--max-ctx", args.max_ctx, MAX_CTX)):
+                            ("--max-ctx", None if max_ctx == "auto" else max_ctx, MAX_CTX)):
         if value is not None and not 1 <= value <= hi:
             raise UsageError(f"{flag} {value}: expected 1..{hi}")
     if not os.path.isfile(args.target):
@@ -88,13 +91,49 @@ def cmd_run(args: argparse.Namespace) -> int:
     prompt = args.prompt if args.prompt is not None else sys.stdin.read()
     if not prompt:
         raise UsageError("empty prompt (give --prompt or pipe text on stdin)")
-    engine = load(args.target, args.draft, device=args.device, kv_type=args.kv, max_ctx=args.max_ctx,
-                  mode=args.mode, budget=args.budget, progress=True)
+    # a plan that does not fit (PlanError) is reported as one line by main(), like every other error
+    engine = load(args.target, args.draft, device=args.device, kv_type=args.kv, max_ctx=_ctx_arg(args.max_ctx),
+                  mode=args.mode, budget=args.budget, progress=True, verbose=args.verbose)
     for piece in engine.stream(prompt, max_tokens=args.n_gen, chat=args.chat):
         sys.stdout.write(piece)
         sys.stdout.flush()
     sys.stdout.write("\n")
     _print_stats(engine.last_stats)
+    return 0
+
+
+def _ctx_arg(text):
+    """--max-ctx: 'auto' or a positive count (an int where the subcommand's parser already made one)."""
+    if text is None or isinstance(text, int) or text == "auto":
+        return "auto" if text is None else text
+    if not text.isdigit() or int(text) < 1:
+        raise UsageError(f"--max-ctx {text!r}: expected a positive number of positions or 'auto'")
+    return int(text)
+
+
+def _ubatch_arg(text: str):
+    if text == "auto":
+        return "auto"
+    if not text.isdigit() or int(text) < 1:
+        raise UsageError(f"--ubatch {text!r}: expected a positive number of tokens or 'auto'")
+    return int(text)
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    """Print the memory plan for a target (and draft) from their headers. With --vram no device is touched;
+    without it the free memory of --device is planned for."""
+    from . import plan
+
+    vram = args.vram
+    if vram is None:
+        from . import ggml
+        vram = ggml.Backend(args.device).memory()[0]
+    # PlanError, and unreadable files or sizes (GGUFError, DraftLoadError): one line from main()
+    result = plan.plan_for_load(args.target, args.draft, vram=vram, max_ctx=_ctx_arg(args.max_ctx),
+                                kv_type=args.kv, budget=args.budget, mode=args.mode,
+                                n_ubatch=_ubatch_arg(args.ubatch), state_type=args.state_type,
+                                prefix_snapshots=args.prefix_snapshots)
+    print(result.table())
     return 0
 
 
@@ -161,8 +200,9 @@ def cmd_chat(args: argparse.Namespace) -> int:
             return 2
         else:
             _check_run_args(args)
-        engine = load(target, draft, device=args.device, kv_type=args.kv, max_ctx=args.max_ctx, mode=args.mode,
-                      budget=args.budget, progress=not args.demo, prefix_cache=not args.no_prefix_cache)
+        engine = load(target, draft, device=args.device, kv_type=args.kv, max_ctx=_ctx_arg(args.max_ctx),
+                      mode=args.mode, budget=args.budget, progress=not args.demo,
+                      prefix_cache=not args.no_prefix_cache)
         return repl(ChatSession(engine, system=args.system, max_tokens=args.n_gen))
 
 
@@ -232,10 +272,12 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--n-gen", type=int, default=256, help="new tokens at most (default 256)")
     run.add_argument("--mode", choices=["ar", "chain", "ddtree"], help="default: ddtree with a draft, else ar")
     run.add_argument("--budget", type=int, default=22, help="tree nodes (ddtree) or chain length (default 22)")
-    run.add_argument("--kv", default="f16", choices=["f16", "q8_0", "q4_0", "tq3_0"],
-                     help="KV cache type (default f16; tq3_0 with --mode ar only)")
-    run.add_argument("--max-ctx", type=int, help="KV cache positions (default 8192)")
+    run.add_argument("--kv", default="auto", choices=["auto", "f16", "q8_0", "q4_0", "tq3_0"],
+                     help="KV cache type (default auto: f16 while the context fits, then q8_0, q4_0, tq3_0)")
+    run.add_argument("--max-ctx", default="auto",
+                     help="KV cache positions, or auto (default): the most that fit, up to the training context")
     run.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (default: auto)")
+    run.add_argument("--verbose", action="store_true", help="print the memory plan on load")
     run.set_defaults(func=cmd_run)
 
     chat = sub.add_parser("chat", help="chat in the terminal (multi-turn, streamed, Ctrl+C stops a reply)")
@@ -246,12 +288,35 @@ def main(argv: list[str] | None = None) -> int:
     chat.add_argument("--n-gen", type=int, default=512, help="new tokens per reply at most (default 512)")
     chat.add_argument("--mode", choices=["ar", "chain", "ddtree"], help="default: ddtree with a draft, else ar")
     chat.add_argument("--budget", type=int, default=22, help="tree nodes (ddtree) or chain length (default 22)")
-    chat.add_argument("--kv", default="f16", choices=["f16", "q8_0", "q4_0", "tq3_0"], help="KV cache type")
-    chat.add_argument("--max-ctx", type=int, help="KV cache positions (default 8192)")
+    chat.add_argument("--kv", default="auto", choices=["auto", "f16", "q8_0", "q4_0", "tq3_0"],
+                      help="KV cache type (default auto: f16 while the context fits, then q8_0, q4_0, tq3_0)")
+    chat.add_argument("--max-ctx", default="auto",
+                      help="KV cache positions, or auto (default): the most that fit, up to the training context")
     chat.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (default: auto)")
     chat.add_argument("--no-prefix-cache", action="store_true",
                       help="prefill every turn from scratch (no reuse of the previous turn's state)")
     chat.set_defaults(func=cmd_chat)
+
+    mem = sub.add_parser("plan", help="print the device-memory plan of a target (and draft); no GPU needed")
+    mem.add_argument("--target", required=True, help="target GGUF (only its header is read)")
+    mem.add_argument("--draft", help="DFlash draft directory or GGUF (only config and header are read)")
+    mem.add_argument("--max-ctx", default="auto", help="positions, or auto (default): the most that fit")
+    mem.add_argument("--kv", default="auto", choices=["auto", "f16", "q8_0", "q4_0", "tq3_0"],
+                     help="KV cache type (default auto)")
+    mem.add_argument("--vram", help="device memory to plan for, e.g. 24GiB or 24GB (default: the free memory "
+                                    "of --device)")
+    mem.add_argument("--device", default="auto", help="device whose free memory is used without --vram")
+    mem.add_argument("--mode", choices=["ar", "chain", "ddtree"], help="default: ddtree with a draft, else ar")
+    mem.add_argument("--budget", type=int, default=22, help="tree nodes (ddtree) or chain length (default 22)")
+    mem.add_argument("--ubatch", default="auto",
+                     help="longest prefill micro-batch, or auto (default, as load: 2048 where it costs no context, "
+                          "else 512)")
+    mem.add_argument("--state-type", default="f32", choices=["f32", "f16"],
+                     help="verify state store type (default f32)")
+    mem.add_argument("--prefix-snapshots", type=int, default=4,
+                     help="recurrent-state snapshots for prefix reuse (default 4, as load; fewer where they would "
+                          "cost context)")
+    mem.set_defaults(func=cmd_plan)
 
     demo = sub.add_parser("demo", help="synthetic target and draft: AR vs speculative, same tokens, speed")
     demo.add_argument("--n-gen", type=int, default=64)
@@ -299,6 +364,11 @@ def main(argv: list[str] | None = None) -> int:
     train.add_argument("--target-device", default="auto", help="pydflash device for the target")
     train.add_argument("--seed", type=int, default=0)
     train.set_defaults(func=cmd_train_draft)
+
+    from .server import cli as server_cli
+    serve = sub.add_parser("serve", help="OpenAI- and Anthropic-compatible HTTP server with a chat page at /")
+    server_cli.add_arguments(serve)
+    serve.set_defaults(func=server_cli.serve)
     args = parser.parse_args(argv)
     if args.command == "demo":
         _check_positive(parser, "--n-gen", args.n_gen)

@@ -76,6 +76,7 @@ class HybridCache:
             self.k_rot = self._ctx.new_tensor(ggml.Type.F32, (n_k, n_k), name="cache.k_rot")
             self.v_rot = self._ctx.new_tensor(ggml.Type.F32, (64, 64), name="cache.v_rot")
         self.buffer = backend.alloc_tensors(self._ctx)
+        self.k_words, self.v_words = self._word_views(kv_row, n_ctx)
         self.reset()
 
     @staticmethod
@@ -89,6 +90,22 @@ class HybridCache:
         if not n_rec:      # attention-only models have no recurrent sizes
             return kv
         return kv + 4 * n_rec * ((hp.ssm_d_conv - 1) * hp.conv_dim + hp.ssm_d_v * hp.ssm_d_v * hp.ssm_n_v_heads)
+
+    def _word_views(self, kv_row: int, n_ctx: int) -> tuple[dict, dict]:
+        """The K and V rows seen as f32 words ([row bytes / 4, n_ctx], on the same memory): get_rows/set_rows
+        between such views copy quantized rows bit for bit, so a speculative commit moves them without a
+        dequantize/requantize round trip (which TQ3_0 would also rotate a second time). Empty when a row is
+        not a whole number of words (then the rows are moved through f32 values)."""
+        row_bytes = ggml.row_size(self.kv_type, kv_row)
+        if not self.k or row_bytes % 4:
+            return {}, {}
+        self._words_ctx = ggml.Context(n_tensors=2 * len(self.k))
+        views = {}, {}
+        for il in self.k:
+            for words, t in zip(views, (self.k[il], self.v[il])):
+                alias = self._words_ctx.new_tensor(ggml.Type.F32, (row_bytes // 4, n_ctx), name=f"{t.name}.words")
+                words[il] = self.buffer.alias(alias, t)
+        return views
 
     def reset(self) -> None:
         """Forget the sequence: zero the states (KV rows past n_past are masked, but zeroed too)."""

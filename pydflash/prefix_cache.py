@@ -30,7 +30,7 @@ class _Snapshot:
                      for il, t in cache.conv.items()}
         self.ssm = {il: self._ctx.new_tensor(t.type, t.ne, name=f"snapshot.l{il}.ssm")
                     for il, t in cache.ssm.items()}
-        # an attention-only model has no recurrent state: its snapshot is empty (the KV rows stay in the cache)
+        # an attention-only model has no recurrent state: its snapshot is only the position (nothing to allocate)
         self.buffer = backend.alloc_tensors(self._ctx) if self.conv or self.ssm else None
 
     def save(self, cache) -> None:

@@ -11,13 +11,14 @@ with the same vocabulary.
 `write_dflash_draft(dir, target_gguf, **config)` writes a random DFlash draft in z-lab format (config.json +
 bf16 model.safetensors) that fits a given target GGUF.
 
-Command line: `python -m pydflash.testing write-qwen35 OUT.gguf --preset tiny|27b [--type Q8_0] [--n-layer 8 ...]`
-and `python -m pydflash.testing write-dflash OUT_DIR --target T.gguf [--n-layer 5 ...]`.
+Command line: `python -m pydflash.testing write-qwen35 OUT.gguf --preset tiny|27b [--type Q8_0] [--n-layer 8 ...]`,
+`python -m pydflash.testing write-llama OUT.gguf --arch qwen2 [--type Q4_K_M] [--n-layer 28 ...]` and `python -m pydflash.testing write-dflash OUT_DIR --target T.gguf [--n-layer 5 ...]`.
 """
 from __future__ import annotations
 
 import argparse
 import hashlib
+import os
 import sys
 from collections import Counter
 from dataclasses import dataclass, replace
@@ -291,8 +292,12 @@ def _write_tensor_data(writer, spec: _TensorSpec, type_name: str, seed: int, poo
     writer.write_padding(fout, info.nbytes)
 
 
-def write_qwen35_gguf(path, config: Qwen35Config | None = None, *, progress: bool = False, **overrides) -> Qwen35Config:
+def write_qwen35_gguf(path, config: Qwen35Config | None = None, *, progress: bool = False, data: bool = True,
+                      **overrides) -> Qwen35Config:
     """Write a random-weight qwen35 GGUF to `path`; sizes come from `config` (default: tiny) and `overrides`.
+
+    data=False writes the header and tensor table only and extends the file to its full size as a hole (a
+    sparse file): header readers (e.g. pydflash.plan) see a valid 27B-shaped file that takes no disk or time.
 
     Returns the configuration used. The vocabulary is the tiny byte-level BPE plus ChatML specials, padded to
     `n_vocab` with placeholder control tokens `<|extra_N|>` when that is larger.
@@ -338,7 +343,7 @@ def write_qwen35_gguf(path, config: Qwen35Config | None = None, *, progress: boo
     w.add_file_type({"F32": 0, "F16": 1, "Q8_0": 7, "Q4_K": 14, "Q4_K_M": 15}[cfg.weight_type])
 
     vocab.add_to(w, cfg.chat_template)
-    _write_tensors(w, _tensor_specs(cfg, n_vocab), cfg.weight_type, cfg.seed, progress)
+    _write_tensors(w, path, _tensor_specs(cfg, n_vocab), cfg.weight_type, cfg.seed, progress, data)
     return cfg
 
 
@@ -367,8 +372,10 @@ class _Vocab:
         w.add_chat_template(chat_template)
 
 
-def _write_tensors(w, specs: list[_TensorSpec], weight_type: str, seed: int, progress: bool) -> None:
-    """Write the tensor table and the data of `specs` (after the metadata), then close the writer."""
+def _write_tensors(w, path, specs: list[_TensorSpec], weight_type: str, seed: int, progress: bool,
+                   data: bool = True) -> None:
+    """Write the tensor table and the data of `specs` (after the metadata), then close the writer. data=False:
+    no data, the file extended to its full size as a hole (write_qwen35_gguf's header-only files)."""
     import gguf
     from .ggml import Type, row_size
 
@@ -380,6 +387,13 @@ def _write_tensors(w, specs: list[_TensorSpec], weight_type: str, seed: int, pro
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_ti_data_to_file()
+    if not data:
+        align = w.data_alignment
+        start = -(-w.fout[0].tell() // align) * align
+        sizes = [row_size(Type[t], s.ne[0]) * int(np.prod(s.ne[1:])) for s, t in zip(specs, types)]
+        w.close()
+        os.truncate(path, start + sum(-(-n // align) * align for n in sizes))
+        return
     pools: dict = {}
     for i, (spec, tname) in enumerate(zip(specs, types)):
         _write_tensor_data(w, spec, tname, seed, pools)
@@ -485,7 +499,7 @@ def write_llama_gguf(path, config: LlamaConfig | None = None, *, progress: bool 
     w.add_layer_norm_rms_eps(cfg.rms_eps)
     w.add_rope_freq_base(cfg.rope_base)
     vocab.add_to(w, cfg.chat_template)
-    _write_tensors(w, _llama_tensor_specs(cfg, vocab.n_vocab), cfg.weight_type, cfg.seed, progress)
+    _write_tensors(w, path, _llama_tensor_specs(cfg, vocab.n_vocab), cfg.weight_type, cfg.seed, progress)
     return cfg
 
 
@@ -721,6 +735,13 @@ def main(argv=None) -> int:
     wq.add_argument("--rope-sections", type=lambda s: tuple(int(x) for x in s.split(",")))
     wq.add_argument("--recurrent-layers", type=lambda s: tuple(c == "1" for c in s),
                     help="one 0/1 per layer, 1 = Gated DeltaNet (overrides --full-attention-interval)")
+    wl = sub.add_parser("write-llama", help="write a random-weight llama / qwen2 / qwen3 GGUF")
+    wl.add_argument("out")
+    wl.add_argument("--arch", choices=ATTENTION_ARCHS, default="llama")
+    wl.add_argument("--type", dest="weight_type", choices=ATTENTION_WEIGHT_TYPES)
+    for name in ("n_layer", "n_embd", "n_ff", "n_head", "n_head_kv", "head_dim", "n_vocab", "seed"):
+        wl.add_argument("--" + name.replace("_", "-"), dest=name, type=int)
+    wl.add_argument("--tie-embeddings", action="store_true", default=None)
     wd = sub.add_parser("write-dflash", help="write a random DFlash draft (z-lab format) fitting a target GGUF")
     wd.add_argument("out", help="output folder (config.json + model.safetensors)")
     wd.add_argument("--target", required=True, help="the target GGUF the draft must fit")
@@ -735,6 +756,10 @@ def main(argv=None) -> int:
         cfg = write_dflash_draft(out, target, **{k: v for k, v in args.items() if v is not None})
         print(f"wrote {out}: {cfg['num_hidden_layers']} layers, hidden {cfg['hidden_size']}, "
               f"target layers {cfg['dflash_config']['target_layer_ids']}")
+        return 0
+    if cmd == "write-llama":
+        cfg = write_llama_gguf(out, progress=True, **{k: v for k, v in args.items() if v is not None})
+        print(f"wrote {out}: {cfg.arch}, {cfg.n_layer} layers, n_embd {cfg.n_embd}, {cfg.weight_type}")
         return 0
     preset = args.pop("preset")
     overrides = {k: v for k, v in args.items() if v is not None}

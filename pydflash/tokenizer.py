@@ -10,6 +10,7 @@ markup becomes control tokens, so a user cannot forge a turn by typing "<|im_end
 from __future__ import annotations
 
 import ctypes
+import json
 import os
 import secrets
 import sys
@@ -79,34 +80,47 @@ class Tokenizer:
         """EOS, end-of-turn (<|im_end|>) or any other token the vocabulary marks as ending generation."""
         return bool(self._llama_cpp.llama_vocab_is_eog(self._vocab, int(token)))
 
-    def apply_chat_template(self, messages: list[dict], *, add_generation_prompt: bool = True) -> str:
-        """The rendered chat as text (for display; tokenize a chat with `chat_ids`)."""
-        return self._render(_check_messages(messages), add_generation_prompt)
+    def apply_chat_template(self, messages: list[dict], *, add_generation_prompt: bool = True,
+                            **template_vars) -> str:
+        """The rendered chat as text (for display; tokenize a chat with `chat_ids`). template_vars (tools,
+        enable_thinking, ...) become template variables."""
+        return self._render(_check_messages(messages), add_generation_prompt, template_vars)
 
-    def chat_ids(self, messages: list[dict], *, add_generation_prompt: bool = True) -> list[int]:
+    def chat_ids(self, messages: list[dict], *, add_generation_prompt: bool = True, **template_vars) -> list[int]:
         """Token ids of a chat: the template's markup with special-token parsing, every message content as
         plain text (a content holding "<|im_start|>" stays those characters)."""
+        return self.chat_prompt(messages, add_generation_prompt=add_generation_prompt, **template_vars)[0]
+
+    def chat_prompt(self, messages: list[dict], *, add_generation_prompt: bool = True,
+                    **template_vars) -> tuple[list[int], str]:
+        """`chat_ids` and the rendered text they stand for (one render)."""
         messages = _check_messages(messages)
         nonce = secrets.token_hex(8)
-        marks = [f"\u27e6{nonce}:{i}\u27e7" for i in range(len(messages))]
-        rendered = self._render([{**m, "content": mark} for m, mark in zip(messages, marks)], add_generation_prompt)
-        ids, rest = [], rendered
+        # an empty content has nothing to protect, and templates test it ("if content") to drop the block
+        marks = [f"\u27e6{nonce}:{i}\u27e7" if m["content"] else None for i, m in enumerate(messages)]
+        rendered = self._render([{**m, "content": mark} if mark else m for m, mark in zip(messages, marks)],
+                                add_generation_prompt, template_vars)
+        ids, text, rest = [], [], rendered
         for message, mark in zip(messages, marks):
+            if mark is None:
+                continue
             before, found, rest = rest.partition(mark)
             if not found or mark in rest:
                 raise ChatTemplateError(f"{self.path}: the chat template does not place each message's content "
                                         f"once and unchanged, so user text cannot be kept apart from its markup")
             ids += self.tokenize(before, parse_special=True)
             ids += self.tokenize(message["content"], parse_special=False)
-        return ids + self.tokenize(rest, parse_special=True)
+            text += (before, message["content"])
+        return ids + self.tokenize(rest, parse_special=True), "".join(text) + rest
 
-    def _render(self, messages: list[dict], add_generation_prompt: bool) -> str:
+    def _render(self, messages: list[dict], add_generation_prompt: bool, template_vars: dict) -> str:
         if not self.chat_template:
             raise ValueError(f"{self.path}: the GGUF has no tokenizer.chat_template")
         bos = self._model.token_bos()
-        limit = RENDER_MIN_CHARS + 4 * sum(len(m["content"]) for m in messages)
-        return render_template(self.chat_template, limit, f"{self.path}: chat template",
-                               messages=messages, add_generation_prompt=add_generation_prompt,
+        # the output bound grows with everything the template is given (tool schemas, tool calls included)
+        given = len(json.dumps([messages, template_vars], ensure_ascii=False, default=str))
+        return render_template(self.chat_template, RENDER_MIN_CHARS + 4 * given, f"{self.path}: chat template",
+                               **template_vars, messages=messages, add_generation_prompt=add_generation_prompt,
                                bos_token=self.token_text(bos) if bos >= 0 else "",
                                eos_token=self.token_text(self.eos_id))
 
@@ -181,6 +195,7 @@ def _environment():
             raise ChatTemplateError(f"raise_exception: {message}")
 
         env = BoundedSandbox(trim_blocks=True, lstrip_blocks=True)
+        env.filters["tojson"] = _tojson
         env.filters = {name: _bounded(f) for name, f in env.filters.items()}
         env.globals["raise_exception"] = raise_exception
         _ENV = env
@@ -280,3 +295,10 @@ class _LlamaLog:
             if keep:
                 out.append(text.strip())
         return " ".join(t for t in out if t)
+
+
+def _tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False) -> str:
+    """`tojson` as the Hugging Face chat-template runtime defines it (what model templates are written for):
+    plain json.dumps, not Jinja's HTML-safe Markup, which would escape the text a template adds to it (Qwen3.5's
+    tool-call arguments are rendered as '<parameter=' + name + '>' + value|tojson)."""
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)

@@ -40,21 +40,26 @@ def _prompt(n=30, seed=0):
 # bound 1e-2. Against llama.cpp the difference is f32 summation order, ~1e-6, except where a last-bit
 # difference crosses an f16 rounding boundary of K/V: 1.2e-3 on qwen2's prefill step (logits up to 10.4).
 # Bound 2e-3 (the median step stays under 1e-3, the bound of test_qwen35).
-F64_ATOL = 1e-2
-F32_ATOL, F32_MEDIAN_ATOL = 2e-3, 1e-3
+# CUDA (bounds written before a GPU run, as test_qwen35's): its kernels sum in their own order, on top of the
+# same f16 rounding; test_qwen35's CUDA F32 bounds against llama.cpp, and twice the CPU bound against float64.
+F64_ATOL = {"cpu": 1e-2, "cuda": 2e-2}
+F32_ATOL = {"cpu": (2e-3, 1e-3), "cuda": (1e-2, 5e-3)}
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
 @pytest.mark.parametrize("arch", sorted(ARCHS))
-def test_logits_match_llama_cpp_and_float64(files, arch):
+def test_logits_match_llama_cpp_and_float64(files, arch, device):
     path, _ = files[arch]
     prompt = _prompt()
     ref, tokens = llama_greedy(path, prompt, 16)
-    target = load_target(path, "cpu", n_ctx=N_CTX, n_ubatch=16)    # a prompt over two micro-batches
+    target = load_target(path, device, n_ctx=N_CTX, n_ubatch=16)    # a prompt over two micro-batches
     assert type(target) is target_classes()[arch]
     got = np.stack([target.prefill(prompt)] + [target.decode(t) for t in tokens])
-    assert_logits_close(got, ref, "F32", atol=F32_ATOL, median_atol=F32_MEDIAN_ATOL)
-    np.testing.assert_allclose(got[0], attention_ref.last_logits(path, prompt), rtol=0, atol=F64_ATOL)
-    np.testing.assert_allclose(got[-1], attention_ref.last_logits(path, prompt + tokens), rtol=0, atol=F64_ATOL)
+    atol, median_atol = F32_ATOL[device]
+    assert_logits_close(got, ref, "F32", atol=atol, median_atol=median_atol)
+    f64 = F64_ATOL[device]
+    np.testing.assert_allclose(got[0], attention_ref.last_logits(path, prompt), rtol=0, atol=f64)
+    np.testing.assert_allclose(got[-1], attention_ref.last_logits(path, prompt + tokens), rtol=0, atol=f64)
 
 
 @pytest.mark.slow

@@ -220,3 +220,18 @@ def test_overwritten_draft_ring_falls_back_to_a_full_prefill(pair, fresh):
     out4, stats = dec.generate_ids(p3 + out3 + USER2, 8)
     assert stats["reused_tokens"] == len(p3) + N2 - 1
     assert out4 == fresh["ar"].generate(p3 + out3 + USER2, max_tokens=8).tokens
+
+
+def test_attention_only_target_resumes_without_snapshot_memory(tmp_path):
+    """A llama target has no recurrent state: its snapshots hold no memory, and a second turn still resumes from
+    the first (KV rows only) and gives the tokens of a fresh prefill."""
+    path = str(tmp_path / "llama.gguf")
+    testing.write_llama_gguf(path, seed=5)
+    engine = pydflash.load(path, device="cpu", max_ctx=512, tokenizer=False)
+    ref = pydflash.load(path, device="cpu", max_ctx=512, tokenizer=False, prefix_cache=False)
+    assert snapshot_nbytes(engine.target.cache) == 0
+    r1 = engine.generate(P1, max_tokens=N1)
+    p2 = P1 + r1.tokens + USER2
+    r2 = engine.generate(p2, max_tokens=N2)
+    assert r2.stats["reused_tokens"] > len(P1)
+    assert r2.tokens == ref.generate(p2, max_tokens=N2).tokens

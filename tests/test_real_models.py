@@ -9,7 +9,6 @@ from test_qwen35 import _last_logits, _llama, assert_logits_close
 import pydflash
 from pydflash.real_models import fetch
 from pydflash.testing import write_dflash_draft
-from pydflash.tokenizer import Tokenizer
 
 PROMPTS = ("The capital of France is", "def fibonacci(n):")
 N_GEN = 12

@@ -14,7 +14,8 @@
 #     LLAMA_SRC the pinned llama.cpp tree for llama-bench (tools/build_llama_bench.sh says which parts)
 #     PYLIBS    folder holding llama_cpp (the oracle of the target tests)
 #     SECONDS   time this call may use (default 560)
-# Phases to skip: SKIP="bench_tq3 tests_rest". Logs: $STATE/logs; each call leaves $OUT/summary.md and
+# Phases to skip: SKIP="bench_tq3 tests_rest" (ONLY="lc_" runs just the phases whose name starts so, besides
+# wheels, build, models and llama_bench). Logs: $STATE/logs; each call leaves $OUT/summary.md and
 # $OUT/logs.tgz.
 set -uo pipefail
 src=$(pwd)
@@ -41,6 +42,7 @@ phase() {
     local name=$1 need=$2; shift 2
     [ -e "$state/$name.done" ] && return 0
     case " ${SKIP:-} " in *" $name "*) return 0 ;; esac
+    case "$name" in wheels|build|models|llama_bench) ;; *) [[ "$name" == "${ONLY:-}"* ]] || return 0 ;; esac
     if [ "$(left)" -lt "$need" ]; then
         echo "[$name] needs ~${need} s, $(left) s left: run again" | tee -a "$logs/summary.md"
         finish 0
@@ -135,6 +137,8 @@ phase tests_engine 120 pytest_cuda "$src/tests/test_engine.py"
 phase tests_draft 120 pytest_cuda "$src/tests/test_dflash_draft.py"
 phase tests_target 150 pytest_cuda "$src/tests/test_qwen35.py" "$src/tests/test_target_tq3.py"
 phase models 120 wait_models
+# our quantised matmul (ggml_qmatmul) vs ggml's mul_mat on the 27B weight shapes, 1..48 columns
+phase bench_qmatmul 90 python3 "$src/bench/qmatmul.py" --device cuda
 phase bench_ar 150 python3 "$src/bench/ar_decode.py" "$data/q27.gguf" --device cuda --n-gen 128 --reps 5 \
     --llama-bench "$build/bin/llama-bench"
 phase bench_draft 120 python3 "$src/bench/draft_step.py" --device cuda --ctx 2048 --window 2048 --top-k 8 \
@@ -146,6 +150,11 @@ phase bench_oracle 200 python3 "$src/bench/ddtree_step.py" "$data/q27.gguf" --de
     --reps 3
 phase bench_f16 150 python3 "$src/bench/ddtree_step.py" "$data/q27.gguf" --draft "$data/d27" --device cuda \
     --budget 22 --n-gen 32 --reps 5 --f16-states
+# bench_ar and bench_ddtree again with the GPU weight matmuls through ggml_qmatmul (opt-in: PYDFLASH_QMATMUL=1), side by side
+phase bench_ar_qmatmul 150 env PYDFLASH_QMATMUL=1 python3 "$src/bench/ar_decode.py" "$data/q27.gguf" --device cuda \
+    --n-gen 128 --reps 5
+phase bench_ddtree_qmatmul 240 env PYDFLASH_QMATMUL=1 python3 "$src/bench/ddtree_step.py" "$data/q27.gguf" \
+    --draft "$data/d27" --device cuda --budget 22 --n-gen 64 --reps 5
 # time to first token of a chat's turn 2 (2,000-token turn 1), with and without prefix reuse
 phase bench_prefix 300 python3 "$src/bench/prefix_reuse.py" "$data/q27.gguf" --draft "$data/d27" --device cuda \
     --prompt-len 2000 --reply 64 --user 64 --reps 3
@@ -157,6 +166,12 @@ phase bench_tq3 150 python3 "$src/bench/ar_decode.py" "$data/q27.gguf" --device 
 # what the load-time validation (issue 18) costs next to a complete load of the 27B-shaped file on the GPU
 phase bench_load_validation 150 python3 "$src/bench/load_validation.py" "$data/q27.gguf" --device cuda --full \
     --repeat 3
+# the attention-only architectures: a Qwen2.5-Coder-1.5B-shaped qwen2 (random weights, Q4_K_M, tied head; the
+# real file cannot travel to this machine) against llama-bench, decode and a 512-token prefill
+phase model_qwen2 200 python3 -m pydflash.testing write-llama "$data/qwen2-1.5b.gguf" --arch qwen2 --type Q4_K_M \
+    --n-layer 28 --n-embd 1536 --n-ff 8960 --n-head 12 --n-head-kv 2 --n-vocab 151936 --tie-embeddings
+phase bench_ar_qwen2 200 python3 "$src/bench/ar_decode.py" "$data/qwen2-1.5b.gguf" --device cuda --n-gen 128 \
+    --reps 5 --n-prompt 512 --llama-bench "$build/bin/llama-bench"
 phase tests_rest 300 pytest_cuda "$src/tests" --ignore="$src/tests/test_engine.py" \
     --ignore="$src/tests/test_dflash_draft.py" --ignore="$src/tests/test_qwen35.py" \
     --ignore="$src/tests/test_target_tq3.py"
@@ -164,5 +179,37 @@ phase profile 200 profile_decode 8
 phase profile64 400 profile_decode 64
 phase overhead 150 decode_overhead 8
 phase overhead64 200 decode_overhead 64
+# long context (issue 14): the memory plan, DDTree step and AR by depth per KV type beside llama-bench -d (a real
+# prefill of each depth, so its deep runs get phases of their own), prefill by prompt length, peak memory at 256K
+lc_plan() {
+    for vram in 24GiB 48GiB 80GiB; do
+        python3 -m pydflash.cli plan --target "$data/q27.gguf" --draft "$data/d27" --vram $vram || true
+        python3 -m pydflash.cli plan --target "$data/q27.gguf" --draft "$data/d27" --vram $vram --state-type f16 || true
+        python3 -m pydflash.cli plan --target "$data/q27.gguf" --vram $vram --mode ar || true
+    done
+}
+export -f lc_plan
+lc="$src/bench/long_context.py"
+llama_tg() { "$build/bin/llama-bench" -m "$data/q27.gguf" -p 0 -n 128 -r 1 -fa 1 -ngl 99 -o md "$@"; }
+export -f llama_tg
+phase lc_plan 60 lc_plan
+phase lc_depth_tq3_0 500 python3 "$lc" depth "$data/q27.gguf" --draft "$data/d27" --device cuda --kv tq3_0 \
+    --depths 2048,8192,32768,131072,262144
+phase lc_depth_f16 400 python3 "$lc" depth "$data/q27.gguf" --draft "$data/d27" --device cuda --kv f16 \
+    --depths 2048,8192,32768,131072
+phase lc_depth_q8_0 400 python3 "$lc" depth "$data/q27.gguf" --draft "$data/d27" --device cuda --kv q8_0 \
+    --depths 2048,8192,32768,131072
+phase lc_memory 300 python3 "$lc" memory "$data/q27.gguf" --draft "$data/d27" --device cuda --kv tq3_0 --ctx 262144
+phase lc_memory_f16 300 python3 "$lc" memory "$data/q27.gguf" --draft "$data/d27" --device cuda --kv tq3_0 \
+    --ctx 262144 --f16-states
+phase lc_memory_ar 300 python3 "$lc" memory "$data/q27.gguf" --device cuda --kv tq3_0 --ctx 262144
+phase lc_prefill 500 python3 "$lc" prefill "$data/q27.gguf" --device cuda --lengths 2048,8192,32768 \
+    --llama-bench "$build/bin/llama-bench"
+phase lc_llama_f16 300 llama_tg -d 2048,8192,32768 -ctk f16 -ctv f16
+phase lc_llama_q8_0 300 llama_tg -d 2048,8192,32768 -ctk q8_0 -ctv q8_0
+phase lc_llama_f16_128k 500 llama_tg -d 131072 -ctk f16 -ctv f16
+phase lc_llama_q8_0_128k 500 llama_tg -d 131072 -ctk q8_0 -ctv q8_0
+phase bench_server 400 python3 "$src/bench/server_overhead.py" "$data/q27.gguf" --draft "$data/d27" --device cuda \
+    --n-gen 256 --reps 3 --prompt-tokens 2000
 echo "all phases done" | tee -a "$logs/summary.md"
 finish 0

@@ -6,7 +6,8 @@
   .device/ggml-src   pristine pinned ggml, CPU and CUDA backends only (the 76 MB archive cannot travel)
   .device/llama      the llama.cpp parts llama-bench is built from (tools/build_llama_bench.sh)
   .device/pylibs     llama_cpp from this environment, the oracle of the target tests (pure Python + .so files)
-  .whl               cp312 wheels the GPU image lacks: cffi, pycparser, gguf, diskcache, dflash
+  .whl               cp312 wheels the GPU image lacks: cffi, pycparser, gguf, diskcache, dflash, and the server's
+                     starlette, uvicorn, sse-starlette, pydantic, httpx (with their dependencies)
 """
 from __future__ import annotations
 
@@ -23,7 +24,12 @@ import fetch_ggml  # noqa: E402  (vendor/ is not a package)
 
 LLAMA_PARTS = ("src", "include", "common", "vendor", "cmake", "licenses", "LICENSE", "CMakeLists.txt",
                "tools/llama-bench")
-WHEELS = ("cffi==2.1.1", "pycparser", "gguf==0.19.0", "diskcache==5.6.3", "dflash==0.1.0")
+WHEELS = ("cffi==2.1.1", "pycparser", "gguf==0.19.0", "diskcache==5.6.3", "dflash==0.1.0",
+          # the server (bench/server_overhead.py): ASGI stack, request validation, the benchmark's HTTP client
+          "starlette==1.10.0", "uvicorn==0.54.0", "sse-starlette==3.7.0", "h11==0.16.0", "anyio==4.16.0",
+          "click==8.5.1", "pydantic==2.14.3", "pydantic-core==2.50.4", "annotated-types==0.8.0",
+          "typing-inspection==0.4.5", "typing-extensions==4.16.0", "httpx==0.28.1", "httpcore==1.0.9",
+          "certifi", "idna", "sniffio")
 
 
 def main() -> int:

@@ -10,7 +10,7 @@ extern "C" {
 #endif
 
 // Bumped whenever an op's signature or semantics change; the Python bindings check it at load.
-#define GGML_EXT_ABI_VERSION 3
+#define GGML_EXT_ABI_VERSION 4
 
 // The number of ops in ggml-ext-ops.def.
 enum {
@@ -141,6 +141,22 @@ GGML_API struct ggml_tensor * ggml_gated_delta_net_tree_persist(
         struct ggml_tensor  * state,
         struct ggml_tensor  * parent,
         struct ggml_tensor  * inter);
+
+// W * X for a quantised weight matrix and a few activation columns (the target's decode and verify).
+//   w  Q4_K, Q5_K, Q6_K or Q8_0 [K, M], contiguous (a GGUF weight as stored)
+//   x  f32 [K, N], 1 <= N <= GGML_EXT_QMATMUL_MAX_COLS, rows contiguous
+// Returns f32 [M, N], the same product as ggml_mul_mat(w, x). On CUDA the columns of x are quantised to
+// 8 bits per 32 values (as ggml's own vector kernel does) and every output is reduced in one fixed order that
+// does not depend on N: column j of the result is bit-identical whether x has 1 column or many. The CPU kernel is
+// a reference (each weight row dequantised to f32, float sums); it is not bit-identical to the CUDA one.
+#define GGML_EXT_QMATMUL_MAX_COLS 48
+
+GGML_API bool ggml_qmatmul_supported(enum ggml_type type);
+
+GGML_API struct ggml_tensor * ggml_qmatmul(
+        struct ggml_context * ctx,
+        struct ggml_tensor  * w,
+        struct ggml_tensor  * x);
 
 #ifdef __cplusplus
 }

@@ -136,6 +136,12 @@ class Backend:
             raise ValueError(f"{self.name} has no thread count")
         lib.ggml_backend_cpu_set_n_threads(self._ptr, n)
 
+    def memory(self) -> tuple[int, int]:
+        """(free, total) bytes of this device, as its backend reports them now."""
+        free, total = ffi.new("size_t *"), ffi.new("size_t *")
+        lib.ggml_backend_dev_memory(self._dev, free, total)
+        return int(free[0]), int(total[0])
+
     def supports(self, tensor: "Tensor") -> bool:
         """Whether this backend can compute the op that produces `tensor`."""
         return bool(lib.ggml_backend_dev_supports_op(self._dev, tensor._ptr))
@@ -185,6 +191,22 @@ class Buffer:
     def clear(self, value: int = 0) -> None:
         lib.ggml_backend_buffer_clear(self._ptr, value)
 
+    def alias(self, tensor: "Tensor", of: "Tensor") -> "Tensor":
+        """Place `tensor` (a fresh tensor of a no-alloc context) on the bytes of `of`, a tensor of this buffer:
+        the same memory under another type and shape (e.g. quantized rows seen as 32-bit words, moved bit for
+        bit by get_rows/set_rows). `tensor` may not be larger than `of`."""
+        if tensor.is_allocated:
+            raise GGMLError(f"tensor {tensor.name or '?'} already has memory")
+        if of._ptr.buffer != self._ptr or of._ptr.data == ffi.NULL:
+            raise GGMLError(f"tensor {of.name or '?'} is not in this buffer")
+        if tensor.nbytes > of.nbytes:
+            raise GGMLError(f"alias {tensor.name or '?'} ({tensor.nbytes} bytes) is larger than "
+                            f"{of.name or '?'} ({of.nbytes} bytes)")
+        status = lib.ggml_backend_tensor_alloc(self._ptr, tensor._ptr, of._ptr.data)
+        if status != lib.GGML_STATUS_SUCCESS:
+            raise GGMLError(f"could not place {tensor.name or '?'} on {of.name or '?'} (status {status})")
+        return tensor
+
     def close(self) -> None:
         if getattr(self, "_ptr", ffi.NULL) != ffi.NULL:
             _FREE_BUFFER(self._ptr)
@@ -228,6 +250,16 @@ class Tensor:
     @property
     def op(self) -> Op:
         return Op(self._ptr.op)
+
+    @property
+    def src(self) -> tuple["Tensor", ...]:
+        """The op's operands (what a graph node reads), in ggml's order."""
+        out = []
+        for p in self._ptr.src:
+            if p == ffi.NULL:
+                break
+            out.append(Tensor(p, self._ctx))
+        return tuple(out)
 
     @property
     def name(self) -> str:

@@ -137,3 +137,26 @@ def gated_delta_net_tree_persist(ctx: Context, q: Tensor, k: Tensor, v: Tensor, 
                          "is built: the graph allocator would put it in scratch memory and the states would be lost")
     return Tensor(lib.ggml_gated_delta_net_tree_persist(ctx._ptr, q._ptr, k._ptr, v._ptr, g._ptr, beta._ptr,
                                                         state._ptr, parent._ptr, inter._ptr), ctx)
+
+
+# Weight types ggml_qmatmul takes, and its column limit (ggml-ext.h: GGML_EXT_QMATMUL_MAX_COLS).
+QMATMUL_TYPES = (Type.Q4_K, Type.Q5_K, Type.Q6_K, Type.Q8_0)
+QMATMUL_MAX_COLS = 48
+
+
+def qmatmul(ctx: Context, w: Tensor, x: Tensor) -> Tensor:
+    """W * X for a quantised weight w [K, M] (Q4_K, Q5_K, Q6_K or Q8_0, contiguous) and f32 x [K, N] with
+    1 <= N <= 48 columns -> f32 [M, N], the product `ctx.mul_mat(w, x)` computes. On CUDA column j of the result
+    is bit-identical whatever N is (ggml-ext.h says how); the CPU kernel is a float reference."""
+    if w.type not in QMATMUL_TYPES:
+        raise TypeError(f"qmatmul weight must be {'/'.join(t.name for t in QMATMUL_TYPES)}, got {w.type.name}")
+    K, M = w.ne[0], w.ne[1]
+    if w.ne[2:] != (1, 1):
+        raise ValueError(f"qmatmul weight must be a matrix [K, M], got ne {w.ne}")
+    _expect_contiguous(w, "qmatmul weight")
+    n = x.ne[1]
+    _expect(x, "qmatmul x", Type.F32, (K, n))
+    _expect_rows(x, "qmatmul x")
+    if not 1 <= n <= QMATMUL_MAX_COLS:
+        raise ValueError(f"qmatmul takes 1 to {QMATMUL_MAX_COLS} columns of x, got {n}")
+    return Tensor(lib.ggml_qmatmul(ctx._ptr, w._ptr, x._ptr), ctx)

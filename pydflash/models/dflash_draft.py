@@ -30,6 +30,7 @@ import numpy as np
 from .. import ggml
 from ..gguf_io import GGUFError, GGUFFile, regular_file_size
 from ..validate import check_float
+from .layers import linear
 
 KV_BUCKET = 256             # attended rows are padded to this (what the GPU flash attention kernels want)
 GRAPH_TENSORS_PER_LAYER = 48
@@ -899,7 +900,7 @@ class DFlashDraft:
 
         tail = ctx.view_2d(h, E, B - 1, h.nb[1], h.nb[1])                           # block positions 1..B-1
         hn = self._norm(ctx, tail, w["norm.weight"], "draft.out.norm")
-        logits = ctx.mul_mat(self.lm_head, hn)                                      # [V, B-1]
+        logits = linear(ctx, self.lm_head, hn)                                      # [V, B-1]
         if hp.logit_scale != 1.0:
             logits = ctx.scale(logits, hp.logit_scale)
         if hp.logit_softcap > 0:

@@ -7,18 +7,52 @@ Every weight matmul of an architecture's graph goes through `linear`, so that on
 from __future__ import annotations
 
 import math
+import os
 
 import numpy as np
 
 from .. import ggml
+from ..ggml._ffi import ffi, lib
 
 ROPE_TYPE_NORMAL = 0      # llama: rotate adjacent pairs (x0, x1), (x2, x3), ...
 ROPE_TYPE_NEOX = 2        # qwen2/qwen3: rotate halves (x0, x_{d/2}), ...
 ROPE_TYPE_IMROPE = 40     # qwen35: interleaved multi-section rope over 4 position axes
 
 
+def qmatmul_enabled() -> bool:
+    """PYDFLASH_QMATMUL=1 opts in to our quantised matmul (ggml_qmatmul) for GPU weights; unset or 0: ggml's
+    mul_mat everywhere (the default: at verify sizes ggml's batched kernel is faster, docs/benchmarks.md).
+    Read when a graph is built, so a change applies to graphs built after it."""
+    value = os.environ.get("PYDFLASH_QMATMUL", "0")
+    if value not in ("0", "1"):
+        raise ValueError(f"PYDFLASH_QMATMUL must be 0 or 1, got {value!r}")
+    return value == "1"
+
+
+def _on_device(w: ggml.Tensor) -> bool:
+    """True when the weight lives in a buffer that is not host memory (a GPU backend's)."""
+    ptr = w._ptr
+    while ptr.view_src != ffi.NULL:
+        ptr = ptr.view_src
+    return ptr.buffer != ffi.NULL and not lib.ggml_backend_buffer_is_host(ptr.buffer)
+
+
+def _takes_qmatmul(w: ggml.Tensor, x: ggml.Tensor) -> bool:
+    """A quantised matrix in a GPU buffer times 1..48 f32 columns with contiguous rows: what ggml_qmatmul takes.
+    The CPU keeps mul_mat (its SIMD kernels are faster than our float reference)."""
+    return (w.type in ggml.QMATMUL_TYPES and w.ne[2:] == (1, 1) and w.is_contiguous
+            and x.type == ggml.Type.F32 and x.ne[2:] == (1, 1) and 1 <= x.ne[1] <= ggml.QMATMUL_MAX_COLS
+            and x.nb[0] == 4 and _on_device(w))
+
+
 def linear(ctx: ggml.Context, w: ggml.Tensor, x: ggml.Tensor) -> ggml.Tensor:
-    """w^T x for a weight w [n_in, n_out] (ggml order) and activations x [n_in, ...] -> [n_out, ...]."""
+    """w^T x for a weight w [n_in, n_out] (ggml order) and activations x [n_in, ...] -> [n_out, ...].
+
+    ggml's mul_mat by default. With PYDFLASH_QMATMUL=1, quantised GPU weights times 1..48 columns go through
+    ggml_qmatmul instead, whose every column is bit-identical whatever the number of columns (ggml-ext.h says
+    how). The weight must be allocated when the graph is built (model weights always are)."""
+    if qmatmul_enabled() and _takes_qmatmul(w, x):
+        return ggml.qmatmul(ctx, w, x)
     return ctx.mul_mat(w, x)
 
 

@@ -26,6 +26,8 @@ from . import layers
 
 KV_BUCKET = 256            # the attended KV length is padded to this, so one graph serves 256 positions
 MAX_GRAPHS = 32            # built graphs kept for reuse (LRU): decode buckets plus recent prefill shapes
+PREFILL_MIN_UBATCH = 512   # prefill micro-batches start at this size ...
+PREFILL_TARGET_BATCHES = 16  # ... and double while a prompt would need more than this many of them
 
 ROLES = ("embedding", "output", "matrix", "norm", "bias", "vector", "conv")
 
@@ -97,8 +99,38 @@ class GraphInputs:
         self.graph = None
         self.tokens = self.pos = self.kq_mask = self.kv_rows = self.parent = None
         self.side_effects: list[ggml.Tensor] = []
-        self.mask_host = None         # tree verify only: the host copy of the mask, reused
+        self.mask_host = None         # the host copy of the mask, kept and updated where it changes
+        self.mask_past = 0            # the n_past mask_host was last written for
         self.logits = self.argmax = None
+
+    def causal_mask(self, n_past: int) -> np.ndarray:
+        """f16 [n_tokens, n_kv]: token i (position n_past + i) sees cells 0..n_past + i. Only the columns between
+        the last call's n_past and this one's change, so a deep context is not refilled every step."""
+        n, n_kv = self.n_tokens, self.n_kv
+        lo, hi = (0, n_kv) if self.mask_host is None else (min(self.mask_past, n_past),
+                                                           min(n_kv, max(self.mask_past, n_past) + n))
+        if self.mask_host is None:
+            self.mask_host = np.empty((n, n_kv), dtype=np.float16)
+        cols = np.arange(lo, hi)[None, :]
+        self.mask_host[:, lo:hi] = np.where(cols <= n_past + np.arange(n)[:, None], 0.0, -np.inf)
+        self.mask_past = n_past
+        return self.mask_host
+
+    def tree_mask(self, n_past: int, seen: np.ndarray) -> np.ndarray:
+        """f16 [n_tokens, n_kv] for a tree verify: every slot sees the committed cells 0..n_past-1, and the cells
+        n_past + j of the slots j that seen[i, j] marks (itself and its ancestors). Updated in place like
+        causal_mask: the previous tree's columns and the newly committed ones."""
+        n, n_kv = self.n_tokens, self.n_kv
+        lo, hi = (0, n_kv) if self.mask_host is None else (min(self.mask_past, n_past),
+                                                           min(n_kv, max(self.mask_past, n_past) + n))
+        if self.mask_host is None:
+            self.mask_host = np.empty((n, n_kv), dtype=np.float16)
+        mask = self.mask_host
+        mask[:, lo:max(lo, n_past)] = 0.0
+        mask[:, max(lo, n_past):hi] = -np.inf
+        mask[:, n_past:n_past + n][seen] = 0.0
+        self.mask_past = n_past
+        return mask
 
 
 class _CommitGraph:
@@ -117,7 +149,7 @@ class TargetRuntime:
     """A loaded target model with its cache: `prefill`, `decode`, `step`, `verify`/`commit`, captured features.
 
     path: a GGUF file name, or an already parsed `GGUFFile` (the file is parsed once per load). n_ctx:
-    positions of the KV cache. kv_type: 'f16', 'q8_0', 'q4_0' or 'tq3_0' (AR only). n_ubatch: tokens per prefill
+    positions of the KV cache. kv_type: 'f16', 'q8_0', 'q4_0' or 'tq3_0'. n_ubatch: tokens per prefill
     micro-batch. capture_layers: 0-based layer ids whose outputs (the residual stream after the layer) are kept
     on the device for every token of the last forward, in `captured` ([n_embd * n_capture, n_ubatch]).
     """
@@ -210,18 +242,24 @@ class TargetRuntime:
         self.cache.reset()
         self._last = None
 
-    def prefill(self, tokens, return_logits: bool = True, on_ubatch=None) -> np.ndarray | None:
-        """Run the prompt in micro-batches of n_ubatch; returns the logits of its last token (f32 [n_vocab]).
+    def prefill(self, tokens, return_logits: bool = True, on_ubatch=None, ubatch: int | None = None
+                ) -> np.ndarray | None:
+        """Run the prompt in micro-batches; returns the logits of its last token (f32 [n_vocab]).
 
+        ubatch: tokens per micro-batch (at most n_ubatch); None chooses by prompt length (`prefill_ubatch`).
         on_ubatch(first_position, n_tokens), if given, runs after each micro-batch, while `captured` holds that
         micro-batch's layer outputs (a consumer such as the draft's context cache copies them from there)."""
         tokens = self._tokens(tokens)
         if tokens.size == 0:
             raise ValueError("prefill needs at least one token")
         self._check_room(tokens.size)
-        for start in range(0, tokens.size, self.n_ubatch):
+        if ubatch is None:
+            ubatch = prefill_ubatch(tokens.size, self.n_ubatch)
+        if not 1 <= ubatch <= self.n_ubatch:
+            raise ValueError(f"ubatch {ubatch} outside 1..n_ubatch ({self.n_ubatch})")
+        for start in range(0, tokens.size, ubatch):
             first = self.cache.n_past
-            self._forward(tokens[start: start + self.n_ubatch])
+            self._forward(tokens[start: start + ubatch])
             if on_ubatch is not None:
                 on_ubatch(first, self.n_captured)
         return self.logits() if return_logits else None
@@ -286,10 +324,9 @@ class TargetRuntime:
         hp = self.hp
         if not 1 <= n_slots <= self.n_ubatch:
             raise ValueError(f"n_slots must be 1..n_ubatch ({self.n_ubatch}), got {n_slots}")
-        if self.cache.kv_type == ggml.Type.TQ3_0:
-            # commit moves KV rows through f32, and TQ3_0 would rotate the already-rotated rows again
-            raise ValueError("speculative decoding with a tq3_0 KV cache is not supported yet: use mode 'ar' or "
-                             "another kv type")
+        if self.cache.kv_type == ggml.Type.TQ3_0 and not self.cache.k_words:
+            # through f32, TQ3_0 would rotate the already-rotated rows again (its rows are whole words anyway)
+            raise ValueError("speculative decoding with a tq3_0 KV cache needs rows of whole 32-bit words")
         n_rec = sum(hp.recurrent)
         persist = getattr(ggml, "gated_delta_net_tree_persist", None)
         if tree and persist is None and n_rec:
@@ -344,14 +381,7 @@ class TargetRuntime:
         if g.pos is not None:
             g.pos.set(self.rope_positions((n_past + depths).astype(np.int32)))
             g.kv_rows.set(np.arange(n_past, n_past + n, dtype=np.int64))
-            # filled in place in a host array kept with the graph (a few fills, no per-step allocation)
-            if g.mask_host is None:
-                g.mask_host = np.empty((n, n_kv), dtype=np.float16)
-            mask = g.mask_host
-            mask[:, :n_past] = 0.0
-            mask[:, n_past:] = -np.inf
-            mask[:, n_past:n_past + n][_ancestors(parents)] = 0.0
-            g.kq_mask.set(mask)
+            g.kq_mask.set(g.tree_mask(n_past, _ancestors(parents)))
         self.backend.compute(g.graph)
         self._last = g
         self.n_captured = n
@@ -421,10 +451,7 @@ class TargetRuntime:
         if g.pos is not None:
             g.pos.set(self.rope_positions(pos))
             g.kv_rows.set(pos.astype(np.int64))
-            # causal mask over the KV window: token i (position n_past+i) sees cells 0..n_past+i
-            cells = np.arange(n_kv)[None, :]
-            mask = np.where(cells <= pos[:, None], 0.0, -np.inf).astype(np.float16)
-            g.kq_mask.set(mask)
+            g.kq_mask.set(g.causal_mask(n_past))
         self.backend.compute(g.graph)
         self.cache.n_past = n_past + n
         self._last = g
@@ -483,12 +510,25 @@ class TargetRuntime:
         if compact_kv and cache.k:
             cg.kv_src = ctx.new_tensor(ggml.Type.I32, (n,), name="commit.kv_src").mark_input()
             cg.kv_dst = ctx.new_tensor(ggml.Type.I64, (n,), name="commit.kv_dst").mark_input()
+            # raw words where the rows are whole words (bit-exact for every type), else through f32
+            k, v = (cache.k_words, cache.v_words) if cache.k_words else (cache.k, cache.v)
             for il in cache.k:
-                for name, t in (("k", cache.k[il]), ("v", cache.v[il])):
-                    rows = ctx.get_rows(t, cg.kv_src)                     # f32 [kv_row, n_slots]
+                for name, t in (("k", k[il]), ("v", v[il])):
+                    rows = ctx.get_rows(t, cg.kv_src)                     # f32 [row words or kv_row, n_slots]
                     outs.append(ctx.set_rows(t, rows, cg.kv_dst).named(f"l{il}.commit.{name}"))
         cg.graph = ctx.graph(outs) if outs else None
         return cg
+
+
+def prefill_ubatch(n_tokens: int, n_max: int) -> int:
+    """Micro-batch size for a prompt of n_tokens, at most n_max: PREFILL_MIN_UBATCH, doubled while the prompt
+    would take more than PREFILL_TARGET_BATCHES micro-batches. A long prompt then runs in bigger batches (each
+    reads the weights once, and graph set-up is paid per batch), a short one keeps the compute buffer (the
+    batch x KV-cells mask, the FFN activations) small."""
+    ubatch = PREFILL_MIN_UBATCH
+    while ubatch < n_max and -(-n_tokens // ubatch) > PREFILL_TARGET_BATCHES:
+        ubatch *= 2
+    return max(1, min(ubatch, n_max))
 
 
 def _chain_then_padding(parents: np.ndarray) -> bool:

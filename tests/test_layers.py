@@ -1,0 +1,92 @@
+"""pydflash.models.layers.linear: which matmul each weight gets. By default every weight takes ggml's mul_mat;
+with PYDFLASH_QMATMUL=1 (opt-in) quantised GPU weights with 1..48 columns take ggml_qmatmul, and the CPU keeps
+mul_mat (its SIMD kernels)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from pydflash import ggml
+from pydflash.models import layers
+from pydflash.models.layers import linear
+
+NOT_QMATMUL_TYPES = [ggml.Type.F32, ggml.Type.F16, ggml.Type.Q4_0, ggml.Type.Q4_1]
+
+
+def _route(backend: ggml.Backend | None, wtype: ggml.Type, n_cols: int, x_ne2: int = 1) -> ggml.Op:
+    """The op linear picks for a [256, 32] weight of wtype (allocated on backend, or not at all for None) times
+    f32 x [256, n_cols, x_ne2]."""
+    wctx = ggml.Context(n_tensors=1)
+    w = wctx.new_tensor(wtype, (256, 32), name="w")
+    buffer = backend.alloc_tensors(wctx) if backend is not None else None
+    ctx = ggml.Context(n_tensors=4)
+    op = linear(ctx, w, ctx.new_tensor(np.float32, (256, n_cols, x_ne2))).op
+    if buffer is not None:
+        buffer.close()
+    return op
+
+
+@pytest.fixture
+def qmatmul_on(monkeypatch):
+    monkeypatch.setenv("PYDFLASH_QMATMUL", "1")
+
+
+@pytest.fixture
+def qmatmul_default(monkeypatch):
+    monkeypatch.delenv("PYDFLASH_QMATMUL", raising=False)
+
+
+@pytest.mark.parametrize("wtype", [*ggml.QMATMUL_TYPES, ggml.Type.F32])
+def test_default_cpu_weights_take_mul_mat(qmatmul_default, wtype):
+    assert not layers.qmatmul_enabled()
+    assert _route(ggml.Backend("cpu"), wtype, 8) == ggml.Op.MUL_MAT
+
+
+@pytest.mark.parametrize("wtype", [ggml.Type.Q4_K, ggml.Type.Q8_0, ggml.Type.F32])
+def test_opt_in_cpu_weights_keep_mul_mat(qmatmul_on, wtype):
+    assert layers.qmatmul_enabled()
+    assert _route(ggml.Backend("cpu"), wtype, 8) == ggml.Op.MUL_MAT
+    assert _route(None, wtype, 8) == ggml.Op.MUL_MAT   # not placed yet: not known to be a GPU's
+
+
+def test_opt_in_rule_for_device_weights(qmatmul_on, monkeypatch):
+    """The type/shape half of the rule, with the weight taken as a GPU's (the CUDA tests below check the buffer
+    half on a real one)."""
+    monkeypatch.setattr(layers, "_on_device", lambda w: True)
+    for wtype in ggml.QMATMUL_TYPES:
+        assert _route(None, wtype, 1) == ggml.Op.QMATMUL
+        assert _route(None, wtype, 48) == ggml.Op.QMATMUL
+        assert _route(None, wtype, 49) == ggml.Op.MUL_MAT        # past ggml_qmatmul's column limit
+        assert _route(None, wtype, 8, x_ne2=2) == ggml.Op.MUL_MAT  # batched x: not a matrix
+    for wtype in NOT_QMATMUL_TYPES:
+        assert _route(None, wtype, 8) == ggml.Op.MUL_MAT
+
+
+def test_default_ignores_device_weights(qmatmul_default, monkeypatch):
+    monkeypatch.setattr(layers, "_on_device", lambda w: True)
+    assert _route(None, ggml.Type.Q4_K, 8) == ggml.Op.MUL_MAT
+    monkeypatch.setenv("PYDFLASH_QMATMUL", "0")
+    assert _route(None, ggml.Type.Q4_K, 8) == ggml.Op.MUL_MAT
+
+
+def test_bad_switch_value_is_named(monkeypatch):
+    monkeypatch.setenv("PYDFLASH_QMATMUL", "yes")
+    with pytest.raises(ValueError, match="PYDFLASH_QMATMUL must be 0 or 1, got 'yes'"):
+        _route(ggml.Backend("cpu"), ggml.Type.Q4_K, 8)
+
+
+@pytest.mark.cuda
+def test_default_gpu_weights_take_mul_mat(qmatmul_default):
+    backend = ggml.Backend("cuda")
+    for wtype in ggml.QMATMUL_TYPES:
+        assert _route(backend, wtype, 8) == ggml.Op.MUL_MAT
+
+
+@pytest.mark.cuda
+def test_opt_in_gpu_quantised_weights_take_qmatmul_up_to_48_columns(qmatmul_on):
+    backend = ggml.Backend("cuda")
+    for wtype in ggml.QMATMUL_TYPES:
+        assert _route(backend, wtype, 1) == ggml.Op.QMATMUL
+        assert _route(backend, wtype, 48) == ggml.Op.QMATMUL
+        assert _route(backend, wtype, 49) == ggml.Op.MUL_MAT
+    assert _route(backend, ggml.Type.F16, 8) == ggml.Op.MUL_MAT

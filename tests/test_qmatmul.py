@@ -1,0 +1,102 @@
+"""ggml_qmatmul (our quantised W * X for 1..48 columns) against float64 numpy on the weights as gguf-py decodes
+them, on the CPU and (with `-m cuda`) on CUDA, where every column must also come out bit-identical whatever the
+number of columns around it.
+
+Bounds: the CPU kernel dequantises to f32 and sums in float (far below 1e-5 relative error). CUDA quantises
+each column of x to 8 bits per 32 values first, as ggml's own vector kernel does; the reference applies the same
+rounding (gguf-py's Q8_0 quantiser: scale amax/127, round to nearest), which leaves the f16 rounding of the
+per-block scales and sums the kernel uses (2^-11 relative) and rare rounding ties: bound 1e-3, and 5x below the
+activation rounding itself, which the test checks so that a kernel skipping x entirely could not pass.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize
+from gguf.quants import quantize as gguf_quantize
+
+from conftest import rel_err
+from pydflash import ggml
+
+TYPES = [ggml.Type.Q4_K, ggml.Type.Q5_K, ggml.Type.Q6_K, ggml.Type.Q8_0]
+COLS = [1, 2, 3, 8, 16, 23, 24, 33, 48]
+# K: 5 super-blocks (not a multiple of the 8 blocks a CUDA block takes per step); M odd
+SHAPES = {ggml.Type.Q8_0: (800, 45), ggml.Type.Q4_K: (1280, 45), ggml.Type.Q5_K: (1280, 37),
+          ggml.Type.Q6_K: (1280, 41)}
+
+
+def as_q8(x: np.ndarray) -> np.ndarray:
+    """x rounded as the CUDA kernel rounds activations (8-bit values, one scale per 32)."""
+    q = gguf_quantize(x.astype(np.float32), GGMLQuantizationType.Q8_0)
+    return dequantize(q, GGMLQuantizationType.Q8_0).astype(np.float64)
+
+
+class QMatmul:
+    """One weight matrix on a backend; `run(x)` computes qmatmul(w, x) for x [N, K] (numpy order)."""
+
+    def __init__(self, backend: ggml.Backend, wtype: ggml.Type, w_data: np.ndarray, K: int, M: int):
+        self.backend, self.wtype, self.w_data, self.K, self.M = backend, wtype, w_data, K, M
+
+    def run(self, x: np.ndarray) -> np.ndarray:
+        ctx = ggml.Context(n_tensors=4, graph_size=4)
+        w = ctx.new_tensor(self.wtype, (self.K, self.M), name="w").mark_input()
+        xt = ctx.new_tensor(np.float32, (self.K, x.shape[0]), name="x").mark_input()
+        graph = ctx.graph(ggml.qmatmul(ctx, w, xt))
+        ggml.Allocator(self.backend).allocate(graph)
+        w.set(self.w_data)
+        xt.set(np.ascontiguousarray(x, dtype=np.float32))
+        self.backend.compute(graph)
+        return graph.outputs[0].numpy().reshape(x.shape[0], self.M)  # numpy() drops a trailing 1
+
+
+def make(backend, rng, wtype):
+    K, M = SHAPES[wtype]
+    w = rng.standard_normal((M, K)).astype(np.float32)
+    w_data = ggml.quantize(wtype, w)  # ggml's quantiser; the reference decodes with gguf-py's own code
+    w_ref = dequantize(w_data, GGMLQuantizationType(int(wtype))).astype(np.float64)
+    assert w_ref.shape == (M, K)
+    return QMatmul(backend, wtype, w_data, K, M), w_ref
+
+
+@pytest.mark.parametrize("wtype", TYPES, ids=[t.name for t in TYPES])
+def test_qmatmul_matches_dequantised_reference(backend, rng, wtype):
+    op, w_ref = make(backend, rng, wtype)
+    for n in COLS:
+        x = rng.standard_normal((n, op.K)).astype(np.float32)
+        got = op.run(x)
+        assert got.shape == (n, op.M)
+        exact = x.astype(np.float64) @ w_ref.T
+        if backend.is_cpu:
+            err = rel_err(got, exact)
+            assert err < 1e-5, f"{wtype.name} N={n}: relative error {err:.2e}"
+        else:
+            err = rel_err(got, as_q8(x) @ w_ref.T)
+            assert err < 1e-3, f"{wtype.name} N={n}: relative error {err:.2e} against q8-rounded x"
+            assert rel_err(got, exact) > 5 * err, f"{wtype.name} N={n}: x was not rounded as documented"
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("wtype", TYPES, ids=[t.name for t in TYPES])
+def test_qmatmul_column_bit_identical_alone_or_among_n(rng, wtype):
+    backend = ggml.Backend("cuda")
+    op, _ = make(backend, rng, wtype)
+    x = rng.standard_normal((48, op.K)).astype(np.float32)
+    full = op.run(x)
+    for n in COLS:
+        first_n = op.run(x[:n])
+        assert np.array_equal(first_n, full[:n]), f"{wtype.name}: the first {n} of 48 columns differ when N={n}"
+    for j in (0, 7, 8, 22, 23, 47):
+        alone = op.run(x[j:j + 1])
+        assert np.array_equal(alone[0], full[j]), f"{wtype.name}: column {j} alone differs from it among 48"
+
+
+def test_qmatmul_rejects_bad_input():
+    ctx = ggml.Context(n_tensors=8)
+    w = ctx.new_tensor(ggml.Type.Q4_K, (256, 4))
+    with pytest.raises(ValueError, match="1 to 48 columns"):
+        ggml.qmatmul(ctx, w, ctx.new_tensor(np.float32, (256, 49)))
+    with pytest.raises(ValueError, match="must have ne"):
+        ggml.qmatmul(ctx, w, ctx.new_tensor(np.float32, (512, 3)))
+    with pytest.raises(TypeError, match="Q4_K/Q5_K/Q6_K/Q8_0"):
+        ggml.qmatmul(ctx, ctx.new_tensor(ggml.Type.F16, (256, 4)), ctx.new_tensor(np.float32, (256, 3)))
