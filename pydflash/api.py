@@ -7,7 +7,10 @@
     for piece in engine.stream("def fib(n):", max_tokens=64):
         print(piece, end="", flush=True)
 
-Decoding is greedy; speculative modes return exactly the tokens plain decoding would.
+Decoding is greedy by default; speculative modes return exactly the tokens plain decoding would. Sampling
+options (temperature, top_k, top_p, min_p, seed, repeat_penalty, presence_penalty, frequency_penalty) make it
+sample, with text distributed exactly as plain sampling with those settings in every mode (docs/sampling.md):
+    engine.generate("Once upon a time", max_tokens=64, temperature=0.7, top_p=0.9, seed=1)
 """
 from __future__ import annotations
 
@@ -16,6 +19,7 @@ from dataclasses import dataclass, field
 
 from .engine import MODES, Decoder
 from .plan import DRAFT_WINDOW, PREFIX_BYTES, PREFIX_SNAPSHOTS
+from .sampling import SamplingParams
 from .validate import choice_param, int_param, token_ids
 
 MAX_CTX = 1 << 24          # far above any model's context; larger values only fail later, in the memory plan
@@ -48,11 +52,14 @@ class Engine:
         return self.decoder.target
 
     def generate(self, prompt, max_tokens: int = 256, chat: bool = False, **sampling) -> Result:
-        """Greedy generation after `prompt` (text, or a list of token ids) until max_tokens new tokens or an
-        end-of-generation token. chat=True wraps a text prompt in the model's chat template as a user turn."""
+        """Generation after `prompt` (text, or a list of token ids) until max_tokens new tokens or an
+        end-of-generation token. chat=True wraps a text prompt in the model's chat template as a user turn.
+        sampling: temperature (0, the default: greedy), top_k, top_p, min_p, seed, repeat_penalty,
+        presence_penalty, frequency_penalty (pydflash.sampling.SamplingParams; unknown names are refused)."""
         int_param("max_tokens", max_tokens, 1, MAX_TOKENS)
-        ids = self._prompt_ids(prompt, chat, sampling)
-        tokens, stats = self.decoder.generate_ids(ids, max_tokens)
+        params = SamplingParams.from_options(sampling)
+        ids = self._prompt_ids(prompt, chat)
+        tokens, stats = self.decoder.generate_ids(ids, max_tokens, sampling=params)
         return Result(self._text(tokens), tokens, stats)
 
     def stream(self, prompt, max_tokens: int = 256, chat: bool = False, **sampling):
@@ -60,10 +67,11 @@ class Engine:
         a speculative step commits many at once). The stats are in `last_stats` afterwards, also when the
         consumer stops early (closes the generator)."""
         int_param("max_tokens", max_tokens, 1, MAX_TOKENS)
-        ids = self._prompt_ids(prompt, chat, sampling)
+        params = SamplingParams.from_options(sampling)
+        ids = self._prompt_ids(prompt, chat)
         tokens = self.last_tokens = []
         shown = ""
-        steps = self.decoder.iter_generate(ids, max_tokens)
+        steps = self.decoder.iter_generate(ids, max_tokens, params)
         try:
             for batch in steps:
                 tokens.extend(batch)
@@ -89,10 +97,9 @@ class Engine:
 
     def prompt_ids(self, prompt, chat: bool = False) -> list[int]:
         """The token ids `generate(prompt, chat=chat)` would decode after."""
-        return self._prompt_ids(prompt, chat, {})
+        return self._prompt_ids(prompt, chat)
 
-    def _prompt_ids(self, prompt, chat: bool, sampling: dict) -> list[int]:
-        _reject_sampling(sampling)
+    def _prompt_ids(self, prompt, chat: bool) -> list[int]:
         if not isinstance(chat, bool):
             raise TypeError(f"chat = {chat!r}: expected True or False")
         if isinstance(prompt, str):
@@ -113,19 +120,6 @@ class Engine:
         if self.tokenizer is None:
             return ""
         return self.tokenizer.detokenize(tokens)
-
-
-def _reject_sampling(sampling: dict) -> None:
-    """Only greedy decoding is implemented: refuse sampling options instead of ignoring them (DESIGN §13)."""
-    if not sampling:
-        return
-    greedy = {"temperature": 0.0, "top_k": 1}
-    for name, value in sampling.items():
-        if name in greedy and (value is None or (isinstance(value, (int, float)) and not isinstance(value, bool)
-                                                 and value == greedy[name])):
-            continue
-        raise ValueError(f"{name}={value!r}: only greedy decoding is implemented (temperature 0); "
-                         "sampling options are not supported yet")
 
 
 def draft_layer_ids(draft_path) -> list[int]:

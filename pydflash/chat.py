@@ -53,12 +53,13 @@ def stats_report(stats: dict) -> str:
 class ChatSession:
     """The conversation (messages in the chat template's format) and one reply at a time."""
 
-    def __init__(self, engine, *, system: str | None = None, max_tokens: int = 512):
+    def __init__(self, engine, *, system: str | None = None, max_tokens: int = 512, sampling: dict | None = None):
         if engine.tokenizer is None:
             raise ValueError("chat needs the model's tokenizer and chat template")
         if not engine.tokenizer.chat_template:
             raise ValueError(f"{engine.tokenizer.path}: the GGUF has no tokenizer.chat_template to chat with")
         self.engine, self.system, self.max_tokens = engine, system, max_tokens
+        self.sampling = dict(sampling or {})   # Engine.stream's sampling keywords, the same for every reply
         self.messages: list[dict] = []
         self.last_stats: dict = {}
         self.reset()
@@ -78,7 +79,7 @@ class ChatSession:
         try:
             ids = self.prompt_ids()
             pieces, interrupted = [], False
-            stream = self.engine.stream(ids, max_tokens=self.max_tokens)
+            stream = self.engine.stream(ids, max_tokens=self.max_tokens, **self.sampling)
             for piece in stream:
                 pieces.append(piece)
                 write(piece)

@@ -83,6 +83,31 @@ def _check_run_args(args: argparse.Namespace) -> None:
         raise UsageError(f"--device: {e}") from None
 
 
+# option -> (type, help) of `pydflash run`'s and `chat`'s sampling flags (--top-k etc.), passed on as Engine.stream keywords
+SAMPLING_OPTIONS = {
+    "temperature": (float, "0 (default): greedy; > 0: sample"),
+    "top_k": (int, "keep the k most likely tokens (0, default: all)"),
+    "top_p": (float, "keep the most likely tokens holding this probability (1, default: all)"),
+    "min_p": (float, "keep tokens at least this fraction as likely as the best (0, default: all)"),
+    "seed": (int, "random seed (default: a fresh one)"),
+    "repeat_penalty": (float, "penalty of tokens among the last 64 (1, default: none)"),
+    "presence_penalty": (float, "subtracted from the logit of tokens among the last 64 (default 0)"),
+    "frequency_penalty": (float, "subtracted per occurrence among the last 64 (default 0)"),
+}
+
+
+def _sampling_options(args: argparse.Namespace) -> dict:
+    """The sampling flags as Engine.stream keywords, checked before anything loads (a bad one is a usage
+    error)."""
+    from .sampling import SamplingParams
+    sampling = {name: getattr(args, name) for name in SAMPLING_OPTIONS}
+    try:
+        SamplingParams.from_options(sampling)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    return sampling
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     """Generate from a prompt (--prompt, or stdin) and stream the text; stats go to stderr."""
     from .api import load
@@ -91,10 +116,11 @@ def cmd_run(args: argparse.Namespace) -> int:
     prompt = args.prompt if args.prompt is not None else sys.stdin.read()
     if not prompt:
         raise UsageError("empty prompt (give --prompt or pipe text on stdin)")
+    sampling = _sampling_options(args)
     # a plan that does not fit (PlanError) is reported as one line by main(), like every other error
     engine = load(args.target, args.draft, device=args.device, kv_type=args.kv, max_ctx=_ctx_arg(args.max_ctx),
                   mode=args.mode, budget=args.budget, progress=True, verbose=args.verbose)
-    for piece in engine.stream(prompt, max_tokens=args.n_gen, chat=args.chat):
+    for piece in engine.stream(prompt, max_tokens=args.n_gen, chat=args.chat, **sampling):
         sys.stdout.write(piece)
         sys.stdout.flush()
     sys.stdout.write("\n")
@@ -187,6 +213,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
     from .api import load
     from .chat import ChatSession, repl
 
+    sampling = _sampling_options(args)
     with tempfile.TemporaryDirectory(prefix="pydflash-chat-") as tmp:
         target, draft = args.target, args.draft
         if args.demo:
@@ -203,7 +230,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
         engine = load(target, draft, device=args.device, kv_type=args.kv, max_ctx=_ctx_arg(args.max_ctx),
                       mode=args.mode, budget=args.budget, progress=not args.demo,
                       prefix_cache=not args.no_prefix_cache)
-        return repl(ChatSession(engine, system=args.system, max_tokens=args.n_gen))
+        return repl(ChatSession(engine, system=args.system, max_tokens=args.n_gen, sampling=sampling))
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -278,6 +305,8 @@ def main(argv: list[str] | None = None) -> int:
                      help="KV cache positions, or auto (default): the most that fit, up to the training context")
     run.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (default: auto)")
     run.add_argument("--verbose", action="store_true", help="print the memory plan on load")
+    for name, (type_, help_) in SAMPLING_OPTIONS.items():
+        run.add_argument("--" + name.replace("_", "-"), dest=name, type=type_, help=help_)
     run.set_defaults(func=cmd_run)
 
     chat = sub.add_parser("chat", help="chat in the terminal (multi-turn, streamed, Ctrl+C stops a reply)")
@@ -295,6 +324,8 @@ def main(argv: list[str] | None = None) -> int:
     chat.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (default: auto)")
     chat.add_argument("--no-prefix-cache", action="store_true",
                       help="prefill every turn from scratch (no reuse of the previous turn's state)")
+    for name, (type_, help_) in SAMPLING_OPTIONS.items():
+        chat.add_argument("--" + name.replace("_", "-"), dest=name, type=type_, help=help_)
     chat.set_defaults(func=cmd_chat)
 
     mem = sub.add_parser("plan", help="print the device-memory plan of a target (and draft); no GPU needed")

@@ -136,7 +136,9 @@ def ancestor_mask(parents: np.ndarray) -> np.ndarray:
 
 
 def accept(tree: Tree, argmax: np.ndarray) -> tuple[list[int], list[int]]:
-    """Greedy acceptance walk. argmax: the target's argmax token at each slot (at least N+1 of them).
+    """The acceptance walk. argmax: the target's token at each slot (at least N+1 of them): its argmax when
+    greedy, or when sampling the token drawn from the slot's own filtered distribution (sample-and-match,
+    docs/sampling.md: the walk visits each slot at most once, so every committed token is a fresh draw).
 
     Returns (accepted slots, starting with the root; new tokens): the new tokens are the accepted nodes' tokens
     followed by the target's own token after the last accepted node (the bonus token, always one), so every step

@@ -5,6 +5,11 @@ step proposes per-position top-K tokens with the draft, lays them out as a tree 
 slot with one target forward, walks the target's argmaxes down the tree and commits the accepted path on the
 device. Greedy verification is lossless: the output equals plain AR decoding token for token.
 
+Sampling (pydflash.sampling) keeps the same walk: the verify draws the target's own token at every slot on the
+device (from that slot's filtered distribution), the walk follows the child carrying the drawn token and stops
+with the drawn token where none does (sample-and-match). The committed text then has exactly the distribution of
+plain sampling (docs/sampling.md).
+
 A draft is any object with
     block_size: int                                  proposals cover block_size - 1 positions after the root
     reset() -> None
@@ -23,6 +28,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from . import ddtree
+from .sampling import GREEDY, Sampler, SamplingParams
 
 MODES = ("ar", "chain", "ddtree")
 
@@ -31,6 +37,7 @@ MODES = ("ar", "chain", "ddtree")
 class _Run:
     """What one generation accumulates: committed ids, and the counters the stats come from."""
     context: list[int]                       # prompt + everything committed so far (the root last)
+    sampler: Sampler | None = None           # None: greedy (argmax) decoding
     new: list[int] = field(default_factory=list)
     done: bool = False
     steps: int = 0
@@ -79,15 +86,18 @@ def engine_draft(draft):
 
 # --- step functions ---
 
-def prefill(target, draft, prompt_ids: list[int], prefix=None) -> tuple[int, int]:
+def prefill(target, draft, prompt_ids: list[int], prefix=None, sampler: Sampler | None = None) -> tuple[int, int]:
     """Run the prompt through the target (the draft takes its features); returns (the first new token, prompt
-    tokens reused). With a PrefixCache the prompt resumes from its longest usable snapshot, else from scratch."""
+    tokens reused). The token is drawn by `sampler` when given (its penalties see the whole prompt), else the
+    argmax. With a PrefixCache the prompt resumes from its longest usable snapshot, else from scratch."""
     reused = prefix.restore(prompt_ids) if prefix is not None else 0
     if reused == 0:
         target.reset()
         if draft is not None:
             draft.reset()
     rest = prompt_ids[reused:]
+    if sampler is not None:
+        target.sample_inputs = sampler.for_context(prompt_ids)
     if draft is None:
         target.prefill(rest, return_logits=False)
     else:
@@ -95,7 +105,7 @@ def prefill(target, draft, prompt_ids: list[int], prefix=None) -> tuple[int, int
                        on_ubatch=lambda first, n: draft.append_context(target, first, list(range(n))))
     if prefix is not None:
         prefix.save(prompt_ids)
-    return target.argmax(), reused
+    return (int(target.sampled()[0]) if sampler is not None else target.argmax()), reused
 
 
 def draft_step(draft, context: list[int], k: int) -> tuple[np.ndarray, np.ndarray]:
@@ -109,10 +119,14 @@ def make_tree(mode: str, logp, ids, budget: int, seed_chain: bool) -> ddtree.Tre
     return ddtree.build_tree(logp, ids, budget, seed_chain=seed_chain)
 
 
-def verify_step(target, tree: ddtree.Tree, root: int) -> np.ndarray:
-    """One target forward over the root and the tree (padded to the target's fixed slots): argmax per slot."""
+def verify_step(target, tree: ddtree.Tree, context: list[int], sampler: Sampler | None = None) -> np.ndarray:
+    """One target forward over the root (context[-1]) and the tree (padded to the target's fixed slots): the
+    target's token per slot, its argmax, or with `sampler` a draw from the slot's filtered distribution (each
+    slot's penalties see its own path)."""
     tokens, parents, depths = ddtree.padded(tree, target.n_slots)
-    tokens[0] = root
+    tokens[0] = context[-1]
+    if sampler is not None:
+        target.sample_inputs = sampler.for_tree(context, tokens, parents)
     return target.verify(tokens, parents, depths)
 
 
@@ -127,7 +141,8 @@ def commit_step(target, draft, path: list[int]) -> None:
 # --- the engine ---
 
 class Decoder:
-    """Greedy decoding of `target` in one of MODES; `draft` is needed by `chain` and `ddtree`.
+    """Decoding of `target` (greedy, or sampled: see iter_generate) in one of MODES; `draft` is needed by
+    `chain` and `ddtree`.
 
     budget: tree nodes per step (ddtree) or chain length (chain, capped by the draft block). top_k: proposals
     per position the draft hands over (ddtree). seed_chain: seed the tree with the draft's top-1 chain.
@@ -195,19 +210,24 @@ class Decoder:
                 break
         return taken
 
-    def generate_ids(self, prompt_ids, max_tokens: int = 256, on_tokens=None) -> tuple[list[int], dict]:
-        """Greedy decoding after `prompt_ids`: (new token ids, stats). on_tokens(list) sees each batch of
-        committed tokens as it is committed."""
+    def generate_ids(self, prompt_ids, max_tokens: int = 256, on_tokens=None,
+                     sampling: SamplingParams | None = None) -> tuple[list[int], dict]:
+        """Decoding after `prompt_ids` (greedy, or with `sampling`): (new token ids, stats). on_tokens(list)
+        sees each batch of committed tokens as it is committed."""
         out = []
-        for tokens in self.iter_generate(prompt_ids, max_tokens):
+        for tokens in self.iter_generate(prompt_ids, max_tokens, sampling):
             out.extend(tokens)
             if on_tokens:
                 on_tokens(tokens)
         return out, self.last_stats
 
-    def iter_generate(self, prompt_ids, max_tokens: int = 256):
+    def iter_generate(self, prompt_ids, max_tokens: int = 256, sampling: SamplingParams | None = None):
         """Yield the new tokens step by step (lists; the first holds the prefill's token). The stats of the run
-        are in `last_stats` once the generator is exhausted."""
+        are in `last_stats` once the generator is exhausted. sampling: the settings (None or temperature 0
+        without penalties: greedy, today's argmax path)."""
+        sampling = sampling or GREEDY
+        if not isinstance(sampling, SamplingParams):
+            raise TypeError(f"sampling must be a SamplingParams, got {type(sampling).__name__}")
         prompt_ids = [int(t) for t in prompt_ids]
         if not prompt_ids:
             raise ValueError("the prompt is empty")
@@ -221,10 +241,12 @@ class Decoder:
         if self.mode != "ar" and self.target.n_slots != self.budget + 1:   # another decoder re-sized the verify
             self.target.enable_verify(self.budget + 1, tree=self.mode == "ddtree" or _has_tree_ops(),
                                       state_type=self.state_type)
+        sampler = None if sampling.greedy else Sampler(sampling)
+        self.target.enable_sampling(sampler is not None)
         t0 = time.perf_counter()
-        root, reused = prefill(self.target, self.draft, prompt_ids, self.prefix)
+        root, reused = prefill(self.target, self.draft, prompt_ids, self.prefix, sampler)
         t1 = time.perf_counter()
-        run = _Run(context=prompt_ids + [root])
+        run = _Run(context=prompt_ids + [root], sampler=sampler)
         t_yield = 0.0        # time spent in the consumer between steps is not decode time
         settled = True       # the cache holds run.context[:-1] (false while a step is under way)
         try:
@@ -247,8 +269,12 @@ class Decoder:
                     self.prefix.forget()
             t2 = time.perf_counter()
             self.last_stats = self._stats(run, len(prompt_ids), reused, t1 - t0, t2 - t1 - t_yield)
+            if sampler is not None:
+                self.last_stats["sampling"] = dict(sampling.__dict__)
 
     def _ar_step(self, run: _Run, max_tokens: int) -> list[int]:
+        if run.sampler is not None:
+            self.target.sample_inputs = run.sampler.for_context(run.context)
         token = self.target.step(run.context[-1])
         run.context.append(token)
         run.steps += 1
@@ -261,9 +287,9 @@ class Decoder:
         t1 = time.perf_counter()
         tree = make_tree(self.mode, logp, ids, self.budget, self.seed_chain)
         t2 = time.perf_counter()
-        argmax = verify_step(self.target, tree, run.context[-1])
+        drawn = verify_step(self.target, tree, run.context, run.sampler)
         t3 = time.perf_counter()
-        path, new = ddtree.accept(tree, argmax)
+        path, new = ddtree.accept(tree, drawn)     # greedy: argmax per slot; sampling: sample-and-match
         taken = self._take(run, new, max_tokens)
         # commit no further than the output goes (max_tokens, an ending token): the cache then holds exactly the
         # prompt and the output but its last token, a state the next turn of a chat can resume from

@@ -427,7 +427,9 @@ def _case_generate_params(rng, base) -> dict:
                     [True]]),
         ("max_tokens", [0, -1, float("nan"), float("inf"), 1.5, "4", True, 2**63, None]),
         ("chat", ["yes", 1, None]),
-        ("temperature", [0.7, "0", float("nan"), [0]]),
+        # sampling is implemented: only out-of-range or wrongly typed settings are invalid
+        ("temperature", [-0.7, "0", float("nan"), [0]]),
+        ("top_p", [0.0, 1.5, "0.9"]),
     ])
     value = rng.choice(values)
     return {"kind": "generate_params", "expect": "refuse", "what": f"generate({name}={value!r})",

@@ -124,6 +124,7 @@ class Qwen35Config:
     n_vocab: int | None = None         # pad the vocabulary to this many tokens with placeholders <|extra_N|>
     n_ctx_train: int = 4096
     rms_eps: float = 1e-6
+    logit_std: float = 2.0             # spread of the logits (output.weight std * sqrt(n_embd)); larger: peakier
     weight_type: str = "F32"
     seed: int = 0
     depth_scale_layers: int | None = None  # depth used to scale residual-branch outputs (default n_layer)
@@ -181,7 +182,7 @@ def _tensor_specs(cfg: Qwen35Config, n_vocab: int) -> list[_TensorSpec]:
 
     specs = [_TensorSpec("token_embd.weight", (E, n_vocab), "matrix", gauss((n_vocab, E), 1.0), 1.0),
              _TensorSpec("output_norm.weight", (E,), "norm", norm(E))]
-    specs.append(mat("output.weight", E, n_vocab, std=2.0 / np.sqrt(E)))
+    specs.append(mat("output.weight", E, n_vocab, std=cfg.logit_std / np.sqrt(E)))
     d_k, h_k, h_v = cfg.ssm_d_state, cfg.ssm_n_group, cfg.ssm_dt_rank
     key_dim, value_dim = d_k * h_k, d_k * h_v
     conv_dim = 2 * key_dim + value_dim

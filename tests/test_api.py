@@ -54,10 +54,12 @@ def test_chat_prompt_uses_template(ar):
     assert res.tokens == ar.generate(ar.tokenizer.tokenize(templ), max_tokens=4).tokens
 
 
-def test_rejects_what_it_does_not_implement(model, ar):
-    with pytest.raises(ValueError, match="greedy"):
-        ar.generate("x", max_tokens=2, temperature=0.7)
-    assert len(ar.generate("x", max_tokens=2, temperature=0.0).tokens) == 2
+def test_rejects_bad_options(model, ar):
+    with pytest.raises(ValueError, match="unknown sampling option"):
+        ar.generate("x", max_tokens=2, temperture=0.7)
+    with pytest.raises(ValueError, match="temperature"):
+        ar.generate("x", max_tokens=2, temperature=-1)
+    assert ar.generate("x", max_tokens=6, temperature=0.0).tokens == ar.generate("x", max_tokens=6).tokens
     with pytest.raises(ValueError, match="needs a draft"):
         pydflash.load(model, mode="ddtree", device="cpu")
     with pytest.raises(ValueError, match="mode"):
@@ -70,6 +72,16 @@ def test_cli_run_streams_text(model, capsys, ar):
     out, err = capsys.readouterr()
     assert out.rstrip("\n") == ar.generate("The quick", max_tokens=12).text
     assert "acceptance length" in err and "decode" in err
+
+
+def test_cli_run_samples_with_a_seed(model, capsys, ar):
+    argv = ["run", "--target", model, "--prompt", "The quick", "--n-gen", "12", "--device", "cpu", "--max-ctx", "256",
+            "--temperature", "0.8", "--top-p", "0.9", "--seed", "7"]
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out
+    assert out.rstrip("\n") == ar.generate("The quick", max_tokens=12, temperature=0.8, top_p=0.9, seed=7).text
+    assert cli.main(argv[:-6] + ["--top-p", "1.5"]) == 2
+    assert "top_p" in capsys.readouterr().err
 
 
 def test_cli_demo(capsys):

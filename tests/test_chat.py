@@ -132,3 +132,24 @@ def test_chat_demo_answers_and_reuses():
     child.expect(pexpect.EOF)
     child.close()
     assert child.exitstatus == 0
+
+
+@pytest.mark.slow
+def test_chat_session_samples_with_the_given_options(pair, capsys):
+    """`pydflash chat`'s sampling flags reach every reply: a session with options and a seed replies exactly what
+    Engine.generate draws with them for the same conversation; a bad value is refused before anything loads."""
+    from pydflash import cli
+    from pydflash.chat import ChatSession
+
+    target, _ = pair
+    options = dict(temperature=0.9, top_p=0.95, repeat_penalty=1.2, seed=11)
+    session = ChatSession(pydflash.load(target, device="cpu", max_ctx=512), max_tokens=10, sampling=options)
+    reply, interrupted = session.reply("hello there", write=lambda piece: None)
+    ref = pydflash.load(target, device="cpu", max_ctx=512, prefix_cache=False)
+    tok = ref.tokenizer
+    ids = tok.tokenize(tok.apply_chat_template([{"role": "user", "content": "hello there"}]), add_special=False)
+    assert not interrupted
+    assert reply == ref.generate(ids, max_tokens=10, **options).text
+    assert reply != ref.generate(ids, max_tokens=10).text          # it did sample
+    assert cli.main(["chat", "--demo", "--temperature", "-1"]) == 2
+    assert "temperature" in capsys.readouterr().err

@@ -27,6 +27,14 @@ def model(tmp_path_factory):
     return path
 
 
+@pytest.fixture(scope="module")
+def model_conv4(tmp_path_factory):
+    """The same shape with a conv kernel of 4: the CUDA tree conv (a verify's GDN layers) takes only that size."""
+    path = tmp_path_factory.mktemp("tq3") / "target-conv4.gguf"
+    write_qwen35_gguf(path, **dict(SHAPE, ssm_d_conv=4))
+    return path
+
+
 def teacher_forced_logits(path, kv_type, prompt, tokens, device="cpu"):
     target = Qwen35Target(path, device, n_ctx=N_CTX, kv_type=kv_type)
     out = [np.asarray(target.prefill(prompt), np.float64).ravel()]
@@ -132,10 +140,10 @@ def test_speculative_over_quantized_cache_equals_ar(model, kv):
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
 @pytest.mark.parametrize("kv", ["tq3_0", "q4_0", "q8_0", "f16"])
-def test_commit_moves_rows_bit_for_bit(model, kv, device):
+def test_commit_moves_rows_bit_for_bit(model, model_conv4, kv, device):
     """An off-chain commit moves the accepted slots' KV rows to consecutive cells as raw bytes (TQ3_0 would be
     rotated twice, Q8_0/Q4_0 re-quantized, through f32); the cache stays of its type (TQ3_0: 3.5 bits/value)."""
-    target = Qwen35Target(model, device, n_ctx=N_CTX, kv_type=kv, n_ubatch=32)
+    target = Qwen35Target(model if device == "cpu" else model_conv4, device, n_ctx=N_CTX, kv_type=kv, n_ubatch=32)
     target.enable_verify(8)
     target.prefill([5, 6, 7])
     parents = np.array([-1, 0, 0, 2, 3, 1, 5, 6])

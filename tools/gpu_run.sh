@@ -166,6 +166,11 @@ phase bench_tq3 150 python3 "$src/bench/ar_decode.py" "$data/q27.gguf" --device 
 # what the load-time validation (issue 18) costs next to a complete load of the 27B-shaped file on the GPU
 phase bench_load_validation 150 python3 "$src/bench/load_validation.py" "$data/q27.gguf" --device cuda --full \
     --repeat 3
+# sampling: the sampler op, verify/AR step with it against greedy, acceptance at T=0.7/1.0 (oracle, then DFlash draft)
+phase bench_sampling 200 python3 "$src/bench/sampling_step.py" "$data/q27.gguf" --device cuda --budget 22 \
+    --n-gen 64 --reps 10
+phase bench_sampling_draft 200 python3 "$src/bench/sampling_step.py" "$data/q27.gguf" --draft "$data/d27" \
+    --device cuda --budget 22 --n-gen 64 --reps 5
 # the attention-only architectures: a Qwen2.5-Coder-1.5B-shaped qwen2 (random weights, Q4_K_M, tied head; the
 # real file cannot travel to this machine) against llama-bench, decode and a 512-token prefill
 phase model_qwen2 200 python3 -m pydflash.testing write-llama "$data/qwen2-1.5b.gguf" --arch qwen2 --type Q4_K_M \

@@ -10,7 +10,7 @@ extern "C" {
 #endif
 
 // Bumped whenever an op's signature or semantics change; the Python bindings check it at load.
-#define GGML_EXT_ABI_VERSION 4
+#define GGML_EXT_ABI_VERSION 5
 
 // The number of ops in ggml-ext-ops.def.
 enum {
@@ -157,6 +157,43 @@ GGML_API struct ggml_tensor * ggml_qmatmul(
         struct ggml_context * ctx,
         struct ggml_tensor  * w,
         struct ggml_tensor  * x);
+// --- Sampling: filter each row of logits and draw one token (docs/sampling.md) ----------------------------------
+//   logits f32 [n_vocab, n_rows]  rows contiguous (nb[0] = 4)
+//   hist   i32 [n_hist, n_rows]   each row's most recent tokens for the penalties (-1: no token), contiguous
+//   params f32 [GGML_EXT_SAMPLE_N_PARAMS], contiguous, indexed by GGML_EXT_SAMPLE_*
+//   rand   f32 [n_rows]           one uniform number in [0, 1) per row, contiguous
+// Per row, in this order: penalties (a token seen c > 0 times in hist: logit /= repeat_penalty when > 0, else
+// *= repeat_penalty; then logit -= c * frequency_penalty + presence_penalty), then with temperature <= 0 the
+// argmax (lowest id on ties). Otherwise, with p = softmax(penalised logits): top-k keeps the tokens whose logit
+// is >= the k-th largest (k <= 0: all); top-p keeps the tokens of the kept set whose p is >= v, for the largest
+// v whose kept mass sum(p >= v) reaches top_p of the kept set's mass (top_p >= 1: all); min-p keeps the tokens
+// with p >= min_p * max p (min_p <= 0: all); the kept tokens get probability exp(logit / temperature)
+// normalised, and the drawn token is the first (by id) at which the cumulative probability exceeds rand.
+// Ties at a boundary are kept together, so the result does not depend on any sort order.
+#define GGML_EXT_SAMPLE_TEMPERATURE       0
+#define GGML_EXT_SAMPLE_TOP_K             1
+#define GGML_EXT_SAMPLE_TOP_P             2
+#define GGML_EXT_SAMPLE_MIN_P             3
+#define GGML_EXT_SAMPLE_REPEAT_PENALTY    4
+#define GGML_EXT_SAMPLE_PRESENCE_PENALTY  5
+#define GGML_EXT_SAMPLE_FREQUENCY_PENALTY 6
+#define GGML_EXT_SAMPLE_N_PARAMS          8
+
+// Returns i32 [n_rows]: the drawn token of every row.
+GGML_API struct ggml_tensor * ggml_sample_tokens(
+        struct ggml_context * ctx,
+        struct ggml_tensor  * logits,
+        struct ggml_tensor  * hist,
+        struct ggml_tensor  * params,
+        struct ggml_tensor  * rand);
+
+// The same filtering, returning the distribution the draw samples from: f32 [n_vocab, n_rows] (one-hot at the
+// argmax when temperature <= 0). For tests and diagnostics.
+GGML_API struct ggml_tensor * ggml_sample_probs(
+        struct ggml_context * ctx,
+        struct ggml_tensor  * logits,
+        struct ggml_tensor  * hist,
+        struct ggml_tensor  * params);
 
 #ifdef __cplusplus
 }

@@ -151,3 +151,46 @@ struct ggml_tensor * ggml_qmatmul(
     result->src[1] = x;
     return result;
 }
+static void ggml_ext_check_sample(const struct ggml_tensor * logits, const struct ggml_tensor * hist,
+                                  const struct ggml_tensor * params) {
+    GGML_ASSERT(logits->type == GGML_TYPE_F32 && ggml_is_matrix(logits) && logits->nb[0] == sizeof(float));
+    GGML_ASSERT(hist->type == GGML_TYPE_I32 && ggml_is_matrix(hist) && ggml_is_contiguous(hist));
+    GGML_ASSERT(hist->ne[1] == logits->ne[1]);
+    GGML_ASSERT(params->type == GGML_TYPE_F32 && ggml_is_contiguous(params));
+    GGML_ASSERT(ggml_nelements(params) == GGML_EXT_SAMPLE_N_PARAMS);
+}
+
+// op_params[0]: 0 = draw tokens (ggml_sample_tokens), 1 = return the filtered distribution (ggml_sample_probs)
+static struct ggml_tensor * ggml_ext_sample_op(struct ggml_tensor * result, int32_t want_probs,
+                                               struct ggml_tensor * logits, struct ggml_tensor * hist,
+                                               struct ggml_tensor * params, struct ggml_tensor * rand) {
+    result->op = GGML_OP_SAMPLE_TOKENS;
+    result->op_params[0] = want_probs;
+    result->src[0] = logits;
+    result->src[1] = hist;
+    result->src[2] = params;
+    result->src[3] = rand;
+    return result;
+}
+
+struct ggml_tensor * ggml_sample_tokens(
+        struct ggml_context * ctx,
+        struct ggml_tensor  * logits,
+        struct ggml_tensor  * hist,
+        struct ggml_tensor  * params,
+        struct ggml_tensor  * rand) {
+    ggml_ext_check_sample(logits, hist, params);
+    GGML_ASSERT(rand->type == GGML_TYPE_F32 && ggml_is_contiguous(rand) && ggml_nelements(rand) == logits->ne[1]);
+    struct ggml_tensor * result = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, logits->ne[1]);
+    return ggml_ext_sample_op(result, 0, logits, hist, params, rand);
+}
+
+struct ggml_tensor * ggml_sample_probs(
+        struct ggml_context * ctx,
+        struct ggml_tensor  * logits,
+        struct ggml_tensor  * hist,
+        struct ggml_tensor  * params) {
+    ggml_ext_check_sample(logits, hist, params);
+    struct ggml_tensor * result = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, logits->ne[0], logits->ne[1]);
+    return ggml_ext_sample_op(result, 1, logits, hist, params, NULL);
+}

@@ -160,3 +160,31 @@ def qmatmul(ctx: Context, w: Tensor, x: Tensor) -> Tensor:
     if not 1 <= n <= QMATMUL_MAX_COLS:
         raise ValueError(f"qmatmul takes 1 to {QMATMUL_MAX_COLS} columns of x, got {n}")
     return Tensor(lib.ggml_qmatmul(ctx._ptr, w._ptr, x._ptr), ctx)
+SAMPLE_N_PARAMS = 8   # GGML_EXT_SAMPLE_N_PARAMS: the length of the params tensor of sample_tokens/sample_probs
+
+
+def _check_sample(logits: Tensor, hist: Tensor, params: Tensor) -> None:
+    n_vocab, n_rows = logits.ne[0], logits.ne[1]
+    _expect(logits, "logits", Type.F32, (n_vocab, n_rows))
+    _expect_rows(logits, "logits")
+    _expect(hist, "hist", Type.I32, (hist.ne[0], n_rows))
+    _expect_contiguous(hist, "hist")
+    _expect(params, "params", Type.F32, (SAMPLE_N_PARAMS,))
+    _expect_contiguous(params, "params")
+
+
+def sample_tokens(ctx: Context, logits: Tensor, hist: Tensor, params: Tensor, rand: Tensor) -> Tensor:
+    """Filter every row of logits f32 [n_vocab, n_rows] and draw one token per row: i32 [n_rows].
+    hist i32 [n_hist, n_rows]: each row's recent tokens for the penalties (-1: none); params f32 [8]
+    (pydflash.sampling.SamplingParams.vector); rand f32 [n_rows]: one uniform in [0, 1) per row. The rule is
+    ggml_sample_tokens' in ggml_ext/include/ggml-ext.h (and docs/sampling.md)."""
+    _check_sample(logits, hist, params)
+    _expect(rand, "rand", Type.F32, (logits.ne[1],))
+    _expect_contiguous(rand, "rand")
+    return Tensor(lib.ggml_sample_tokens(ctx._ptr, logits._ptr, hist._ptr, params._ptr, rand._ptr), ctx)
+
+
+def sample_probs(ctx: Context, logits: Tensor, hist: Tensor, params: Tensor) -> Tensor:
+    """The distribution `sample_tokens` draws from, f32 [n_vocab, n_rows] (tests and diagnostics)."""
+    _check_sample(logits, hist, params)
+    return Tensor(lib.ggml_sample_probs(ctx._ptr, logits._ptr, hist._ptr, params._ptr), ctx)

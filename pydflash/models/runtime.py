@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .. import ggml
+from .. import ggml, sampling
 from ..gguf_io import GGUFFile, upload
 from ..kv import HybridCache
 from ..validate import SMALL_F32_ROLES, check_finite, check_memory, check_tensors, tensor_bytes
@@ -102,6 +102,7 @@ class GraphInputs:
         self.mask_host = None         # the host copy of the mask, kept and updated where it changes
         self.mask_past = 0            # the n_past mask_host was last written for
         self.logits = self.argmax = None
+        self.sampler = None           # sampling.SamplerNodes when the target samples (enable_sampling)
 
     def causal_mask(self, n_past: int) -> np.ndarray:
         """f16 [n_tokens, n_kv]: token i (position n_past + i) sees cells 0..n_past + i. Only the columns between
@@ -200,6 +201,9 @@ class TargetRuntime:
         self._commit_graphs: dict[bool, _CommitGraph] = {}
         self._commit_allocator = ggml.Allocator(self.backend)
         self._last: GraphInputs | None = None
+        self.sampling_enabled = False     # graphs end in the on-device sampler (enable_sampling)
+        self.sample_inputs = None         # sampling.StepInputs of the next prefill/step/verify (then cleared)
+        self._last_sampled = False        # the last forward's sampler drew from given inputs
 
     def memory_plan(self, infos, n_cells: int, kv_type, n_ubatch: int) -> dict[str, int]:
         """Bytes a load would allocate, by part (the compute buffer estimated: the logits and a few activations
@@ -262,19 +266,40 @@ class TargetRuntime:
             self._forward(tokens[start: start + ubatch])
             if on_ubatch is not None:
                 on_ubatch(first, self.n_captured)
+        self.sample_inputs = None
         return self.logits() if return_logits else None
 
     def decode(self, token: int) -> np.ndarray:
         """Run one token; returns its logits (f32 [n_vocab])."""
         self._check_room(1)
         self._forward(self._tokens([token]))
+        self.sample_inputs = None
         return self.logits()
 
     def step(self, token: int) -> int:
-        """Run one token and return the greedy next token; only 4 bytes come back to the host."""
+        """Run one token and return the next token (greedy, or drawn by the sampler when sampling is enabled
+        and `sample_inputs` are set); only 4 bytes come back to the host."""
         self._check_room(1)
         self._forward(self._tokens([token]))
-        return self.argmax()
+        self.sample_inputs = None
+        return int(self.sampled()[0]) if self._last_sampled else self.argmax()
+
+    def enable_sampling(self, on: bool) -> None:
+        """Make every graph end in the on-device sampler (pydflash.sampling) as well as the argmax: a prefill,
+        step or verify then draws from `sample_inputs` when they are set (they are cleared after it), and
+        `step`/`verify` return the drawn tokens; without inputs they stay greedy. Built graphs are dropped when
+        this changes."""
+        on = bool(on)
+        if on != self.sampling_enabled:
+            self.sampling_enabled = on
+            self._graphs = {}
+            self._last = None
+
+    def sampled(self) -> np.ndarray:
+        """The tokens the sampler drew in the last forward, one per logits row (i32)."""
+        if self._last is None or not self._last_sampled:
+            raise RuntimeError("the last forward did not sample (enable_sampling, then set sample_inputs)")
+        return self._last.sampler.tokens.numpy().reshape(-1)
 
     def forward(self, tokens) -> None:
         """Run up to n_ubatch tokens at the current position (results stay on the device)."""
@@ -283,6 +308,7 @@ class TargetRuntime:
             raise ValueError(f"forward takes 1..{self.n_ubatch} tokens, got {tokens.size}")
         self._check_room(tokens.size)
         self._forward(tokens)
+        self.sample_inputs = None
 
     def logits(self) -> np.ndarray:
         """The last forward's logits for its last token."""
@@ -356,7 +382,8 @@ class TargetRuntime:
         self._commit_graphs = {}
 
     def verify(self, tokens, parents, depths) -> np.ndarray:
-        """One forward over n_slots tree slots at the current position; returns the argmax token of every slot.
+        """One forward over n_slots tree slots at the current position; returns the argmax token of every slot
+        (with enable_sampling and `sample_inputs` set: the token the sampler drew for every slot).
 
         tokens/parents/depths: [n_slots] (ddtree.padded): slot 0 is the root at position n_past, slot s sits at
         position n_past + depths[s] and attends to the committed cells and its ancestors; its KV row is written
@@ -382,10 +409,13 @@ class TargetRuntime:
             g.pos.set(self.rope_positions((n_past + depths).astype(np.int32)))
             g.kv_rows.set(np.arange(n_past, n_past + n, dtype=np.int64))
             g.kq_mask.set(g.tree_mask(n_past, _ancestors(parents)))
+        self._set_sampler(g)
+        self.sample_inputs = None
         self.backend.compute(g.graph)
         self._last = g
         self.n_captured = n
-        return g.argmax.numpy().reshape(-1)[:n].astype(np.int64)
+        out = g.sampler.tokens if self._last_sampled else g.argmax
+        return out.numpy().reshape(-1)[:n].astype(np.int64)
 
     def commit(self, path) -> None:
         """Make the accepted slots `path` (root first, each the parent of the next) the committed tokens: state
@@ -426,6 +456,12 @@ class TargetRuntime:
             raise ValueError(f"token id {bad} outside the vocabulary (0..{self.hp.n_vocab - 1})")
         return tokens.astype(np.int32)
 
+    def _set_sampler(self, g: GraphInputs) -> None:
+        """Upload the sampler's inputs of a forward (neutral ones without sample_inputs: the argmax is read)."""
+        self._last_sampled = g.sampler is not None and self.sample_inputs is not None
+        if g.sampler is not None:
+            g.sampler.set(self.sample_inputs)
+
     def _check_room(self, n: int) -> None:
         if self.cache.n_past + n > self.n_ctx:
             raise ValueError(f"context overflow: {self.cache.n_past} positions used + {n} new > n_ctx {self.n_ctx}")
@@ -452,6 +488,7 @@ class TargetRuntime:
             g.pos.set(self.rope_positions(pos))
             g.kv_rows.set(pos.astype(np.int64))
             g.kq_mask.set(g.causal_mask(n_past))
+        self._set_sampler(g)
         self.backend.compute(g.graph)
         self.cache.n_past = n_past + n
         self._last = g
@@ -484,7 +521,11 @@ class TargetRuntime:
         out = self.output_norm(ctx, h)
         g.logits = layers.linear(ctx, self.weights["output.weight"], out).named("out.logits")  # [n_vocab, 1 or n]
         g.argmax = ctx.argmax(g.logits).named("out.argmax")
-        g.graph = ctx.graph(g.side_effects + [g.logits, g.argmax])   # Allocator.allocate checks every node
+        outputs = g.side_effects + [g.logits, g.argmax]
+        if self.sampling_enabled:   # the sampling hook: filter + draw per row on the device
+            g.sampler = sampling.attach(ctx, g.logits)
+            outputs.append(g.sampler.tokens)
+        g.graph = ctx.graph(outputs)   # Allocator.allocate checks every node
         return g
 
     def _build_commit(self, compact_kv: bool) -> _CommitGraph:

@@ -15,7 +15,7 @@ class _Body(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
 
 
-# --- sampling: passed through to the engine, which refuses what it does not implement -------------------------
+# --- sampling: passed through to the engine, which checks the values (pydflash.sampling) ---------------
 
 class _Sampling(_Body):
     temperature: Annotated[float, Field(ge=0, le=2)] | None = None

@@ -1,0 +1,48 @@
+#pragma once
+
+// Shared by the CPU and CUDA kernels of ggml_sample_tokens / ggml_sample_probs. Host and device.
+
+#include <stdint.h>
+#include <string.h>
+
+#if defined(__CUDACC__)
+#define GGML_EXT_SAMPLE_HD __host__ __device__ inline
+#else
+#define GGML_EXT_SAMPLE_HD static inline
+#endif
+
+// An unsigned key that orders like the float (larger float, larger key), so thresholds can be found bit by bit.
+GGML_EXT_SAMPLE_HD uint32_t ggml_ext_sample_key(float x) {
+    uint32_t u;
+    memcpy(&u, &x, sizeof(u));
+    return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+
+// The logit of a token seen `count` times in the history, after the penalties (llama.cpp's rule).
+GGML_EXT_SAMPLE_HD float ggml_ext_sample_penalise(float logit, int count, float repeat, float presence,
+                                                   float frequency) {
+    if (count <= 0) {
+        return logit;
+    }
+    logit = logit <= 0.0f ? logit * repeat : logit / repeat;
+    return logit - (float) count * frequency - presence;
+}
+
+// How often hist[j] occurs in hist[0..n), or 0 when hist[j] is no token or also occurs before j (so each
+// distinct token is penalised once).
+GGML_EXT_SAMPLE_HD int ggml_ext_sample_count(const int32_t * hist, int n, int j, int n_vocab) {
+    const int32_t tok = hist[j];
+    if (tok < 0 || tok >= n_vocab) {
+        return 0;
+    }
+    for (int i = 0; i < j; ++i) {
+        if (hist[i] == tok) {
+            return 0;
+        }
+    }
+    int count = 0;
+    for (int i = j; i < n; ++i) {
+        count += hist[i] == tok;
+    }
+    return count;
+}
