@@ -3,5 +3,6 @@
 __version__ = "0.1.0"
 
 from .api import Engine, Result, load  # noqa: E402
+from .llama_compat import Llama  # noqa: E402
 
-__all__ = ["Engine", "Result", "load", "__version__"]
+__all__ = ["Engine", "Llama", "Result", "load", "__version__"]

@@ -66,14 +66,11 @@ class Engine:
         """Like `generate`, but yields text pieces as tokens are committed (a piece may hold several tokens:
         a speculative step commits many at once). The stats are in `last_stats` afterwards, also when the
         consumer stops early (closes the generator)."""
-        int_param("max_tokens", max_tokens, 1, MAX_TOKENS)
-        params = SamplingParams.from_options(sampling)
-        ids = self._prompt_ids(prompt, chat)
         tokens = self.last_tokens = []
         shown = ""
-        steps = self.decoder.iter_generate(ids, max_tokens, params)
+        batches = self.stream_tokens(prompt, max_tokens, chat, **sampling)
         try:
-            for batch in steps:
+            for batch in batches:
                 tokens.extend(batch)
                 text = self._text(tokens)
                 # hold back an incomplete UTF-8 sequence (rendered as U+FFFD) until its last byte arrives
@@ -82,10 +79,22 @@ class Engine:
                     yield stable[len(shown):]
                     shown = stable
         finally:
-            steps.close()    # a consumer that stops early ends the run now (its state and stats are kept)
+            batches.close()    # a consumer that stops early ends the run now (its state and stats are kept)
         text = self._text(tokens)
         if len(text) > len(shown):
             yield text[len(shown):]
+
+    def stream_tokens(self, prompt, max_tokens: int = 256, chat: bool = False, **sampling):
+        """Like `stream`, but yields the new token ids, in the batches they are committed in (the prefill's
+        token first). Closing the generator early stops decoding there (its state and stats are kept)."""
+        int_param("max_tokens", max_tokens, 1, MAX_TOKENS)
+        params = SamplingParams.from_options(sampling)
+        ids = self._prompt_ids(prompt, chat)
+        steps = self.decoder.iter_generate(ids, max_tokens, params)
+        try:
+            yield from steps
+        finally:
+            steps.close()
 
     @property
     def last_stats(self) -> dict:

@@ -1,7 +1,8 @@
 """Command line: `pydflash info` (build and device check), `pydflash run` (generate), `pydflash chat` (a terminal
 chat), `pydflash plan` (the memory plan, no GPU needed), `pydflash demo` (synthetic models, nothing to download),
 `pydflash serve` (the OpenAI/Anthropic-compatible server, pydflash.server), `pydflash bench` and
-`pydflash train-draft`."""
+`pydflash train-draft`. `add_model_options` holds the model flags with their llama.cpp aliases, for every command
+that loads a model."""
 from __future__ import annotations
 
 import argparse
@@ -83,7 +84,28 @@ def _check_run_args(args: argparse.Namespace) -> None:
         raise UsageError(f"--device: {e}") from None
 
 
-# option -> (type, help) of `pydflash run`'s and `chat`'s sampling flags (--top-k etc.), passed on as Engine.stream keywords
+
+def add_model_options(parser: argparse.ArgumentParser, *, target_required: bool = True) -> None:
+    """The model-loading options of `run` and `chat` (and `serve`), each with its llama.cpp spelling as an alias
+    so that llama-cli / llama-server muscle memory works: -m, -md, -c, -ctk, --draft-max, -ngl."""
+    parser.add_argument("--target", "-m", "--model", dest="target", required=target_required,
+                        help="target GGUF (e.g. Qwen3.5-27B-Q4_K_M.gguf)")
+    parser.add_argument("--draft", "-md", "--model-draft", dest="draft",
+                        help="DFlash draft directory (config.json + model.safetensors)")
+    parser.add_argument("--mode", choices=["ar", "chain", "ddtree"], help="default: ddtree with a draft, else ar")
+    parser.add_argument("--budget", "--draft-max", dest="budget", type=int, default=22,
+                        help="tree nodes (ddtree) or chain length (chain) per step (default 22)")
+    parser.add_argument("--kv", "-ctk", "--cache-type-k", dest="kv", default="auto",
+                        choices=["auto", "f16", "q8_0", "q4_0", "tq3_0"],
+                        help="KV cache type (default auto: f16 while the context fits, then q8_0, q4_0, tq3_0)")
+    parser.add_argument("--max-ctx", "-c", "--ctx-size", dest="max_ctx", type=_ctx_arg, default="auto",
+                        help="KV cache positions, or auto (default): the most that fit, up to the training context")
+    parser.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (default: auto)")
+    parser.add_argument("-ngl", "--n-gpu-layers", "--gpu-layers", dest="n_gpu_layers", type=int,
+                        help="accepted for llama.cpp compatibility: every layer runs on --device")
+
+
+# keyword -> (type, help) of the sampling flags of `run` and `chat`, passed on as Engine.stream keywords
 SAMPLING_OPTIONS = {
     "temperature": (float, "0 (default): greedy; > 0: sample"),
     "top_k": (int, "keep the k most likely tokens (0, default: all)"),
@@ -96,11 +118,24 @@ SAMPLING_OPTIONS = {
 }
 
 
-def _sampling_options(args: argparse.Namespace) -> dict:
-    """The sampling flags as Engine.stream keywords, checked before anything loads (a bad one is a usage
-    error)."""
+def add_sampling_options(parser: argparse.ArgumentParser) -> None:
+    """--temperature (llama.cpp: --temp), --top-k, --top-p, --min-p, --seed and the three penalties; only those
+    given reach the engine (none given: greedy)."""
+    for name, (kind, help_) in SAMPLING_OPTIONS.items():
+        flags = ["--" + name.replace("_", "-")] + (["--temp"] if name == "temperature" else [])
+        parser.add_argument(*flags, dest=name, type=kind, help=help_)
+
+
+def sampling_options(args: argparse.Namespace) -> dict:
+    """The sampling keywords the user gave on the command line."""
+    return {name: getattr(args, name) for name in SAMPLING_OPTIONS if getattr(args, name, None) is not None}
+
+
+def _sampling_options(args: argparse.Namespace, command: str = "") -> dict:
+    """The given sampling flags as Engine.stream keywords, checked before anything loads (a bad one is a usage
+    error, reported by main() as `pydflash <command>: error: ...`)."""
     from .sampling import SamplingParams
-    sampling = {name: getattr(args, name) for name in SAMPLING_OPTIONS}
+    sampling = sampling_options(args)
     try:
         SamplingParams.from_options(sampling)
     except ValueError as e:
@@ -108,19 +143,45 @@ def _sampling_options(args: argparse.Namespace) -> dict:
     return sampling
 
 
+def _read_prompt(args: argparse.Namespace) -> str:
+    if args.prompt is not None and args.file is not None:
+        raise UsageError("give --prompt or --file, not both")
+    if args.file is not None:
+        try:
+            with open(args.file, encoding="utf-8") as f:
+                return f.read()
+        except (OSError, UnicodeDecodeError) as e:
+            raise UsageError(f"--file {args.file}: {getattr(e, 'strerror', None) or e}") from None
+    return args.prompt if args.prompt is not None else sys.stdin.read()
+
+
+def _prompt_input(engine, args: argparse.Namespace, prompt: str):
+    """What the engine decodes after: the text itself (default, --raw), or the chat template's rendering of a
+    user turn (--chat), preceded by a system turn with --system."""
+    if args.raw and (args.chat or args.system is not None):
+        raise UsageError("--raw means no chat template; it does not go with --chat or --system")
+    if args.system is None:
+        return prompt
+    messages = [{"role": "system", "content": args.system}, {"role": "user", "content": prompt}]
+    return engine.tokenizer.chat_ids(messages)   # the turns' text stays plain text (no forged control tokens)
+
+
 def cmd_run(args: argparse.Namespace) -> int:
-    """Generate from a prompt (--prompt, or stdin) and stream the text; stats go to stderr."""
+    """Generate from a prompt (--prompt, --file, or stdin) and stream the text; stats go to stderr."""
     from .api import load
 
     _check_run_args(args)
-    prompt = args.prompt if args.prompt is not None else sys.stdin.read()
+    if args.raw and (args.chat or args.system is not None):
+        raise UsageError("--raw means no chat template; it does not go with --chat or --system")
+    prompt = _read_prompt(args)
     if not prompt:
-        raise UsageError("empty prompt (give --prompt or pipe text on stdin)")
-    sampling = _sampling_options(args)
+        raise UsageError("empty prompt (give --prompt, --file or pipe text on stdin)")
+    sampling = _sampling_options(args, "run")
     # a plan that does not fit (PlanError) is reported as one line by main(), like every other error
     engine = load(args.target, args.draft, device=args.device, kv_type=args.kv, max_ctx=_ctx_arg(args.max_ctx),
                   mode=args.mode, budget=args.budget, progress=True, verbose=args.verbose)
-    for piece in engine.stream(prompt, max_tokens=args.n_gen, chat=args.chat, **sampling):
+    source = _prompt_input(engine, args, prompt)
+    for piece in engine.stream(source, max_tokens=args.n_gen, chat=args.chat and args.system is None, **sampling):
         sys.stdout.write(piece)
         sys.stdout.flush()
     sys.stdout.write("\n")
@@ -283,7 +344,7 @@ def cmd_train_draft(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pydflash", description=__doc__)
     parser.add_argument("--debug", action="store_true", help="show the full traceback of an error")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -291,41 +352,31 @@ def main(argv: list[str] | None = None) -> int:
     info.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (default: auto)")
     info.set_defaults(func=cmd_info)
 
-    run = sub.add_parser("run", help="generate text with a target GGUF (and a DFlash draft)")
-    run.add_argument("--target", required=True, help="target GGUF (e.g. Qwen3.5-27B-Q4_K_M.gguf)")
-    run.add_argument("--draft", help="DFlash draft directory (config.json + model.safetensors)")
-    run.add_argument("--prompt", help="prompt text (default: read stdin)")
+    run = sub.add_parser("run", help="generate text with a target GGUF (and a DFlash draft)",
+                         description="Generate text. llama.cpp's flag spellings work as aliases (-m, -md, -c, -n, "
+                                     "-p, -f, -ctk, --draft-max, -ngl, -sys, --temp, ...).")
+    add_model_options(run)
+    run.add_argument("--prompt", "-p", dest="prompt", help="prompt text (default: read stdin)")
+    run.add_argument("--file", "-f", dest="file", help="read the prompt from this file")
     run.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
-    run.add_argument("--n-gen", type=int, default=256, help="new tokens at most (default 256)")
-    run.add_argument("--mode", choices=["ar", "chain", "ddtree"], help="default: ddtree with a draft, else ar")
-    run.add_argument("--budget", type=int, default=22, help="tree nodes (ddtree) or chain length (default 22)")
-    run.add_argument("--kv", default="auto", choices=["auto", "f16", "q8_0", "q4_0", "tq3_0"],
-                     help="KV cache type (default auto: f16 while the context fits, then q8_0, q4_0, tq3_0)")
-    run.add_argument("--max-ctx", default="auto",
-                     help="KV cache positions, or auto (default): the most that fit, up to the training context")
-    run.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (default: auto)")
+    run.add_argument("--system", "-sys", "--system-prompt", dest="system",
+                     help="system message (implies --chat)")
+    run.add_argument("--raw", action="store_true", help="no chat template: continue the text as it is (default)")
+    run.add_argument("--n-gen", "-n", "--n-predict", dest="n_gen", type=int, default=256,
+                     help="new tokens at most (default 256)")
+    add_sampling_options(run)
     run.add_argument("--verbose", action="store_true", help="print the memory plan on load")
-    for name, (type_, help_) in SAMPLING_OPTIONS.items():
-        run.add_argument("--" + name.replace("_", "-"), dest=name, type=type_, help=help_)
     run.set_defaults(func=cmd_run)
 
     chat = sub.add_parser("chat", help="chat in the terminal (multi-turn, streamed, Ctrl+C stops a reply)")
-    chat.add_argument("--target", help="target GGUF with a chat template")
-    chat.add_argument("--draft", help="DFlash draft directory (config.json + model.safetensors)")
+    add_model_options(chat, target_required=False)
     chat.add_argument("--demo", action="store_true", help="chat with a synthetic target/draft pair (no download)")
-    chat.add_argument("--system", help="system prompt")
-    chat.add_argument("--n-gen", type=int, default=512, help="new tokens per reply at most (default 512)")
-    chat.add_argument("--mode", choices=["ar", "chain", "ddtree"], help="default: ddtree with a draft, else ar")
-    chat.add_argument("--budget", type=int, default=22, help="tree nodes (ddtree) or chain length (default 22)")
-    chat.add_argument("--kv", default="auto", choices=["auto", "f16", "q8_0", "q4_0", "tq3_0"],
-                      help="KV cache type (default auto: f16 while the context fits, then q8_0, q4_0, tq3_0)")
-    chat.add_argument("--max-ctx", default="auto",
-                      help="KV cache positions, or auto (default): the most that fit, up to the training context")
-    chat.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (default: auto)")
+    chat.add_argument("--system", "-sys", "--system-prompt", dest="system", help="system prompt")
+    chat.add_argument("--n-gen", "-n", "--n-predict", dest="n_gen", type=int, default=512,
+                      help="new tokens per reply at most (default 512)")
     chat.add_argument("--no-prefix-cache", action="store_true",
                       help="prefill every turn from scratch (no reuse of the previous turn's state)")
-    for name, (type_, help_) in SAMPLING_OPTIONS.items():
-        chat.add_argument("--" + name.replace("_", "-"), dest=name, type=type_, help=help_)
+    add_sampling_options(chat)
     chat.set_defaults(func=cmd_chat)
 
     mem = sub.add_parser("plan", help="print the device-memory plan of a target (and draft); no GPU needed")
@@ -400,6 +451,11 @@ def main(argv: list[str] | None = None) -> int:
     serve = sub.add_parser("serve", help="OpenAI- and Anthropic-compatible HTTP server with a chat page at /")
     server_cli.add_arguments(serve)
     serve.set_defaults(func=server_cli.serve)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
     if args.command == "demo":
         _check_positive(parser, "--n-gen", args.n_gen)

@@ -722,6 +722,19 @@ class OracleDraft:
         return logp, ids
 
 
+def synthetic_pair(out_dir, *, seed: int = 0) -> tuple[str, str]:
+    """A tiny random target GGUF and a DFlash draft that fits it, written into `out_dir` (reused when already
+    there): (target path, draft directory). What examples/ run on when no model is given."""
+    import os
+    os.makedirs(out_dir, exist_ok=True)
+    target, draft = os.path.join(out_dir, "target.gguf"), os.path.join(out_dir, "draft")
+    if not os.path.exists(target):
+        write_qwen35_gguf(target, seed=seed)
+    if not os.path.exists(os.path.join(draft, "model.safetensors")):
+        write_dflash_draft(draft, target, seed=seed + 1)
+    return target, draft
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m pydflash.testing", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="cmd", required=True)

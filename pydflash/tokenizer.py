@@ -9,6 +9,7 @@ markup becomes control tokens, so a user cannot forge a turn by typing "<|im_end
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import json
 import os
@@ -36,10 +37,31 @@ def check_vocabulary(gf) -> None:
         raise GGUFError(f"{gf.path}: missing tensor 'token_embd.weight' (2-D), which sizes the vocabulary")
     check_tokenizer(gf, int(emb.ne[1]))
 
+_drop_log = None      # the ctypes callback that swallows llama.cpp's log lines (kept alive while installed)
+
+
+@contextlib.contextmanager
+def quiet_llama_cpp():
+    """Keep llama.cpp's log lines off the terminal. llama-cpp-python 0.3.36 maps llama.cpp's log levels wrongly
+    and prints warnings even with verbose=False (e.g. a vocabulary-only load's "n_ctx_seq > n_ctx_train")."""
+    global _drop_log
+    import llama_cpp
+    from llama_cpp import _logger
+
+    if _drop_log is None:
+        _drop_log = llama_cpp.llama_log_callback(lambda level, text, user_data: None)
+    llama_cpp.llama_log_set(_drop_log, ctypes.c_void_p(0))
+    try:
+        yield
+    finally:   # give llama-cpp-python its own logger back
+        llama_cpp.llama_log_set(_logger.llama_log_callback, ctypes.c_void_p(0))
+
 
 class Tokenizer:
-    def __init__(self, path, gguf=None):
-        """path: the GGUF; gguf: its already parsed GGUFFile, if at hand (the chat template is read from it)."""
+    def __init__(self, path, gguf=None, *, verbose: bool = False):
+        """path: the GGUF; gguf: its already parsed GGUFFile, if at hand (the chat template is read from it).
+        verbose: accepted for llama-cpp-python parity; llama.cpp's load log is collected, and only its
+        errors are shown (in the exception) when the load fails."""
         import llama_cpp
         from llama_cpp._internals import LlamaModel
 
@@ -73,6 +95,29 @@ class Tokenizer:
     def detokenize(self, ids) -> str:
         return self._model.detokenize(list(ids)).decode("utf-8", errors="replace")
 
+    def detokenize_bytes(self, ids, *, special: bool = False) -> bytes:
+        """The raw bytes of `ids` (an incomplete UTF-8 sequence stays as it is)."""
+        return self._model.detokenize([int(t) for t in ids], special=special)
+
+    @property
+    def bos_id(self) -> int:
+        return int(self._model.token_bos())
+
+    @property
+    def add_bos(self) -> bool:
+        """Whether the vocabulary asks for BOS in front of a text prompt."""
+        return bool(self._llama_cpp.llama_vocab_get_add_bos(self._vocab))
+
+    @property
+    def add_eos(self) -> bool:
+        """Whether the vocabulary asks for EOS after a text prompt."""
+        return bool(self._llama_cpp.llama_vocab_get_add_eos(self._vocab))
+
+    @property
+    def metadata(self) -> dict:
+        """The GGUF's key/value metadata as strings (llama.cpp's view of it)."""
+        return dict(self._model.metadata())
+
     def token_text(self, token: int) -> str:
         return self._model.detokenize([int(token)], special=True).decode("utf-8", errors="replace")
 
@@ -83,7 +128,8 @@ class Tokenizer:
     def apply_chat_template(self, messages: list[dict], *, add_generation_prompt: bool = True,
                             **template_vars) -> str:
         """The rendered chat as text (for display; tokenize a chat with `chat_ids`). template_vars (tools,
-        enable_thinking, ...) become template variables."""
+        enable_thinking, ...) become template variables. Like Hugging Face's renderer: loop controls, `tojson`
+        (plain JSON, not HTML-escaped), `strftime_now`."""
         return self._render(_check_messages(messages), add_generation_prompt, template_vars)
 
     def chat_ids(self, messages: list[dict], *, add_generation_prompt: bool = True, **template_vars) -> list[int]:
@@ -170,6 +216,9 @@ _ENV = None
 def _environment():
     global _ENV
     if _ENV is None:
+        import datetime
+
+        from jinja2.ext import loopcontrols
         from jinja2.sandbox import ImmutableSandboxedEnvironment
 
         class BoundedSandbox(ImmutableSandboxedEnvironment):
@@ -194,10 +243,11 @@ def _environment():
         def raise_exception(message):
             raise ChatTemplateError(f"raise_exception: {message}")
 
-        env = BoundedSandbox(trim_blocks=True, lstrip_blocks=True)
+        env = BoundedSandbox(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
         env.filters["tojson"] = _tojson
         env.filters = {name: _bounded(f) for name, f in env.filters.items()}
         env.globals["raise_exception"] = raise_exception
+        env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(str(fmt))
         _ENV = env
     return _ENV
 

@@ -47,3 +47,22 @@ def rel_err(got: np.ndarray, ref: np.ndarray) -> float:
     if not np.all(np.isfinite(got)):
         return float("inf")
     return float(np.linalg.norm(got - ref) / max(np.linalg.norm(ref), 1e-300))
+
+
+def llama_cpp_plain(path, **kwargs):
+    """llama_cpp.Llama(path, **kwargs) with the weights in the plain CPU buffer: no repacking into interleaved
+    layouts, whose kernels round differently (and whose AMX variant crashes on the CI host)."""
+    import llama_cpp
+    low = llama_cpp.llama_cpp
+    default_params = low.llama_model_default_params
+
+    def plain_params():
+        params = default_params()
+        params.use_extra_bufts = False
+        return params
+
+    low.llama_model_default_params = plain_params
+    try:
+        return llama_cpp.Llama(str(path), **kwargs)
+    finally:
+        low.llama_model_default_params = default_params

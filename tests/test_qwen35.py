@@ -16,6 +16,7 @@ from pydflash.generate import generate_greedy
 from pydflash.gguf_io import GGUFError
 from pydflash.models.qwen35 import Qwen35Target
 from pydflash.testing import write_qwen35_gguf
+from conftest import llama_cpp_plain
 
 SHAPES = {
     "A": dict(),
@@ -88,23 +89,9 @@ def _prompt(seed=0, n=PROMPT_LEN, vocab=450):
 
 
 def _llama(path, n_ctx=N_CTX, kv="f16", n_batch=N_CTX):
-    """llama.cpp with flash attention (the path we implement) and weights in the plain CPU buffer: no repacking
-    into interleaved layouts, whose kernels round differently (and whose AMX variant crashes on the CI host)."""
-    low = llama_cpp.llama_cpp
-    default_params = low.llama_model_default_params
-
-    def plain_params():
-        params = default_params()
-        params.use_extra_bufts = False
-        return params
-
-    low.llama_model_default_params = plain_params
-    try:
-        return llama_cpp.Llama(str(path), n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_batch, n_threads=2,
-                               logits_all=False, flash_attn=True, type_k=LLAMA_KV_TYPES[kv],
-                               type_v=LLAMA_KV_TYPES[kv], verbose=False)
-    finally:
-        low.llama_model_default_params = default_params
+    """llama.cpp with flash attention (the path we implement) and weights in the plain CPU buffer."""
+    return llama_cpp_plain(path, n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_batch, n_threads=2, logits_all=False,
+                           flash_attn=True, type_k=LLAMA_KV_TYPES[kv], type_v=LLAMA_KV_TYPES[kv], verbose=False)
 
 
 def _last_logits(llm) -> np.ndarray:

@@ -145,6 +145,11 @@ phase bench_draft 120 python3 "$src/bench/draft_step.py" --device cuda --ctx 204
     --reps 50 --dir "$data/dfb"
 phase bench_ddtree 240 python3 "$src/bench/ddtree_step.py" "$data/q27.gguf" --draft "$data/d27" --device cuda \
     --budget 22 --n-gen 64 --reps 5
+# pydflash.Llama's llama-cpp-python surface against the bare engine, and the examples on the 27B-shaped pair
+phase bench_compat 200 python3 "$src/bench/llama_compat_overhead.py" "$data/q27.gguf" --draft "$data/d27" \
+    --device cuda --n-gen 128 --reps 3
+phase examples 240 bash -c 'python3 "$src/examples/quickstart.py" "$data/q27.gguf" "$data/d27" &&
+    python3 "$src/examples/bench_speedup.py" "$data/q27.gguf" "$data/d27" "" 64'
 # oracle draft (AR's own continuation, a wrong top-1 every 8th position): realistic path lengths for commit
 phase bench_oracle 200 python3 "$src/bench/ddtree_step.py" "$data/q27.gguf" --device cuda --budget 22 --n-gen 128 \
     --reps 3
