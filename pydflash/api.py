@@ -14,11 +14,18 @@ sample, with text distributed exactly as plain sampling with those settings in e
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 from .engine import MODES, Decoder
 from .plan import DRAFT_WINDOW, PREFIX_BYTES, PREFIX_SNAPSHOTS
 from .sampling import SamplingParams
+from .validate import choice_param, int_param, token_ids
+
+MAX_CTX = 1 << 24          # far above any model's context; larger values only fail later, in the memory plan
+MAX_BUDGET = 1024          # tree nodes / chain length per step
+MAX_TOKENS = 1 << 24
+MAX_SNAPSHOTS = 1 << 16    # saved prefix states (each one also bounded by prefix_bytes)
 
 
 @dataclass
@@ -49,6 +56,7 @@ class Engine:
         end-of-generation token. chat=True wraps a text prompt in the model's chat template as a user turn.
         sampling: temperature (0, the default: greedy), top_k, top_p, min_p, seed, repeat_penalty,
         presence_penalty, frequency_penalty (pydflash.sampling.SamplingParams; unknown names are refused)."""
+        int_param("max_tokens", max_tokens, 1, MAX_TOKENS)
         params = SamplingParams.from_options(sampling)
         ids = self._prompt_ids(prompt, chat)
         tokens, stats = self.decoder.generate_ids(ids, max_tokens, sampling=params)
@@ -79,6 +87,7 @@ class Engine:
     def stream_tokens(self, prompt, max_tokens: int = 256, chat: bool = False, **sampling):
         """Like `stream`, but yields the new token ids, in the batches they are committed in (the prefill's
         token first). Closing the generator early stops decoding there (its state and stats are kept)."""
+        int_param("max_tokens", max_tokens, 1, MAX_TOKENS)
         params = SamplingParams.from_options(sampling)
         ids = self._prompt_ids(prompt, chat)
         steps = self.decoder.iter_generate(ids, max_tokens, params)
@@ -100,18 +109,21 @@ class Engine:
         return self._prompt_ids(prompt, chat)
 
     def _prompt_ids(self, prompt, chat: bool) -> list[int]:
+        if not isinstance(chat, bool):
+            raise TypeError(f"chat = {chat!r}: expected True or False")
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("this engine has no tokenizer: pass the prompt as token ids")
+            if not prompt:
+                raise ValueError("the prompt is empty")
             if chat:
-                prompt = self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
-            return self.tokenizer.tokenize(prompt, add_special=not chat)
+                # the user's text is plain text: only the template's own markup may become control tokens, or a
+                # message holding "<|im_end|>" could forge a turn
+                return self.tokenizer.chat_ids([{"role": "user", "content": prompt}])
+            return self.tokenizer.tokenize(prompt, add_special=True)
         if chat:
             raise ValueError("chat=True needs a text prompt")
-        ids = [int(t) for t in prompt]
-        if not ids:
-            raise ValueError("the prompt is empty")
-        return ids
+        return token_ids("prompt", prompt, self.target.hp.n_vocab)
 
     def _text(self, tokens) -> str:
         if self.tokenizer is None:
@@ -121,9 +133,14 @@ class Engine:
 
 def draft_layer_ids(draft_path) -> list[int]:
     """The target layers a DFlash draft reads: its config's `target_layer_ids` (or z-lab's default spread when
-    absent), or the header of a llama.cpp `dflash` GGUF; the same lookup the draft's loader uses."""
-    from .models.dflash_draft import read_draft_hparams
-    return list(read_draft_hparams(draft_path).target_layer_ids)
+    absent), or the header of a llama.cpp `dflash` GGUF; the same lookup the draft's loader uses. A file that
+    cannot be read as a draft is a DraftLoadError."""
+    from .gguf_io import GGUFError
+    from .models.dflash_draft import DraftLoadError, read_draft_hparams
+    try:
+        return list(read_draft_hparams(draft_path).target_layer_ids)
+    except GGUFError as e:
+        raise DraftLoadError(str(e)) from None
 
 
 def _load_draft(draft_path, target, top_k: int = 8, window: int | None = None):
@@ -162,16 +179,50 @@ def load(target, draft=None, *, device: str = "auto", kv_type: str = "auto", max
 
     from . import ggml, plan
     from .gguf_io import GGUFFile
+    from .kv import kv_type_of
     from .models import load_target
 
-    mode = mode or ("ddtree" if draft is not None else "ar")
-    if mode not in MODES:
-        raise ValueError(f"mode {mode!r}: expected one of {MODES}")
+    # cheap checks first: a bad parameter must not cost a model load
+    if not isinstance(target, (str, os.PathLike)):
+        raise TypeError(f"target = {target!r}: expected the path of a GGUF file")
+    if draft is not None and not isinstance(draft, (str, os.PathLike, tuple, list)) and not hasattr(draft, "propose"):
+        raise TypeError(f"draft = {draft!r}: expected a DFlash draft folder, config.json or GGUF path")
+    if not isinstance(device, str):
+        raise TypeError(f"device = {device!r}: expected 'auto', 'cpu', 'cuda' or 'cuda:N'")
+    if not (isinstance(kv_type, str) and kv_type == "auto"):
+        kv_type_of(kv_type)
+    if mode is None:
+        mode = "ddtree" if draft is not None else "ar"
+    choice_param("mode", mode, MODES)
     if mode != "ar" and draft is None:
         raise ValueError(f"mode {mode!r} needs a draft")
-    if prefix_snapshots < 0 or (prefix_bytes is not None and prefix_bytes < 0):
-        raise ValueError(f"prefix_snapshots ({prefix_snapshots}) and prefix_bytes ({prefix_bytes}) must be >= 0")
-    target_file = GGUFFile(target)        # parsed once: the plan and the target class get the parsed file
+    budget = int_param("budget", budget, 1, MAX_BUDGET)
+    if max_ctx is None or (isinstance(max_ctx, str) and max_ctx == "auto"):
+        max_ctx = "auto"
+    else:
+        max_ctx = int_param("max_ctx", max_ctx, 1, MAX_CTX)
+    if not (isinstance(n_ubatch, str) and n_ubatch == "auto"):
+        n_ubatch = int_param("n_ubatch", n_ubatch, 1, MAX_CTX)
+    draft_window = int_param("draft_window", draft_window, 1, MAX_CTX)
+    for name, value in (("tokenizer", tokenizer), ("prefix_cache", prefix_cache), ("verbose", verbose)):
+        if not isinstance(value, bool):
+            raise TypeError(f"{name} = {value!r}: expected True or False")
+    if progress is not None and not isinstance(progress, bool):
+        raise TypeError(f"progress = {progress!r}: expected True, False or None")
+    if vram is not None:
+        if isinstance(vram, bool) or not isinstance(vram, (int, str)):
+            raise TypeError(f"vram = {vram!r}: expected a byte count or a size such as '24GiB'")
+        if plan.parse_size(vram) <= 0:
+            raise ValueError(f"vram = {vram!r}: expected a positive size")
+    prefix_snapshots = int_param("prefix_snapshots", prefix_snapshots, 0, MAX_SNAPSHOTS)
+    if prefix_bytes is not None:
+        prefix_bytes = int_param("prefix_bytes", prefix_bytes, 0, 1 << 62)
+    from .ggml.core import _find_device
+    _find_device(device)
+    target_file = GGUFFile(target)        # parsed once: the plan, the target class and the tokenizer get it
+    if tokenizer:
+        from .tokenizer import check_vocabulary
+        check_vocabulary(target_file)     # before llama.cpp's vocabulary loader, which aborts on what this refuses
     draft_object = draft is not None and hasattr(draft, "propose")   # an already built draft (tests, demo)
     if mode == "ar" or draft is None:
         capture = ()
@@ -183,7 +234,7 @@ def load(target, draft=None, *, device: str = "auto", kv_type: str = "auto", max
     memory = plan.parse_size(vram) if vram is not None else backend.memory()[0]
 
     fitted = plan.plan_for_load(target_file, None if (draft_object or mode == "ar") else draft, vram=memory,
-                                max_ctx="auto" if max_ctx is None else max_ctx, kv_type=kv_type, budget=budget,
+                                max_ctx=max_ctx, kv_type=kv_type, budget=budget,
                                 n_ubatch=n_ubatch, mode=mode, draft_window=draft_window,
                                 prefix_snapshots=prefix_snapshots if prefix_cache else 0, prefix_bytes=prefix_bytes)
     n_ubatch = fitted.n_ubatch
@@ -198,7 +249,7 @@ def load(target, draft=None, *, device: str = "auto", kv_type: str = "auto", max
     tok = None
     if tokenizer:
         from .tokenizer import Tokenizer
-        tok = Tokenizer(target)
+        tok = Tokenizer(target, target_file)
     decoder = Decoder(model, draft_model, mode=mode, budget=budget, tokenizer=tok,
                       prefix_snapshots=fitted.prefix_snapshots if prefix_cache else 0, prefix_bytes=prefix_bytes)
     return Engine(decoder, tok)

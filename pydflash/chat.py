@@ -69,8 +69,8 @@ class ChatSession:
         self.engine.reset()
 
     def prompt_ids(self) -> list[int]:
-        tok = self.engine.tokenizer
-        return tok.tokenize(tok.apply_chat_template(self.messages), add_special=False)
+        # message contents as plain text: a user typing "<|im_end|>" must not forge a turn
+        return self.engine.tokenizer.chat_ids(self.messages)
 
     def reply(self, text: str, write, stop=lambda: False) -> tuple[str, bool]:
         """Add a user turn, stream the reply through write(piece) until done or stop() is true; the reply (as

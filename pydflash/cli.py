@@ -6,6 +6,7 @@ that loads a model."""
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 
@@ -57,6 +58,33 @@ def _print_stats(stats: dict) -> None:
     print(line, file=sys.stderr)
 
 
+class UsageError(ValueError):
+    """A command-line argument is wrong (exit status 2, like argparse's own errors)."""
+
+
+def _check_run_args(args: argparse.Namespace) -> None:
+    """The cheap checks, before any model is loaded: numbers in range, files present, the device known."""
+    from .api import MAX_BUDGET, MAX_CTX, MAX_TOKENS
+    from .ggml.core import _find_device
+
+    max_ctx = _ctx_arg(args.max_ctx)
+    for flag, value, hi in (("--n-gen", args.n_gen, MAX_TOKENS), ("--budget", args.budget, MAX_BUDGET),
+                            ("--max-ctx", None if max_ctx == "auto" else max_ctx, MAX_CTX)):
+        if value is not None and not 1 <= value <= hi:
+            raise UsageError(f"{flag} {value}: expected 1..{hi}")
+    if not os.path.isfile(args.target):
+        raise UsageError(f"--target {args.target}: no such file")
+    if args.draft is not None and not os.path.exists(args.draft):
+        raise UsageError(f"--draft {args.draft}: no such folder or file")
+    if args.mode in ("chain", "ddtree") and args.draft is None:
+        raise UsageError(f"--mode {args.mode} needs --draft")
+    try:
+        _find_device(args.device)
+    except ValueError as e:
+        raise UsageError(f"--device: {e}") from None
+
+
+
 def add_model_options(parser: argparse.ArgumentParser, *, target_required: bool = True) -> None:
     """The model-loading options of `run` and `chat` (and `serve`), each with its llama.cpp spelling as an alias
     so that llama-cli / llama-server muscle memory works: -m, -md, -c, -ctk, --draft-max, -ngl."""
@@ -103,25 +131,27 @@ def sampling_options(args: argparse.Namespace) -> dict:
     return {name: getattr(args, name) for name in SAMPLING_OPTIONS if getattr(args, name, None) is not None}
 
 
-def _sampling_options(args: argparse.Namespace, command: str) -> dict | None:
-    """The given sampling flags as Engine.stream keywords, checked before anything loads (None, with the error
-    printed, when one is out of range)."""
+def _sampling_options(args: argparse.Namespace, command: str = "") -> dict:
+    """The given sampling flags as Engine.stream keywords, checked before anything loads (a bad one is a usage
+    error, reported by main() as `pydflash <command>: error: ...`)."""
     from .sampling import SamplingParams
     sampling = sampling_options(args)
     try:
         SamplingParams.from_options(sampling)
     except ValueError as e:
-        print(f"pydflash {command}: {e}", file=sys.stderr)
-        return None
+        raise UsageError(str(e)) from None
     return sampling
 
 
 def _read_prompt(args: argparse.Namespace) -> str:
     if args.prompt is not None and args.file is not None:
-        raise ValueError("give --prompt or --file, not both")
+        raise UsageError("give --prompt or --file, not both")
     if args.file is not None:
-        with open(args.file, encoding="utf-8") as f:
-            return f.read()
+        try:
+            with open(args.file, encoding="utf-8") as f:
+                return f.read()
+        except (OSError, UnicodeDecodeError) as e:
+            raise UsageError(f"--file {args.file}: {getattr(e, 'strerror', None) or e}") from None
     return args.prompt if args.prompt is not None else sys.stdin.read()
 
 
@@ -129,57 +159,42 @@ def _prompt_input(engine, args: argparse.Namespace, prompt: str):
     """What the engine decodes after: the text itself (default, --raw), or the chat template's rendering of a
     user turn (--chat), preceded by a system turn with --system."""
     if args.raw and (args.chat or args.system is not None):
-        raise ValueError("--raw means no chat template; it does not go with --chat or --system")
+        raise UsageError("--raw means no chat template; it does not go with --chat or --system")
     if args.system is None:
         return prompt
     messages = [{"role": "system", "content": args.system}, {"role": "user", "content": prompt}]
-    return engine.tokenizer.tokenize(engine.tokenizer.apply_chat_template(messages))
+    return engine.tokenizer.chat_ids(messages)   # the turns' text stays plain text (no forged control tokens)
 
 
 def cmd_run(args: argparse.Namespace) -> int:
     """Generate from a prompt (--prompt, --file, or stdin) and stream the text; stats go to stderr."""
     from .api import load
 
-    try:
-        prompt = _read_prompt(args)
-    except (OSError, ValueError) as e:
-        print(f"pydflash run: {e}", file=sys.stderr)
-        return 2
+    _check_run_args(args)
+    if args.raw and (args.chat or args.system is not None):
+        raise UsageError("--raw means no chat template; it does not go with --chat or --system")
+    prompt = _read_prompt(args)
     if not prompt:
-        print("pydflash run: empty prompt (give --prompt, --file or pipe text on stdin)", file=sys.stderr)
-        return 2
+        raise UsageError("empty prompt (give --prompt, --file or pipe text on stdin)")
     sampling = _sampling_options(args, "run")
-    if sampling is None:
-        return 2
-    from .plan import PlanError
-    try:
-        engine = load(args.target, args.draft, device=args.device, kv_type=args.kv, max_ctx=_ctx_arg(args.max_ctx),
-                      mode=args.mode, budget=args.budget, progress=True, verbose=args.verbose)
-    except PlanError as e:
-        print(f"pydflash run: {e}", file=sys.stderr)
-        return 1
-    try:
-        source = _prompt_input(engine, args, prompt)
-        pieces = engine.stream(source, max_tokens=args.n_gen, chat=args.chat and args.system is None,
-                               **sampling)
-        for piece in pieces:
-            sys.stdout.write(piece)
-            sys.stdout.flush()
-    except ValueError as e:
-        print(f"pydflash run: {e}", file=sys.stderr)
-        return 2
+    # a plan that does not fit (PlanError) is reported as one line by main(), like every other error
+    engine = load(args.target, args.draft, device=args.device, kv_type=args.kv, max_ctx=_ctx_arg(args.max_ctx),
+                  mode=args.mode, budget=args.budget, progress=True, verbose=args.verbose)
+    source = _prompt_input(engine, args, prompt)
+    for piece in engine.stream(source, max_tokens=args.n_gen, chat=args.chat and args.system is None, **sampling):
+        sys.stdout.write(piece)
+        sys.stdout.flush()
     sys.stdout.write("\n")
     _print_stats(engine.last_stats)
     return 0
 
 
 def _ctx_arg(text):
-    if isinstance(text, int):      # already parsed (add_model_options parses it)
-        return text
-    if text == "auto":
-        return "auto"
+    """--max-ctx: 'auto' or a positive count (an int where the subcommand's parser already made one)."""
+    if text is None or isinstance(text, int) or text == "auto":
+        return "auto" if text is None else text
     if not text.isdigit() or int(text) < 1:
-        raise SystemExit(f"pydflash: --max-ctx {text!r}: expected a positive number of positions or 'auto'")
+        raise UsageError(f"--max-ctx {text!r}: expected a positive number of positions or 'auto'")
     return int(text)
 
 
@@ -187,7 +202,7 @@ def _ubatch_arg(text: str):
     if text == "auto":
         return "auto"
     if not text.isdigit() or int(text) < 1:
-        raise SystemExit(f"pydflash: --ubatch {text!r}: expected a positive number of tokens or 'auto'")
+        raise UsageError(f"--ubatch {text!r}: expected a positive number of tokens or 'auto'")
     return int(text)
 
 
@@ -200,14 +215,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if vram is None:
         from . import ggml
         vram = ggml.Backend(args.device).memory()[0]
-    try:
-        result = plan.plan_for_load(args.target, args.draft, vram=vram, max_ctx=_ctx_arg(args.max_ctx),
-                                    kv_type=args.kv, budget=args.budget, mode=args.mode,
-                                    n_ubatch=_ubatch_arg(args.ubatch), state_type=args.state_type,
-                                    prefix_snapshots=args.prefix_snapshots)
-    except ValueError as e:          # PlanError, and unreadable files or sizes (GGUFError, DraftLoadError)
-        print(f"pydflash plan: {e}", file=sys.stderr)
-        return 1
+    # PlanError, and unreadable files or sizes (GGUFError, DraftLoadError): one line from main()
+    result = plan.plan_for_load(args.target, args.draft, vram=vram, max_ctx=_ctx_arg(args.max_ctx),
+                                kv_type=args.kv, budget=args.budget, mode=args.mode,
+                                n_ubatch=_ubatch_arg(args.ubatch), state_type=args.state_type,
+                                prefix_snapshots=args.prefix_snapshots)
     print(result.table())
     return 0
 
@@ -262,9 +274,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
     from .api import load
     from .chat import ChatSession, repl
 
-    sampling = _sampling_options(args, "chat")
-    if sampling is None:
-        return 2
+    sampling = _sampling_options(args)
     with tempfile.TemporaryDirectory(prefix="pydflash-chat-") as tmp:
         target, draft = args.target, args.draft
         if args.demo:
@@ -276,14 +286,11 @@ def cmd_chat(args: argparse.Namespace) -> int:
         elif target is None:
             print("pydflash chat: give --target T.gguf (or --demo)", file=sys.stderr)
             return 2
-        from .plan import PlanError
-        try:
-            engine = load(target, draft, device=args.device, kv_type=args.kv, max_ctx=_ctx_arg(args.max_ctx),
-                          mode=args.mode, budget=args.budget, progress=not args.demo,
-                          prefix_cache=not args.no_prefix_cache)
-        except PlanError as e:
-            print(f"pydflash chat: {e}", file=sys.stderr)
-            return 1
+        else:
+            _check_run_args(args)
+        engine = load(target, draft, device=args.device, kv_type=args.kv, max_ctx=_ctx_arg(args.max_ctx),
+                      mode=args.mode, budget=args.budget, progress=not args.demo,
+                      prefix_cache=not args.no_prefix_cache)
         return repl(ChatSession(engine, system=args.system, max_tokens=args.n_gen, sampling=sampling))
 
 
@@ -305,6 +312,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         elif not target or not draft:
             print("pydflash bench: give --target and --draft (or --demo for the synthetic pair)", file=sys.stderr)
             return 2
+        else:
+            _check_run_args(args)
         engine = load(target, draft, device=args.device, max_ctx=args.max_ctx, mode=args.mode, budget=args.budget,
                       progress=True)
         runs, summary = benchmark.run_bench(engine, datasets, n_prompts=args.n_prompts, n_gen=args.n_gen,
@@ -337,6 +346,7 @@ def cmd_train_draft(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pydflash", description=__doc__)
+    parser.add_argument("--debug", action="store_true", help="show the full traceback of an error")
     sub = parser.add_subparsers(dest="command", required=True)
     info = sub.add_parser("info", help="show the build and devices, and run a self-check graph")
     info.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (default: auto)")
@@ -445,8 +455,27 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    return args.func(args)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command == "demo":
+        _check_positive(parser, "--n-gen", args.n_gen)
+        _check_positive(parser, "--budget", args.budget)
+    try:
+        return args.func(args)
+    except KeyboardInterrupt:
+        print(f"pydflash {args.command}: interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:   # every error is the user's to read: one line, no traceback unless --debug
+        if args.debug:
+            raise
+        message = " ".join(str(e).split()) or type(e).__name__
+        print(f"pydflash {args.command}: error: {message}", file=sys.stderr)
+        return 2 if isinstance(e, UsageError) else 1
+
+
+def _check_positive(parser, flag: str, value: int) -> None:
+    if value < 1:
+        parser.error(f"{flag} {value}: expected a positive number")
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ allocation, and each problem is reported with the file's name.
 from __future__ import annotations
 
 import os
+import stat
 import struct
 import sys
 import time
@@ -18,6 +19,9 @@ from . import ggml
 
 GGUF_MAGIC = b"GGUF"
 GGML_MAX_DIMS = 4
+GGML_MAX_NAME = 64         # ggml tensor names hold 63 bytes and a NUL (llama.cpp refuses longer ones)
+MAX_KEY_BYTES = 1 << 16    # metadata keys are short dotted names; this only bounds a damaged file
+MAX_ELEMENTS = (1 << 63) - 1   # ggml counts elements in int64
 
 # GGUF metadata value types: id -> (name, numpy dtype for fixed-size scalars)
 _SCALARS = {0: np.uint8, 1: np.int8, 2: np.uint16, 3: np.int16, 4: np.uint32, 5: np.int32, 6: np.float32,
@@ -29,8 +33,30 @@ _STRUCT = {np.dtype(t): struct.Struct("<" + c) for t, c in zip(
 _U64 = _STRUCT[np.dtype(np.uint64)]
 
 
+_TYPE_NAMES = {0: "uint8", 1: "int8", 2: "uint16", 3: "int16", 4: "uint32", 5: "int32", 6: "float32", 7: "bool",
+               8: "string", 9: "array", 10: "uint64", 11: "int64", 12: "float64"}
+
+
 class GGUFError(ValueError):
     """A GGUF file is unreadable, truncated, of the wrong architecture, or lacks what the model needs."""
+
+
+def regular_file_size(path: str) -> int:
+    """The size of a regular file; anything else (a FIFO, a device such as /dev/zero, a folder) would block or
+    never end when read, so it is refused before it is opened."""
+    st = os.stat(path)
+    if not stat.S_ISREG(st.st_mode):
+        raise OSError("not a regular file")
+    return st.st_size
+
+
+def _nbytes(type_: ggml.Type, ne: tuple) -> int | None:
+    """Bytes of a tensor in exact integer arithmetic (ggml's size_t product would wrap); None when the first
+    dimension is not a whole number of blocks."""
+    blck = ggml.block_size(type_)
+    if blck < 1 or ne[0] % blck:
+        return None
+    return ggml.row_size(type_, blck) * (ne[0] // blck) * int(np.prod(ne[1:], dtype=object))
 
 
 @dataclass(frozen=True)
@@ -61,14 +87,22 @@ class _Cursor:
         self.pos += fmt.size
         return value
 
-    def string(self, what: str) -> str:
+    def string(self, what: str, *, max_bytes: int | None = None, strict: bool = False) -> str:
+        """A length-prefixed string. strict: it must be valid UTF-8 (keys and tensor names, which are compared
+        and must not collide after a replacement character)."""
         self.need(8, what)
         n = _U64.unpack_from(self.view, self.pos)[0]
+        if max_bytes is not None and n > max_bytes:
+            raise GGUFError(f"{self.path}: damaged header: {what} is {n} bytes long, at most {max_bytes} expected")
         self.pos += 8
         self.need(n, what)
         raw = self.view[self.pos: self.pos + n].tobytes()
         self.pos += n
-        return raw.decode("utf-8", errors="replace")
+        try:
+            return raw.decode("utf-8", errors="strict" if strict else "replace")
+        except UnicodeDecodeError:
+            raise GGUFError(f"{self.path}: damaged header: {what} at offset {self.pos - n} is not valid UTF-8") \
+                from None
 
     def value(self, vtype: int, what: str):
         if vtype in _SCALARS:
@@ -97,10 +131,10 @@ class GGUFFile:
     def __init__(self, path):
         self.path = os.fspath(path)
         try:
-            self.size = os.path.getsize(self.path)
+            self.size = regular_file_size(self.path)
             self._mm = np.memmap(self.path, dtype=np.uint8, mode="r") if self.size else np.zeros(0, np.uint8)
         except OSError as e:
-            raise GGUFError(f"{self.path}: cannot open ({e.strerror})") from None
+            raise GGUFError(f"{self.path}: cannot open ({e.strerror or e})") from None
         cur = _Cursor(self._mm, self.path)
         if self.size < 24 or bytes(self._mm[:4]) != GGUF_MAGIC:
             raise GGUFError(f"{self.path}: not a GGUF file (bad magic or shorter than a header)")
@@ -115,34 +149,57 @@ class GGUFFile:
             raise GGUFError(f"{self.path}: damaged GGUF header ({n_kv} metadata entries and {n_tensors} tensors "
                             f"cannot fit in {self.size} bytes)")
         self.metadata: dict[str, object] = {}
+        self.value_types: dict[str, int] = {}   # key -> GGUF value type id (arrays: 9)
         for i in range(n_kv):
-            key = cur.string(f"metadata key {i}")
-            self.metadata[key] = cur.value(cur.scalar(np.uint32, key), key)
+            key = cur.string(f"metadata key {i}", max_bytes=MAX_KEY_BYTES, strict=True)
+            if key in self.metadata:
+                raise GGUFError(f"{self.path}: duplicate metadata key {key!r}")
+            vtype = cur.scalar(np.uint32, key)
+            self.metadata[key] = cur.value(vtype, key)
+            self.value_types[key] = vtype
         infos = []
+        seen = set()
         for i in range(n_tensors):
-            name = cur.string(f"tensor name {i}")
+            name = cur.string(f"tensor name {i}", max_bytes=GGML_MAX_NAME - 1, strict=True)
+            if name in seen:
+                raise GGUFError(f"{self.path}: duplicate tensor {name!r}")
+            seen.add(name)
             n_dims = cur.scalar(np.uint32, name)
             if not 1 <= n_dims <= GGML_MAX_DIMS:
-                raise GGUFError(f"{self.path}: tensor {name} has {n_dims} dimensions")
+                raise GGUFError(f"{self.path}: tensor {name} has {n_dims} dimensions, expected 1..{GGML_MAX_DIMS}")
             ne = tuple(cur.scalar(np.uint64, name) for _ in range(n_dims))
             type_id = cur.scalar(np.uint32, name)
             offset = cur.scalar(np.uint64, name)
             infos.append((name, ne, type_id, offset))
-        alignment = int(self.metadata.get("general.alignment", 32))
+        alignment = self.metadata.get("general.alignment", 32)
+        if "general.alignment" in self.metadata and self.value_types["general.alignment"] != 4:
+            found = _TYPE_NAMES.get(self.value_types["general.alignment"])
+            raise GGUFError(f"{self.path}: general.alignment is a {found}, expected a uint32")
         if alignment <= 0 or alignment & (alignment - 1):
             raise GGUFError(f"{self.path}: general.alignment {alignment} is not a power of two")
         data_start = -(-cur.pos // alignment) * alignment
         self.tensors: dict[str, TensorInfo] = {}
+        expected_offset = 0
         for name, ne, type_id, offset in infos:
             try:
                 type_ = ggml.Type(type_id)
-                nbytes = ggml.row_size(type_, ne[0]) * int(np.prod(ne[1:], dtype=object))
-            except ValueError as e:
-                raise GGUFError(f"{self.path}: tensor {name}: {e}") from None
+            except ValueError:
+                raise GGUFError(f"{self.path}: tensor {name} has unknown ggml type id {type_id}") from None
             if any(n < 1 for n in ne):
                 raise GGUFError(f"{self.path}: tensor {name} has an empty dimension {ne}")
-            if offset % alignment:
-                raise GGUFError(f"{self.path}: tensor {name} data offset {offset} is not {alignment}-aligned")
+            n_elements = int(np.prod(ne, dtype=object))
+            if n_elements > MAX_ELEMENTS:
+                raise GGUFError(f"{self.path}: tensor {name} shape {ne} has more elements than ggml can count")
+            nbytes = _nbytes(type_, ne)
+            if nbytes is None:
+                raise GGUFError(f"{self.path}: tensor {name}: a {type_.name} row holds whole blocks of "
+                                f"{ggml.block_size(type_)} values, its first dimension is {ne[0]}")
+            # llama.cpp's reader wants the data in table order, each tensor padded to the alignment: no gaps,
+            # no overlaps, no two names for one block of bytes
+            if offset != expected_offset:
+                raise GGUFError(f"{self.path}: tensor {name} data offset {offset}, expected {expected_offset} "
+                                f"(tensor data must follow the table order without gaps or overlaps)")
+            expected_offset += -(-nbytes // alignment) * alignment
             start = data_start + offset
             if start + nbytes > self.size:
                 raise GGUFError(f"{self.path}: truncated: tensor {name} needs bytes up to {start + nbytes}, "

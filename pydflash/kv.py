@@ -9,17 +9,19 @@ import numpy as np
 
 from . import ggml
 from .tq3 import Rotation
+from .validate import tensor_bytes
 
 KV_TYPES = {"f16": ggml.Type.F16, "q8_0": ggml.Type.Q8_0, "q4_0": ggml.Type.Q4_0, "tq3_0": ggml.Type.TQ3_0}
 
 
 def kv_type_of(name) -> ggml.Type:
-    if isinstance(name, ggml.Type):
+    """A KV-cache type by name ('f16', ...) or as one of those ggml types; anything else is refused (flash
+    attention asserts on other types)."""
+    if isinstance(name, ggml.Type) and name in KV_TYPES.values():
         return name
-    try:
-        return KV_TYPES[str(name).lower()]
-    except KeyError:
-        raise ValueError(f"kv type {name!r}: expected one of {sorted(KV_TYPES)}") from None
+    if isinstance(name, str) and name.lower() in KV_TYPES:
+        return KV_TYPES[name.lower()]
+    raise ValueError(f"kv type {name!r}: expected one of {sorted(KV_TYPES)}")
 
 
 def hadamard(n: int) -> np.ndarray:
@@ -76,6 +78,18 @@ class HybridCache:
         self.buffer = backend.alloc_tensors(self._ctx)
         self.k_words, self.v_words = self._word_views(kv_row, n_ctx)
         self.reset()
+
+    @staticmethod
+    def plan_bytes(hp, n_ctx: int, kv_type="f16") -> int:
+        """Bytes a cache of n_ctx cells would take, in exact arithmetic (checked against the device first)."""
+        kv_type = kv_type_of(kv_type)
+        n_attn = sum(1 for r in hp.recurrent if not r)
+        n_rec = hp.n_layer - n_attn
+        kv_row = hp.head_dim * hp.n_head_kv
+        kv = 2 * n_attn * tensor_bytes(kv_type, (kv_row, n_ctx))
+        if not n_rec:      # attention-only models have no recurrent sizes
+            return kv
+        return kv + 4 * n_rec * ((hp.ssm_d_conv - 1) * hp.conv_dim + hp.ssm_d_v * hp.ssm_d_v * hp.ssm_n_v_heads)
 
     def _word_views(self, kv_row: int, n_ctx: int) -> tuple[dict, dict]:
         """The K and V rows seen as f32 words ([row bytes / 4, n_ctx], on the same memory): get_rows/set_rows

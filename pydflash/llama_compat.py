@@ -209,9 +209,9 @@ class Llama:
         if logprobs:
             raise ValueError("logprobs=True: pydflash does not return log-probabilities")
         tok = self._tok()
-        rendered = tok.apply_chat_template(messages, functions=functions, function_call=function_call,
-                                           tools=tools, tool_choice=tool_choice)
-        prompt_tokens = tok.tokenize(rendered, add_special=False, parse_special=True)
+        # message contents stay plain text: a user cannot forge a turn by typing "<|im_end|>"
+        prompt_tokens = tok.chat_ids(messages, functions=functions, function_call=function_call,
+                                     tools=tools, tool_choice=tool_choice)
         stop = ([stop] if isinstance(stop, str) else list(stop or [])) + [tok.token_text(tok.eos_id)]
         completion = self.create_completion(
             prompt_tokens, max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,

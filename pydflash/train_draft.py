@@ -262,7 +262,7 @@ def training_prompts(source: str, tokenizer, n: int, *, seed: int, n_vocab: int,
     prompts = []
     for text, chat in texts:
         if chat and tokenizer.chat_template:
-            ids = tokenizer.tokenize(tokenizer.apply_chat_template([{"role": "user", "content": text}]))
+            ids = tokenizer.chat_ids([{"role": "user", "content": text}])
         else:
             ids = tokenizer.tokenize(text, add_special=True)
         if 0 < len(ids) <= max_tokens:

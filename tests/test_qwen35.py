@@ -402,11 +402,10 @@ def test_writer_command_line(tmp_path):
 
 def test_chat_template_is_sandboxed(tmp_path):
     """A GGUF's template is untrusted: reaching Python internals from it fails instead of running."""
-    import jinja2.exceptions
-    from pydflash.tokenizer import Tokenizer
+    from pydflash.tokenizer import ChatTemplateError, Tokenizer
     path = tmp_path / "evil.gguf"
     write_qwen35_gguf(path, n_layer=1, chat_template="{{ ''.__class__.__mro__[1].__subclasses__() }}")
-    with pytest.raises(jinja2.exceptions.SecurityError):
+    with pytest.raises(ChatTemplateError, match="SecurityError: access to attribute '__class__'"):
         Tokenizer(path).apply_chat_template([{"role": "user", "content": "hi"}])
 
 

@@ -102,12 +102,30 @@ def write_patch(path: Path, body: str) -> Path:
     return path
 
 
-def test_patch_applies_with_offset(tmp_path):
+def test_patch_applies_at_its_stated_lines(tmp_path):
     make_tree(tmp_path / "t")
     patch = write_patch(tmp_path / "p.patch", "about this patch\n--- a/src/a.c\n+++ b/src/a.c\n"
-                        "@@ -5,2 +5,3 @@\n int b;\n+int b2;\n int c;\n")  # line numbers off by 3: found anyway
+                        "@@ -1,2 +1,3 @@\n int a;\n+int a2;\n int b;\n@@ -3,1 +4,2 @@\n int c;\n+int d;\n")
     fetch_ggml.apply_patch(patch, tmp_path / "t")
-    assert (tmp_path / "t" / "src" / "a.c").read_text() == "int a;\nint b;\nint b2;\nint c;\n"
+    assert (tmp_path / "t" / "src" / "a.c").read_text() == "int a;\nint a2;\nint b;\nint c;\nint d;\n"
+
+
+def test_patch_with_an_offset_is_refused(tmp_path):
+    make_tree(tmp_path / "t")
+    patch = write_patch(tmp_path / "p.patch", "--- a/src/a.c\n+++ b/src/a.c\n"
+                        "@@ -5,2 +5,3 @@\n int b;\n+int b2;\n int c;\n")  # the context is at line 2, not 5
+    with pytest.raises(fetch_ggml.FetchError, match=r"at line 2, not at line 5"):
+        fetch_ggml.apply_patch(patch, tmp_path / "t")
+    assert (tmp_path / "t" / "src" / "a.c").read_text() == "int a;\nint b;\nint c;\n"
+
+
+def test_patch_with_ambiguous_context_is_refused(tmp_path):
+    (tmp_path / "t" / "src").mkdir(parents=True)
+    (tmp_path / "t" / "src" / "a.c").write_text("case 1:\n    break;\nx;\ncase 1:\n    break;\n")
+    patch = write_patch(tmp_path / "p.patch", "--- a/src/a.c\n+++ b/src/a.c\n"
+                        "@@ -3,2 +3,3 @@\n case 1:\n+    y();\n     break;\n")   # stated line 3: neither copy
+    with pytest.raises(fetch_ggml.FetchError, match=r"at lines 1, 4, not at line 3"):
+        fetch_ggml.apply_patch(patch, tmp_path / "t")
 
 
 def test_patch_that_does_not_apply_names_patch_and_file(tmp_path):

@@ -168,6 +168,9 @@ phase bench_llama_pp 120 "$build/bin/llama-bench" -m "$data/q27.gguf" -p 1,2,4,8
     -ngl 99 -o md
 phase bench_tq3 150 python3 "$src/bench/ar_decode.py" "$data/q27.gguf" --device cuda --n-gen 128 --reps 3 \
     --kv tq3_0 --n-depth 512 --n-ctx 1024
+# what the load-time validation (issue 18) costs next to a complete load of the 27B-shaped file on the GPU
+phase bench_load_validation 150 python3 "$src/bench/load_validation.py" "$data/q27.gguf" --device cuda --full \
+    --repeat 3
 # sampling: the sampler op, verify/AR step with it against greedy, acceptance at T=0.7/1.0 (oracle, then DFlash draft)
 phase bench_sampling 200 python3 "$src/bench/sampling_step.py" "$data/q27.gguf" --device cuda --budget 22 \
     --n-gen 64 --reps 10

@@ -168,15 +168,16 @@ def parse_patch(text: str, name: str) -> list[tuple[str | None, str, list[tuple[
     return files
 
 
-def find_block(haystack: list[str], block: list[str], near: int) -> int:
-    """Index where block occurs in haystack, nearest to `near`; -1 if nowhere."""
-    if not block:
-        return max(0, min(near, len(haystack)))
-    hits = [k for k in range(len(haystack) - len(block) + 1) if haystack[k:k + len(block)] == block]
-    return min(hits, key=lambda k: abs(k - near)) if hits else -1
+def find_block(haystack: list[str], block: list[str]) -> list[int]:
+    """Every index where block occurs in haystack."""
+    return [k for k in range(len(haystack) - len(block) + 1) if haystack[k:k + len(block)] == block]
 
 
 def apply_patch(patch: Path, root: Path) -> None:
+    """Apply a unified diff strictly: each hunk's context must sit exactly at its stated line (after the
+    shift of the hunks before it). A hunk whose context is found only elsewhere is refused rather than moved:
+    with the pin fixed, an offset means the patch and the tree disagree, and nearest-match placement could
+    silently patch a look-alike block (a repeated switch case, a second overload)."""
     for old, new, hunks in parse_patch(patch.read_text(), patch.name):
         target = root / new
         if old is None:
@@ -188,16 +189,18 @@ def apply_patch(patch: Path, root: Path) -> None:
         else:
             content = target.read_text().splitlines()
         shift = 0
+        regenerate = (f"The patch was written for {PIN['upstream']}; if the pin changed, regenerate the patch "
+                      f"against the new tree.")
         for start, before, after in hunks:
-            at = find_block(content, before, start - 1 + shift)
-            if at < 0:
-                raise FetchError(
-                    f"{patch.name}: hunk '@@ -{start}' does not apply to {new}: its context is not in the file. "
-                    f"The patch was written for {PIN['upstream']}; if the pin changed, regenerate the patch "
-                    f"against the new tree."
-                )
+            at = max(start - 1, 0) + shift
+            if content[at:at + len(before)] != before:
+                hits = find_block(content, before) if before else []
+                where = ("its context is not in the file" if not hits else
+                         f"its context is at line{'s' if len(hits) > 1 else ''} {', '.join(str(h + 1) for h in hits)}"
+                         f", not at line {at + 1} (offset or ambiguous placements are refused)")
+                raise FetchError(f"{patch.name}: hunk '@@ -{start}' does not apply to {new}: {where}. {regenerate}")
             content[at:at + len(before)] = after
-            shift = at + len(after) - (start - 1 + len(before))
+            shift += len(after) - len(before)
         target.parent.mkdir(parents=True, exist_ok=True)
         target.write_text("\n".join(content) + "\n")
 

@@ -21,7 +21,17 @@ class BuildMissingError(ImportError):
     """pydflash's compiled ggml is not where the package expects it."""
 
 
+def _quiet_aborts() -> None:
+    """ggml's abort handler forks and execs gdb (or lldb) to attach to the dying process where one is installed:
+    in a notebook or a server that stalls, and two threads aborting at once have deadlocked there. It reads
+    GGML_NO_BACKTRACE at abort time; set it (for llama-cpp-python's ggml in this process too) unless the user
+    asks for backtraces with PYDFLASH_GGML_BACKTRACE=1. The abort message itself is still printed."""
+    if os.environ.get("PYDFLASH_GGML_BACKTRACE") != "1":
+        os.environ.setdefault("GGML_NO_BACKTRACE", "1")
+
+
 def _load():
+    _quiet_aborts()
     lib_path = LIB_DIR / "libpydflash-ggml.so"
     if not _CDEF.is_file() or not lib_path.is_file():
         raise BuildMissingError(

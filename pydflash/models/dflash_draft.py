@@ -28,17 +28,27 @@ from dataclasses import dataclass
 import numpy as np
 
 from .. import ggml
-from ..gguf_io import GGUFFile
+from ..gguf_io import GGUFError, GGUFFile, regular_file_size
+from ..validate import check_float
 from .layers import linear
 
 KV_BUCKET = 256             # attended rows are padded to this (what the GPU flash attention kernels want)
 GRAPH_TENSORS_PER_LAYER = 48
 MAX_GRAPHS = 32
 DEFAULT_WINDOW = 2048
+MAX_LAYERS = 1024          # bound on layer counts read from a file, checked before anything is sized by them
 
 
 class DraftLoadError(ValueError):
     """A draft checkpoint is missing, damaged, unsupported, or does not fit its target."""
+
+
+# config.json fields that must be JSON integers (a float such as 4.5 would be truncated silently)
+_INT_FIELDS = ("num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads",
+               "num_key_value_heads", "head_dim", "vocab_size", "sliding_window", "num_target_layers", "block_size",
+               "mask_token_id")
+_FLOAT_FIELDS = ("rms_norm_eps", "rope_theta", "input_embedding_scale", "output_multiplier",
+                 "final_logit_softcapping", "partial_rotary_factor")
 
 
 # --- hyperparameters ---------------------------------------------------------------------------------------------
@@ -70,6 +80,33 @@ class DFlashHParams:
     @classmethod
     def from_config(cls, cfg: dict, path: str) -> "DFlashHParams":
         """From a z-lab `config.json` (already parsed); unsupported variants are refused, not ignored."""
+        try:
+            return cls._from_config(cfg, path)
+        except (TypeError, ValueError, AttributeError, KeyError, OverflowError) as e:
+            if isinstance(e, DraftLoadError):
+                raise
+            # a field of the wrong JSON type (a string where a number belongs, a list for an object)
+            raise DraftLoadError(f"{path}: a field has the wrong type or value ({type(e).__name__}: {e})") from None
+
+    @classmethod
+    def _from_config(cls, cfg: dict, path: str) -> "DFlashHParams":
+        for key, value in cfg.items():
+            if isinstance(value, float) and not math.isfinite(value):
+                raise DraftLoadError(f"{path}: {key} = {value}: expected a finite number")
+            if isinstance(value, bool) and key in _INT_FIELDS:
+                raise DraftLoadError(f"{path}: {key} = {value}: expected an integer")
+        for holder, prefix in ((cfg, ""), (cfg.get("dflash_config"), "dflash_config."),
+                               (cfg.get("rope_parameters"), "rope_parameters.")):
+            if not isinstance(holder, dict):
+                continue
+            for key in _INT_FIELDS:
+                value = holder.get(key)
+                if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+                    raise DraftLoadError(f"{path}: {prefix}{key} = {value!r}: expected an integer")
+            for key in _FLOAT_FIELDS:
+                value = holder.get(key)
+                if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+                    raise DraftLoadError(f"{path}: {prefix}{key} = {value!r}: expected a number")
         dcfg = cfg.get("dflash_config") or {}
         if not isinstance(dcfg, dict):
             raise DraftLoadError(f"{path}: dflash_config is not an object")
@@ -103,6 +140,8 @@ class DFlashHParams:
 
         n_layer, n_embd, n_head = int(need("num_hidden_layers")), int(need("hidden_size")), \
             int(need("num_attention_heads"))
+        if not 1 <= n_layer <= MAX_LAYERS:    # before per-layer lists are built from it
+            raise DraftLoadError(f"{path}: num_hidden_layers = {n_layer} is out of range: expected 1..{MAX_LAYERS}")
         head_dim = int(cfg.get("head_dim") or n_embd // max(n_head, 1))
         layer_ids = draft_value("target_layer_ids")
         if layer_ids is None:    # z-lab's default spread over the target's depth
@@ -144,6 +183,19 @@ class DFlashHParams:
     @classmethod
     def from_gguf(cls, gf: GGUFFile) -> "DFlashHParams":
         """From llama.cpp's `dflash` GGUF (keys as in its src/models/dflash.cpp and conversion/qwen.py)."""
+        try:
+            return cls._from_gguf(gf)
+        except (TypeError, ValueError, OverflowError) as e:
+            if isinstance(e, (DraftLoadError, GGUFError)):   # already a refusal naming the file
+                raise
+            raise DraftLoadError(f"{gf.path}: a metadata value has the wrong type ({type(e).__name__}: {e})") \
+                from None
+
+    @classmethod
+    def _from_gguf(cls, gf: GGUFFile) -> "DFlashHParams":
+        for key, value in gf.metadata.items():
+            if key.startswith("dflash.") and isinstance(value, float) and not math.isfinite(value):
+                raise DraftLoadError(f"{gf.path}: {key} = {value}: expected a finite number")
         gf.expect_architecture("dflash")
         k = lambda name, default=None: gf.get(f"dflash.{name}", default)  # noqa: E731
 
@@ -151,6 +203,20 @@ class DFlashHParams:
             value = k(name)
             if value is None:
                 raise DraftLoadError(f"{gf.path}: missing metadata key 'dflash.{name}'")
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                return value
+            if isinstance(value, list) and all(type(v) is int for v in value):
+                return value
+            raise DraftLoadError(f"{gf.path}: dflash.{name} = {value!r:.60}: expected a number")
+
+        def need_int(name, default=None, hi=1 << 20):
+            if default is not None and k(name) is None:
+                return default
+            value = need(name)
+            if not isinstance(value, int):
+                raise DraftLoadError(f"{gf.path}: dflash.{name} = {value!r}: expected an integer")
+            if not 1 <= value <= hi:     # before anything is sized by it (a per-layer table, a pattern list)
+                raise DraftLoadError(f"{gf.path}: dflash.{name} = {value} is out of range: expected 1..{hi}")
             return value
 
         for key in ("dflash.selector_rank", "dflash.hyper_connection.count", "dflash.attention.value_scale"):
@@ -165,9 +231,9 @@ class DFlashHParams:
         sections = k("rope.dimension_sections")
         if sections is not None and any(int(s) for s in list(sections)[1:]):
             raise DraftLoadError(f"{gf.path}: multi-axis rope sections {list(sections)} are not supported")
-        n_layer, n_embd, n_head = int(need("block_count")), int(need("embedding_length")), \
-            int(need("attention.head_count"))
-        head_dim = int(k("attention.key_length", n_embd // max(n_head, 1)))
+        n_layer, n_embd, n_head = need_int("block_count", hi=MAX_LAYERS), need_int("embedding_length"), \
+            need_int("attention.head_count")
+        head_dim = need_int("attention.key_length", n_embd // max(n_head, 1))
         scale = float(k("attention.scale", 0.0) or 0.0)
         if scale and abs(scale - head_dim ** -0.5) > 1e-6 * head_dim ** -0.5:
             raise DraftLoadError(f"{gf.path}: attention.scale {scale} other than 1/sqrt(head_dim) is not supported")
@@ -188,10 +254,10 @@ class DFlashHParams:
             sliding = [False] * n_layer
         causal_key = k("attention.causal")
         causal = tuple(s if causal_key is None else bool(causal_key) for s in sliding)
-        hp = cls(n_layer=n_layer, n_embd=n_embd, n_ff=int(need("feed_forward_length")), n_head=n_head,
-                 n_head_kv=int(need("attention.head_count_kv")), head_dim=head_dim,
+        hp = cls(n_layer=n_layer, n_embd=n_embd, n_ff=need_int("feed_forward_length"), n_head=n_head,
+                 n_head_kv=need_int("attention.head_count_kv"), head_dim=head_dim,
                  rms_eps=float(need("attention.layer_norm_rms_epsilon")),
-                 rope_theta=float(need("rope.freq_base")), block_size=int(k("block_size", 16)),
+                 rope_theta=float(need("rope.freq_base")), block_size=need_int("block_size", 16),
                  mask_token_id=int(mask), target_layer_ids=layers, causal=causal,
                  window=tuple(n_swa if s else 0 for s in sliding),
                  embedding_scale=float(k("embedding_scale", 0.0) or 1.0),
@@ -208,6 +274,8 @@ class DFlashHParams:
         for key, value in sizes.items():
             if not 1 <= value <= 1 << 20:
                 raise DraftLoadError(f"{path}: {key} = {value} is out of range")
+        if self.block_size > 1024:
+            raise DraftLoadError(f"{path}: block_size {self.block_size} is out of range: expected 2..1024")
         if self.block_size < 2:
             raise DraftLoadError(f"{path}: block_size {self.block_size} leaves nothing to draft")
         if self.n_head % self.n_head_kv:
@@ -217,8 +285,25 @@ class DFlashHParams:
             raise DraftLoadError(f"{path}: head_dim {self.head_dim} is odd (RoPE rotates pairs)")
         if not self.target_layer_ids:
             raise DraftLoadError(f"{path}: target_layer_ids is empty")
-        if not (self.rope_theta > 0 and self.rms_eps > 0):
-            raise DraftLoadError(f"{path}: rope_theta and rms_norm_eps must be positive")
+        numbers = {"rope_theta": (self.rope_theta, 0.0, math.inf), "rms_norm_eps": (self.rms_eps, 0.0, 1.0),
+                   "input_embedding_scale": (self.embedding_scale, 0.0, math.inf),
+                   "output_multiplier": (self.logit_scale, 0.0, math.inf)}
+        for key, (value, lo, hi) in numbers.items():
+            check_float(f"{path}: {key}", value, lo, hi, DraftLoadError)
+        if not (math.isfinite(self.logit_softcap) and self.logit_softcap >= 0):
+            raise DraftLoadError(f"{path}: final_logit_softcapping = {self.logit_softcap}: expected a finite "
+                                 f"number >= 0 (0: off)")
+        if self.n_layer > MAX_LAYERS or len(self.target_layer_ids) > MAX_LAYERS:
+            raise DraftLoadError(f"{path}: {self.n_layer} layers / {len(self.target_layer_ids)} target layers: "
+                                 f"at most {MAX_LAYERS} expected")
+        if any(i < 0 for i in self.target_layer_ids):
+            raise DraftLoadError(f"{path}: target_layer_ids {list(self.target_layer_ids)} has a negative layer")
+        if any(not 0 <= w <= 1 << 24 for w in self.window):
+            raise DraftLoadError(f"{path}: sliding_window {max(self.window, key=abs)} is out of range: "
+                                 f"expected 1..{1 << 24}")
+        if self.mask_token_id < 0 or self.vocab_size < 0:
+            raise DraftLoadError(f"{path}: mask_token_id {self.mask_token_id} and vocab_size {self.vocab_size} "
+                                 f"must not be negative")
 
     def tensor_shapes(self) -> dict[str, tuple]:
         """Every draft tensor by z-lab name -> ne (ggml order: ne[0] = input features)."""
@@ -252,6 +337,41 @@ def _gguf_names(n_layer: int) -> dict[str, str]:
     return names
 
 
+MAX_CONFIG_BYTES = 16 << 20
+
+
+def read_config(path) -> dict:
+    """A draft's config.json as a dict: a regular file of bounded size (a FIFO would block open(), /dev/zero
+    never ends), valid UTF-8 JSON, an object without duplicate keys."""
+    path = os.fspath(path)
+    try:
+        size = regular_file_size(path)
+        if size > MAX_CONFIG_BYTES:
+            raise DraftLoadError(f"{path}: {size} bytes; a config.json has at most {MAX_CONFIG_BYTES}")
+        with open(path, "rb") as f:
+            raw = f.read(MAX_CONFIG_BYTES + 1)
+    except OSError as e:
+        raise DraftLoadError(f"{path}: cannot read ({e.strerror or e})") from None
+    try:
+        cfg = json.loads(raw.decode("utf-8"), object_pairs_hook=_unique_keys)
+    except UnicodeDecodeError as e:
+        raise DraftLoadError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+    except (json.JSONDecodeError, RecursionError, ValueError) as e:
+        raise DraftLoadError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(cfg, dict):
+        raise DraftLoadError(f"{path}: not a JSON object")
+    return cfg
+
+
+def _unique_keys(pairs) -> dict:
+    out = {}
+    for key, value in pairs:
+        if key in out:
+            raise ValueError(f"duplicate key {key!r}")
+        out[key] = value
+    return out
+
+
 # --- safetensors ------------------------------------------------------------------------------------------------
 
 _ST_TYPES = {"BF16": (ggml.Type.BF16, 2), "F16": (ggml.Type.F16, 2), "F32": (ggml.Type.F32, 4)}
@@ -271,18 +391,18 @@ def read_safetensors_header(path) -> tuple[dict[str, _STTensor], np.ndarray]:
     """The tensor table of a .safetensors file (bounds checked against the file) and a memory map of it."""
     path = os.fspath(path)
     try:
-        size = os.path.getsize(path)
+        size = regular_file_size(path)
         mm = np.memmap(path, dtype=np.uint8, mode="r") if size else np.zeros(0, np.uint8)
     except OSError as e:
-        raise DraftLoadError(f"{path}: cannot open ({e.strerror})") from None
+        raise DraftLoadError(f"{path}: cannot open ({e.strerror or e})") from None
     if size < 8:
         raise DraftLoadError(f"{path}: not a safetensors file (shorter than its header length)")
     n_header = int(np.frombuffer(bytes(mm[:8]), "<u8")[0])
     if n_header > min(size - 8, _ST_MAX_HEADER):
         raise DraftLoadError(f"{path}: damaged safetensors header (length {n_header}, file size {size})")
     try:
-        header = json.loads(bytes(mm[8: 8 + n_header]))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        header = json.loads(bytes(mm[8: 8 + n_header]).decode("utf-8"), object_pairs_hook=_unique_keys)
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError, ValueError) as e:
         raise DraftLoadError(f"{path}: damaged safetensors header ({e})") from None
     if not isinstance(header, dict):
         raise DraftLoadError(f"{path}: damaged safetensors header (not an object)")
@@ -292,10 +412,12 @@ def read_safetensors_header(path) -> tuple[dict[str, _STTensor], np.ndarray]:
         if name == "__metadata__":
             continue
         try:
-            dtype, shape, (begin, end) = entry["dtype"], [int(n) for n in entry["shape"]], entry["data_offsets"]
-            begin, end = int(begin), int(end)
+            dtype, shape, (begin, end) = entry["dtype"], list(entry["shape"]), entry["data_offsets"]
+            if not all(type(n) is int for n in (*shape, begin, end)) or not isinstance(dtype, str):
+                raise TypeError
         except (KeyError, TypeError, ValueError):
-            raise DraftLoadError(f"{path}: tensor {name!r}: damaged header entry") from None
+            raise DraftLoadError(f"{path}: tensor {name!r}: damaged header entry (expected dtype, an integer "
+                                 f"shape and data_offsets)") from None
         if dtype not in _ST_TYPES:
             raise DraftLoadError(f"{path}: tensor {name!r} has dtype {dtype}; expected BF16 (or F16/F32)")
         type_, itemsize = _ST_TYPES[dtype]
@@ -306,6 +428,11 @@ def read_safetensors_header(path) -> tuple[dict[str, _STTensor], np.ndarray]:
             raise DraftLoadError(f"{path}: tensor {name!r}: data [{begin}, {end}) does not match its shape "
                                  f"{shape} {dtype} or lies outside the file ({size} bytes)")
         tensors[name] = _STTensor(name, type_, tuple(shape[::-1]), data_start + begin, nbytes)
+    # two tensors must not share bytes (safetensors files hold each tensor once, in disjoint ranges)
+    spans = sorted((t.offset, t.offset + t.nbytes, t.name) for t in tensors.values())
+    for (_, end_a, a), (begin_b, _, b) in zip(spans, spans[1:]):
+        if begin_b < end_a:
+            raise DraftLoadError(f"{path}: tensors {a!r} and {b!r} overlap in the file")
     return tensors, mm
 
 
@@ -325,6 +452,10 @@ class DFlashWeights:
     def __init__(self, hp: DFlashHParams, backend: ggml.Backend, sources: dict, read, path: str):
         """sources: z-lab name -> (type, ne, nbytes); read(name) -> the raw bytes (uint8 array)."""
         shapes = hp.tensor_shapes()
+        extra = sorted(set(sources) - set(shapes))
+        if extra:
+            raise DraftLoadError(f"{path}: {len(extra)} tensors the draft does not use ({', '.join(extra[:5])}); "
+                                 f"is num_hidden_layers ({hp.n_layer}) right?")
         for name, ne in shapes.items():
             if name not in sources:
                 raise DraftLoadError(f"{path}: missing tensor {name!r}")
@@ -386,19 +517,6 @@ def _resolve_zlab(path) -> tuple[str, str]:
     return config_path, weights_path
 
 
-def _read_config(config_path: str) -> dict:
-    try:
-        with open(config_path, encoding="utf-8") as f:
-            cfg = json.load(f)
-    except OSError as e:
-        raise DraftLoadError(f"{config_path}: cannot read ({e.strerror})") from None
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise DraftLoadError(f"{config_path}: not valid JSON ({e})") from None
-    if not isinstance(cfg, dict):
-        raise DraftLoadError(f"{config_path}: not a JSON object")
-    return cfg
-
-
 def _is_gguf(path) -> bool:
     return not isinstance(path, (tuple, list)) and os.fspath(path).endswith(".gguf")
 
@@ -408,13 +526,22 @@ def read_draft_hparams(path) -> DFlashHParams:
     (config, safetensors) pair, or a llama.cpp `dflash` GGUF. The one lookup of target_layer_ids (and its
     default) that loading and `pydflash.load` share."""
     if _is_gguf(path):
-        return DFlashHParams.from_gguf(GGUFFile(path))
+        return DFlashHParams.from_gguf(_open_gguf(path))
     if isinstance(path, (tuple, list)):
         config_path = os.fspath(path[0])
     else:
         path = os.fspath(path)
         config_path = os.path.join(path, "config.json") if os.path.isdir(path) else path
-    return DFlashHParams.from_config(_read_config(config_path), config_path)
+    return DFlashHParams.from_config(read_config(config_path), config_path)
+
+
+def _open_gguf(path) -> GGUFFile:
+    """A draft GGUF parsed; a damaged file is a DraftLoadError (a wrong architecture, found later by from_gguf,
+    stays a GGUFError)."""
+    try:
+        return GGUFFile(path)
+    except GGUFError as e:
+        raise DraftLoadError(str(e)) from None
 
 
 def load_draft_weights(path, backend: ggml.Backend, check=None):
@@ -423,15 +550,15 @@ def load_draft_weights(path, backend: ggml.Backend, check=None):
     check(hp, weights_path), if given, runs before anything is uploaded (e.g. the fit to a target)."""
     check = check or (lambda hp, p: None)
     if _is_gguf(path):
-        gf = GGUFFile(path)
+        gf = _open_gguf(path)
         hp = DFlashHParams.from_gguf(gf)
         check(hp, gf.path)
         names = _gguf_names(hp.n_layer)
-        by_zlab = {z: gf.tensors[g] for g, z in names.items() if g in gf.tensors}
+        by_zlab = {names.get(g, g): info for g, info in gf.tensors.items()}
         sources = {z: (info.type, info.ne, info.nbytes) for z, info in by_zlab.items()}
         return hp, DFlashWeights(hp, backend, sources, lambda n: gf.data(by_zlab[n]), gf.path), gf.path
     config_path, weights_path = _resolve_zlab(path)
-    hp = DFlashHParams.from_config(_read_config(config_path), config_path)
+    hp = DFlashHParams.from_config(read_config(config_path), config_path)
     check(hp, weights_path)
     tensors, mm = read_safetensors_header(weights_path)
     # some exports prefix the names with "model."

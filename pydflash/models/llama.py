@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from ..gguf_io import GGUFError, GGUFFile
+from ..validate import MAX_CTX_TRAIN, MAX_LAYERS, MAX_SIZE, meta_float, meta_int, meta_str, vocab_rows
 from . import layers
 from .layers import linear, rms_norm
 from .runtime import GraphInputs, TargetRuntime, TensorSpec
@@ -40,49 +41,44 @@ class LlamaHParams:
 
     @classmethod
     def from_gguf(cls, gf: GGUFFile) -> "LlamaHParams":
+        """Read and check the hyperparameters: every number typed, finite and in range before it sizes
+        anything, and the features this runtime does not implement refused by name."""
         arch = cls.ARCH
         gf.expect_architecture(arch)
-        k = lambda name: gf.require(f"{arch}.{name}")  # noqa: E731
-        n_layer, n_embd, n_head = int(k("block_count")), int(k("embedding_length")), int(k("attention.head_count"))
-        if not 1 <= n_head <= 1 << 20:
-            raise GGUFError(f"{gf.path}: {arch}.attention.head_count = {n_head} is out of range")
-        head_dim = int(gf.get(f"{arch}.attention.key_length", n_embd // n_head))
-        if int(gf.get(f"{arch}.attention.value_length", head_dim)) != head_dim:
+        size = lambda name, hi=MAX_SIZE, **kw: meta_int(gf, f"{arch}.{name}", 1, hi, **kw)  # noqa: E731
+        n_layer, n_embd, n_head = size("block_count", MAX_LAYERS), size("embedding_length"), \
+            size("attention.head_count")
+        head_dim = size("attention.key_length", default=n_embd // n_head)
+        if size("attention.value_length", default=head_dim) != head_dim:
             raise GGUFError(f"{gf.path}: {arch} needs attention.key_length == attention.value_length")
-        if int(gf.get(f"{arch}.expert_count", 0) or 0) > 0:
+        if meta_int(gf, f"{arch}.expert_count", 0, MAX_SIZE, default=0) > 0:
             raise GGUFError(f"{gf.path}: {arch}.expert_count: mixture-of-experts models are not supported")
-        scaling = str(gf.get(f"{arch}.rope.scaling.type", "none"))
-        factor = float(gf.get(f"{arch}.rope.scaling.factor", 0.0) or 0.0)
-        if scaling not in ("none", "linear") or (scaling == "linear" and factor <= 0):
-            raise GGUFError(f"{gf.path}: {arch}.rope.scaling.type {scaling!r} (factor {factor}) is not supported "
-                            f"(none or linear)")
+        scaling = meta_str(gf, f"{arch}.rope.scaling.type", default="none", max_len=64)
+        factor = 0.0
+        if scaling == "linear":
+            factor = meta_float(gf, f"{arch}.rope.scaling.factor", 0.0, math.inf)
+        elif scaling != "none":
+            raise GGUFError(f"{gf.path}: {arch}.rope.scaling.type {scaling!r} is not supported (none or linear)")
         if "rope_freqs.weight" in gf.tensors:
             raise GGUFError(f"{gf.path}: per-frequency rope factors (rope_freqs.weight) are not supported")
-        n_head_kv = gf.get(f"{arch}.attention.head_count_kv", n_head)
-        if isinstance(n_head_kv, list):
+        if isinstance(gf.get(f"{arch}.attention.head_count_kv"), list):
             raise GGUFError(f"{gf.path}: {arch}.attention.head_count_kv per layer is not supported")
-        emb = gf.tensors.get("token_embd.weight")
-        if emb is None:
-            raise GGUFError(f"{gf.path}: missing tensor 'token_embd.weight'")
-        hp = cls(n_layer=n_layer, n_embd=n_embd, n_ff=int(k("feed_forward_length")), n_vocab=int(emb.ne[1]),
-                 n_head=n_head, n_head_kv=int(n_head_kv), head_dim=head_dim,
-                 n_rot=int(gf.get(f"{arch}.rope.dimension_count", head_dim)),
-                 rope_base=float(gf.get(f"{arch}.rope.freq_base", 10000.0)),
+        scale = None
+        if gf.get(f"{arch}.attention.scale") not in (None, 0):     # 0: the default, 1/sqrt(head_dim)
+            scale = meta_float(gf, f"{arch}.attention.scale", 0.0, math.inf)
+        hp = cls(n_layer=n_layer, n_embd=n_embd, n_ff=size("feed_forward_length"), n_vocab=vocab_rows(gf),
+                 n_head=n_head, n_head_kv=size("attention.head_count_kv", default=n_head), head_dim=head_dim,
+                 n_rot=size("rope.dimension_count", default=head_dim),
+                 rope_base=meta_float(gf, f"{arch}.rope.freq_base", 0.0, math.inf, default=10000.0),
                  rope_freq_scale=1.0 / factor if scaling == "linear" else 1.0,
-                 rms_eps=float(k("attention.layer_norm_rms_epsilon")),
-                 n_ctx_train=int(gf.get(f"{arch}.context_length", 0)),
-                 attn_scale=float(gf.get(f"{arch}.attention.scale", 0.0) or 0.0) or 1.0 / math.sqrt(head_dim),
-                 recurrent=(False,) * n_layer)
+                 rms_eps=meta_float(gf, f"{arch}.attention.layer_norm_rms_epsilon", 0.0, 1.0),
+                 n_ctx_train=meta_int(gf, f"{arch}.context_length", 0, MAX_CTX_TRAIN, default=0),
+                 attn_scale=scale or 1.0 / math.sqrt(head_dim), recurrent=(False,) * n_layer)
         hp._validate(gf.path)
         return hp
 
     def _validate(self, path: str) -> None:
-        """Header numbers are untrusted: reject the ones the graph cannot be built from."""
-        sizes = {"block_count": self.n_layer, "embedding_length": self.n_embd, "feed_forward_length": self.n_ff,
-                 "attention.head_count_kv": self.n_head_kv, "attention.key_length": self.head_dim}
-        for key, value in sizes.items():
-            if not 1 <= value <= 1 << 20:
-                raise GGUFError(f"{path}: {self.ARCH}.{key} = {value} is out of range")
+        """The numbers must also agree with each other: reject combinations the graph cannot be built from."""
         if self.n_head % self.n_head_kv:
             raise GGUFError(f"{path}: head_count {self.n_head} is not a multiple of head_count_kv {self.n_head_kv}")
         if not 0 < self.n_rot <= self.head_dim or self.n_rot % 2:

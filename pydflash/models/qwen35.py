@@ -7,17 +7,21 @@ The runtime (cache, graphs, prefill/decode, verify/commit, capture) is pydflash/
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
 
 from .. import ggml
 from ..gguf_io import GGUFError, GGUFFile
+from ..validate import MAX_CTX_TRAIN, MAX_LAYERS, MAX_SIZE, meta_float, meta_int, meta_ints, vocab_rows
 from . import layers
 from .layers import linear, rms_norm
 from .runtime import GraphInputs, TargetRuntime, TensorSpec
 
 ARCH = "qwen35"
+MAX_STATE = 1024           # GDN head size (Qwen3.5: 128); the state is state_size^2 per head
+MAX_CONV = 64              # ssm.conv_kernel (Qwen3.5: 4)
 
 
 @dataclass(frozen=True)
@@ -55,50 +59,45 @@ class Qwen35HParams:
 
     @classmethod
     def from_gguf(cls, gf: GGUFFile) -> "Qwen35HParams":
+        """Read and check the hyperparameters: every number typed, finite and in range before it sizes
+        anything (a damaged block_count or head_count must fail here, not hang or divide by zero later)."""
         gf.expect_architecture(ARCH)
-        k = lambda name: gf.require(f"{ARCH}.{name}")  # noqa: E731
-        n_layer, n_embd, n_head = int(k("block_count")), int(k("embedding_length")), int(k("attention.head_count"))
-        head_dim = int(gf.get(f"{ARCH}.attention.key_length", n_embd // n_head))
-        if int(gf.get(f"{ARCH}.attention.value_length", head_dim)) != head_dim:
-            raise GGUFError(f"{gf.path}: qwen35 needs key_length == value_length")
+        size = lambda name, hi=MAX_SIZE, **kw: meta_int(gf, f"{ARCH}.{name}", 1, hi, **kw)  # noqa: E731
+        n_layer, n_embd, n_head = size("block_count", MAX_LAYERS), size("embedding_length"), \
+            size("attention.head_count")
+        n_head_kv = size("attention.head_count_kv")
+        head_dim = size("attention.key_length", default=n_embd // n_head)
+        if size("attention.value_length", default=head_dim) != head_dim:
+            raise GGUFError(f"{gf.path}: qwen35 needs attention.key_length == attention.value_length")
         recurrent = gf.get(f"{ARCH}.attention.recurrent_layers")
         if recurrent is not None:
+            recurrent = meta_ints(gf, f"{ARCH}.attention.recurrent_layers", 0, 1, max_len=MAX_LAYERS)
             if len(recurrent) < n_layer:
                 raise GGUFError(f"{gf.path}: attention.recurrent_layers has {len(recurrent)} entries, "
                                 f"expected {n_layer}")
             recurrent = tuple(bool(x) for x in recurrent[:n_layer])
         else:
-            interval = int(gf.get(f"{ARCH}.full_attention_interval", 4))
+            interval = size("full_attention_interval", MAX_LAYERS, default=4)
             recurrent = tuple((i + 1) % interval != 0 for i in range(n_layer))
-        sections = gf.require(f"{ARCH}.rope.dimension_sections")
-        sections = tuple(int(s) for s in (list(sections) + [0, 0, 0, 0])[:4])
-        emb = gf.tensors.get("token_embd.weight")
-        if emb is None:
-            raise GGUFError(f"{gf.path}: missing tensor 'token_embd.weight'")
-        n_v_heads = int(k("ssm.time_step_rank"))
+        n_rot = size("rope.dimension_count", default=head_dim)
+        sections = meta_ints(gf, f"{ARCH}.rope.dimension_sections", 0, MAX_SIZE, max_len=4)
+        sections = tuple((sections + [0, 0, 0, 0])[:4])
+        n_v_heads = size("ssm.time_step_rank")
+        ssm_inner = size("ssm.inner_size")
         hp = cls(
-            n_layer=n_layer, n_embd=n_embd, n_ff=int(k("feed_forward_length")), n_vocab=int(emb.ne[1]),
-            n_head=n_head, n_head_kv=int(k("attention.head_count_kv")), head_dim=head_dim,
-            n_rot=int(gf.get(f"{ARCH}.rope.dimension_count", head_dim)), rope_sections=sections,
-            rope_base=float(gf.get(f"{ARCH}.rope.freq_base", 10000.0)),
-            rms_eps=float(k("attention.layer_norm_rms_epsilon")),
-            ssm_d_conv=int(k("ssm.conv_kernel")), ssm_d_k=int(k("ssm.state_size")),
-            ssm_n_k_heads=int(k("ssm.group_count")), ssm_n_v_heads=n_v_heads,
-            ssm_d_v=int(k("ssm.inner_size")) // max(n_v_heads, 1), recurrent=recurrent,
-            n_ctx_train=int(gf.get(f"{ARCH}.context_length", 0)))
-        hp._validate(gf.path, int(k("ssm.inner_size")))
+            n_layer=n_layer, n_embd=n_embd, n_ff=size("feed_forward_length"), n_vocab=vocab_rows(gf),
+            n_head=n_head, n_head_kv=n_head_kv, head_dim=head_dim, n_rot=n_rot, rope_sections=sections,
+            rope_base=meta_float(gf, f"{ARCH}.rope.freq_base", 0.0, math.inf, default=10000.0),
+            rms_eps=meta_float(gf, f"{ARCH}.attention.layer_norm_rms_epsilon", 0.0, 1.0),
+            ssm_d_conv=size("ssm.conv_kernel", MAX_CONV), ssm_d_k=size("ssm.state_size", MAX_STATE),
+            ssm_n_k_heads=size("ssm.group_count"), ssm_n_v_heads=n_v_heads,
+            ssm_d_v=ssm_inner // n_v_heads, recurrent=recurrent,
+            n_ctx_train=meta_int(gf, f"{ARCH}.context_length", 0, MAX_CTX_TRAIN, default=0))
+        hp._validate(gf.path, ssm_inner)
         return hp
 
     def _validate(self, path: str, ssm_inner: int) -> None:
-        """Header numbers are untrusted: reject the ones the graph cannot be built from."""
-        sizes = {"block_count": self.n_layer, "embedding_length": self.n_embd, "feed_forward_length": self.n_ff,
-                 "attention.head_count": self.n_head, "attention.head_count_kv": self.n_head_kv,
-                 "attention.key_length": self.head_dim, "ssm.conv_kernel": self.ssm_d_conv,
-                 "ssm.state_size": self.ssm_d_k, "ssm.group_count": self.ssm_n_k_heads,
-                 "ssm.time_step_rank": self.ssm_n_v_heads}
-        for key, value in sizes.items():
-            if not 1 <= value <= 1 << 20:
-                raise GGUFError(f"{path}: {ARCH}.{key} = {value} is out of range")
+        """The numbers must also agree with each other: reject combinations the graph cannot be built from."""
         problems = []
         if self.n_head % self.n_head_kv:
             problems.append(f"head_count {self.n_head} is not a multiple of head_count_kv {self.n_head_kv}")
@@ -108,6 +107,9 @@ class Qwen35HParams:
             problems.append("ssm.time_step_rank is not a multiple of ssm.group_count")
         if not 0 < self.n_rot <= self.head_dim or self.n_rot % 2:
             problems.append(f"rope.dimension_count {self.n_rot} does not fit head size {self.head_dim}")
+        if 2 * sum(self.rope_sections) != self.n_rot:
+            problems.append(f"rope.dimension_sections {list(self.rope_sections)} do not sum to "
+                            f"rope.dimension_count / 2 = {self.n_rot // 2}")
         if problems:
             raise GGUFError(f"{path}: " + "; ".join(problems))
 

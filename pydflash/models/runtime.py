@@ -21,6 +21,7 @@ import numpy as np
 from .. import ggml, sampling
 from ..gguf_io import GGUFFile, upload
 from ..kv import HybridCache
+from ..validate import SMALL_F32_ROLES, check_finite, check_memory, check_tensors, tensor_bytes
 from . import layers
 
 KV_BUCKET = 256            # the attended KV length is padded to this, so one graph serves 256 positions
@@ -36,8 +37,9 @@ class TensorSpec:
     """A tensor an architecture reads: its shape (ggml order) and its role.
 
     role: 'embedding' (token embedding), 'output' (LM head), 'matrix' (a weight matmul), 'norm' (a norm's
-    weight), 'bias', 'vector' (other per-channel parameters), 'conv' (a convolution kernel); a type allow-list
-    per role can be applied to them. optional: may be absent from the file (e.g. a tied LM head)."""
+    weight), 'bias', 'vector' (other per-channel parameters), 'conv' (a convolution kernel); each role allows
+    the tensor types in pydflash/validate.py's ROLE_TYPES. optional: may be absent from the file (e.g. a tied
+    LM head)."""
     ne: tuple
     role: str
     optional: bool = False
@@ -53,16 +55,26 @@ class TargetWeights:
     Without `output.weight` the LM head is the token embedding (tied embeddings)."""
 
     def __init__(self, gf: GGUFFile, specs: dict[str, TensorSpec], backend: ggml.Backend,
-                 progress: bool | None = None):
-        present = {name: s for name, s in specs.items() if not (s.optional and name not in gf.tensors)}
-        infos = [gf.check_tensor(name, spec.ne) for name, spec in present.items()]
-        self.specs = present
+                 progress: bool | None = None, infos: list | None = None):
+        """infos: what `check(gf, specs, backend)` returned, when the caller already ran it."""
+        if infos is None:
+            infos = self.check(gf, specs, backend)
+        self.specs = {info.name: specs[info.name] for info in infos}
         self._ctx = ggml.Context(n_tensors=max(len(infos), 1))
         self.t = {info.name: self._ctx.new_tensor(info.type, info.ne, name=info.name[:63]) for info in infos}
         self.buffer = backend.alloc_tensors(self._ctx)
         upload(gf, [(info, self.t[info.name]) for info in infos], progress=progress)
         if "output.weight" not in self.t:
             self.t["output.weight"] = self.t["token_embd.weight"]
+
+    @staticmethod
+    def check(gf: GGUFFile, specs: dict[str, TensorSpec], backend: ggml.Backend) -> list:
+        """The file's tensor table held to the specs (names, shapes, a type each role allows and the backend
+        computes, no unused tensor) and the small f32 tensors finite; the TensorInfos to load, nothing
+        allocated. A NaN norm weight would make every logit NaN."""
+        infos = check_tensors(gf, specs, backend=backend)
+        check_finite(gf, [info for info in infos if specs[info.name].role in SMALL_F32_ROLES])
+        return infos
 
     def __getitem__(self, name: str) -> ggml.Tensor:
         return self.t[name]
@@ -160,10 +172,17 @@ class TargetRuntime:
         for il in self.capture_layers:
             if not 0 <= il < hp.n_layer:
                 raise ValueError(f"capture layer {il} outside 0..{hp.n_layer - 1}")
-        self.weights = TargetWeights(self.gguf, hp.tensors(), self.backend, progress)
+        specs = hp.tensors()
+        infos = TargetWeights.check(self.gguf, specs, self.backend)
         # cells rounded up to the bucket, so every attended window is a multiple of 256 (what the GPU flash
         # attention kernels want); positions past n_ctx are never written
-        self.cache = HybridCache(self.backend, hp, -(-n_ctx // KV_BUCKET) * KV_BUCKET, kv_type)
+        n_cells = -(-n_ctx // KV_BUCKET) * KV_BUCKET
+        # the whole plan against the device before anything is allocated: a damaged header or a huge n_ctx
+        # fails here with the numbers, not in the allocator (or by exhausting the host)
+        check_memory(self.backend, self.memory_plan(infos, n_cells, kv_type, n_ubatch),
+                     f"{self.gguf.path} with n_ctx {n_ctx}")
+        self.weights = TargetWeights(self.gguf, specs, self.backend, progress, infos)
+        self.cache = HybridCache(self.backend, hp, n_cells, kv_type)
         self._capture_ctx = ggml.Context(n_tensors=1)
         self.captured = None
         if self.capture_layers:
@@ -185,6 +204,15 @@ class TargetRuntime:
         self.sampling_enabled = False     # graphs end in the on-device sampler (enable_sampling)
         self.sample_inputs = None         # sampling.StepInputs of the next prefill/step/verify (then cleared)
         self._last_sampled = False        # the last forward's sampler drew from given inputs
+
+    def memory_plan(self, infos, n_cells: int, kv_type, n_ubatch: int) -> dict[str, int]:
+        """Bytes a load would allocate, by part (the compute buffer estimated: the logits and a few activations
+        of the widest layer for a micro-batch)."""
+        hp = self.hp
+        width = max(hp.n_embd, getattr(hp, "n_ff", 0), getattr(hp, "conv_dim", 0) if any(hp.recurrent) else 0)
+        return {"weights": sum(info.nbytes for info in infos),
+                "KV cache and state": HybridCache.plan_bytes(hp, n_cells, kv_type),
+                "compute (estimate)": 4 * n_ubatch * (hp.n_vocab + 8 * width)}
 
     # --- what an architecture provides ---
 
@@ -332,11 +360,15 @@ class TargetRuntime:
                                "build); use chains (tree=False)")
         if state_type not in ("f32", "f16") or (state_type == "f16" and not tree):
             raise ValueError(f"state_type {state_type!r}: 'f32', or 'f16' with tree=True")
+        store_type = ggml.Type.F16 if state_type == "f16" else ggml.Type.F32
+        if n_rec:
+            per_slot = tensor_bytes(store_type, (hp.ssm_d_v * hp.ssm_d_v, hp.ssm_n_v_heads)) + 4 * hp.conv_dim
+            check_memory(self.backend, {"verify state store": n_rec * n_slots * per_slot},
+                         f"{self.gguf.path} with {n_slots} verify slots")
         self.tree_state_op = persist if tree else None
         self._trees = tree or not n_rec
         self.n_slots = n_slots
         self._verify_ctx = ggml.Context(n_tensors=2 * n_rec + 1)
-        store_type = ggml.Type.F16 if state_type == "f16" else ggml.Type.F32
         self.slot_states, self.slot_inputs = {}, {}
         for il in range(hp.n_layer):
             if hp.recurrent[il]:

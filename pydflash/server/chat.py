@@ -172,10 +172,12 @@ def render(tokenizer, messages: list[dict], tools: list[dict], kwargs: dict) -> 
     if tools:
         kwargs = dict(kwargs, tools=tools)
     try:
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, **kwargs) + prefill
+        # message contents (and the prefill) become plain-text tokens: a client cannot forge a turn by typing
+        # "<|im_end|>"; the template runs in the tokenizer's bounded sandbox
+        ids, text = tokenizer.chat_prompt(messages, add_generation_prompt=True, **kwargs)
     except Exception as e:       # the template is the model's code: whatever it raises is about these messages
         raise APIError(400, f"the model's chat template rejected the conversation: {e}") from None
-    tail = text.rstrip()
+    ids += tokenizer.tokenize(prefill, parse_special=False)
+    tail = (text + prefill).rstrip()
     in_reasoning = tail.rfind(THINK_OPEN) > tail.rfind(THINK_CLOSE)
-    ids = tokenizer.tokenize(text, add_special=False)
     return Prompt(ids, in_reasoning=in_reasoning, tools=bool(tools), param_types=_param_types(tools))
