@@ -5,8 +5,10 @@ the server reports). Prints markdown tables for docs/benchmarks.md.
 
     python bench/server_overhead.py TARGET.gguf --draft DRAFT_DIR --device cuda [--n-gen 256] [--reps 3]
 
-Both sides time a reply the same way: from its first text piece to its last, over (tokens - 1). The engine side
-runs first and is freed before the server starts (one model in GPU memory at a time).
+Both sides time whole replies the same way, so no side depends on what the tokens render as (a synthetic
+vocabulary renders most generated tokens as no text): decode tok/s = (N - 1) / (T(N) - T(1)), with T(n) the wall
+time of a streamed reply of n tokens to the same prompt, from the call to its end; time to first token = T(1).
+The engine side runs first and is freed before the server starts (one model in GPU memory at a time).
 """
 from __future__ import annotations
 
@@ -28,25 +30,34 @@ def prompt_ids(n_vocab: int, n: int, seed: int) -> list[int]:
     return [int(t) for t in np.random.default_rng(seed).integers(3, min(n_vocab, 30000) - 4, size=n)]
 
 
+def engine_reply(engine, ids, n: int) -> tuple[float, int]:
+    """(wall seconds, new tokens) of one streamed reply of at most n tokens."""
+    t0, tokens = time.perf_counter(), 0
+    for batch in engine.stream_tokens(ids, max_tokens=n):
+        tokens += len(batch)
+    return time.perf_counter() - t0, tokens
+
+
+def decode_rate(reply, ids, n_gen: int, reps: int) -> tuple[float, int]:
+    """Median (N - 1) / (T(N) - T(1)) over reps, and N; reply(ids, n) -> (seconds, tokens)."""
+    rates, tokens = [], 0
+    for _ in range(reps):
+        t_one, _ = reply(ids, 1)
+        t_all, tokens = reply(ids, n_gen)
+        rates.append((tokens - 1) / (t_all - t_one))
+    return statistics.median(rates), tokens
+
+
 def engine_side(args) -> dict:
     import pydflash
     engine = pydflash.load(args.target, args.draft, device=args.device, max_ctx=args.max_ctx, budget=args.budget,
                            mode=args.mode, progress=False)
     ids = prompt_ids(engine.tokenizer.n_vocab, args.prompt_tokens_decode, 1)
-    engine.generate(ids, max_tokens=16)                       # warm-up: graphs built, caches touched
-    rates, tokens = [], 0
-    for _ in range(args.reps):
-        first = last = None
-        for _piece in engine.stream(ids, max_tokens=args.n_gen):
-            last = time.perf_counter()
-            first = first or last
-        tokens = len(engine.last_tokens)
-        rates.append((tokens - 1) / (last - first))
+    engine_reply(engine, ids, 16)                              # warm-up: graphs built, caches touched
+    tok_s, tokens = decode_rate(lambda i, n: engine_reply(engine, i, n), ids, args.n_gen, args.reps)
     long_ids = prompt_ids(engine.tokenizer.n_vocab, args.prompt_tokens, 2)
-    t0 = time.perf_counter()
-    next(iter(engine.stream(long_ids, max_tokens=2)))
-    ttft = time.perf_counter() - t0
-    out = {"tok_s": statistics.median(rates), "tokens": tokens, "ttft_s": ttft, "mode": engine.mode}
+    ttft, _ = engine_reply(engine, long_ids, 1)
+    out = {"tok_s": tok_s, "tokens": tokens, "ttft_s": ttft, "mode": engine.mode}
     del engine
     gc.collect()
     return out
@@ -58,28 +69,22 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def stream_request(url: str, path: str, body: dict):
-    """POST a streamed request; returns (seconds to the first text, seconds first->last text, n text chunks,
-    the final chunk's timings)."""
+def stream_request(url: str, path: str, body: dict) -> tuple[float, int, dict | None]:
+    """POST a streamed request and read it to its end: (wall seconds, completion tokens, the final timings)."""
     import httpx
     t0 = time.perf_counter()
-    first = last = None
-    timings, n = None, 0
-    with httpx.stream("POST", url + path, json=dict(body, stream=True), timeout=600) as r:
+    timings = usage = None
+    with httpx.stream("POST", url + path, json=dict(body, stream=True, stream_options={"include_usage": True}),
+                      timeout=600) as r:
         r.raise_for_status()
         for line in r.iter_lines():
             if not line.startswith("data:") or line == "data: [DONE]":
                 continue
             chunk = json.loads(line[5:])
-            choice = (chunk.get("choices") or [{}])[0]
-            text = choice.get("text") or (choice.get("delta") or {}).get("content") or \
-                (choice.get("delta") or {}).get("reasoning_content")
-            if text:
-                last = time.perf_counter()
-                first = first or last
-                n += 1
             timings = chunk.get("timings", timings)
-    return (first or last or t0) - t0, (last - first) if first else 0.0, n, timings
+            usage = chunk.get("usage") or usage
+    tokens = (usage or {}).get("completion_tokens") or (timings or {}).get("predicted_n", 0)
+    return time.perf_counter() - t0, tokens, timings
 
 
 def server_side(args) -> dict:
@@ -109,14 +114,14 @@ def server_side(args) -> dict:
         from pydflash.tokenizer import Tokenizer
         n_vocab = Tokenizer(args.target).n_vocab
         ids = prompt_ids(n_vocab, args.prompt_tokens_decode, 1)
-        stream_request(url, "/v1/completions", {"prompt": ids, "max_tokens": 16})           # warm-up
-        rates, tokens = [], 0
-        for _ in range(args.reps):
-            _, span, _, timings = stream_request(url, "/v1/completions", {"prompt": ids, "max_tokens": args.n_gen})
-            tokens = timings["predicted_n"]
-            rates.append((tokens - 1) / span)
+        def reply(prompt, n):
+            seconds, tokens, _ = stream_request(url, "/v1/completions", {"prompt": prompt, "max_tokens": n})
+            return seconds, tokens
+
+        reply(ids, 16)                                                                   # warm-up
+        tok_s, tokens = decode_rate(reply, ids, args.n_gen, args.reps)
         long_ids = prompt_ids(n_vocab, args.prompt_tokens, 2)
-        ttft, _, _, _ = stream_request(url, "/v1/completions", {"prompt": long_ids, "max_tokens": 2})
+        ttft, _ = reply(long_ids, 1)
 
         # a chat: turn 1 with a long user message, turn 2 extends it
         text = Tokenizer(args.target).detokenize(prompt_ids(n_vocab, args.prompt_tokens, 3))
@@ -124,8 +129,8 @@ def server_side(args) -> dict:
         r1 = httpx.post(url + "/v1/chat/completions", json={"messages": turn1, "max_tokens": 32}, timeout=600).json()
         turn2 = turn1 + [{"role": "assistant", "content": r1["choices"][0]["message"]["content"] or ""},
                          {"role": "user", "content": "And then?"}]
-        ttft2, _, _, timings2 = stream_request(url, "/v1/chat/completions", {"messages": turn2, "max_tokens": 2})
-        return {"tok_s": statistics.median(rates), "tokens": tokens, "ttft_s": ttft, "turn1_prompt":
+        ttft2, _, timings2 = stream_request(url, "/v1/chat/completions", {"messages": turn2, "max_tokens": 1})
+        return {"tok_s": tok_s, "tokens": tokens, "ttft_s": ttft, "turn1_prompt":
                 r1["usage"]["prompt_tokens"], "turn1_ttft_s": r1["timings"]["prompt_ms"] / 1e3, "turn2_ttft_s": ttft2,
                 "turn2_prompt": timings2["prompt_n"], "turn2_reused": timings2.get("reused_tokens")}
     finally:
