@@ -2,7 +2,7 @@
 
 The draft proposes, for each depth d = 1..D (D = block size - 1), its K best tokens with their log-probs; the
 positions are independent, so a prefix (r_1, .., r_d) of ranks scores sum_i logp[i, r_i]. The tree holds the
-N most probable prefixes (best first, DESIGN §8). Everything here is host-side numpy over at most a few dozen
+N most probable prefixes (best first). Everything here is host-side numpy over at most a few dozen
 nodes: the verify and commit run on the device from the arrays this module produces.
 
 Slot layout of a verify: slot 0 is the root (the last committed token, not yet run through the target), slots
@@ -40,7 +40,8 @@ def build_tree(logp: np.ndarray, ids: np.ndarray, budget: int, *, seed_chain: bo
     """The `budget` most probable prefixes of the per-depth top-K proposals, as a tree.
 
     logp, ids: [D, K] per depth, ranks sorted by descending log-prob. seed_chain: first take the whole top-1
-    chain (up to the budget), then continue best first (DESIGN §13: under Q4 targets seeded trees did better).
+    chain (up to the budget), then continue best first (a published port found seeding better under Q4
+    targets; docs/benchmarks.md measures both).
     Best first: a max-heap of candidate prefixes; popping one makes it a node and pushes its next sibling
     (same depth, rank + 1) and its first child (depth + 1, rank 0). Ties break towards shallower depth, then
     lower rank, then earlier parent, so the result is deterministic.

@@ -1,4 +1,4 @@
-"""The decoding engine: autoregressive, chain and DDTree speculative decoding behind one loop (DESIGN §8).
+"""The decoding engine: autoregressive, chain and DDTree speculative decoding behind one loop.
 
 Plain step functions, each one concern: `prefill`, `draft_step`, `verify_step`, `commit_step`. A speculative
 step proposes per-position top-K tokens with the draft, lays them out as a tree (or a chain), verifies every

@@ -40,7 +40,7 @@ class HybridCache:
     ssm[il]:      f32 [d_v * d_v * n_v_heads]     the delta-rule state S per v head.
     With Q8_0 / Q4_0, K and V rows are stored rotated by a Walsh-Hadamard matrix, as llama.cpp does (it spreads
     outliers across the block before quantising): k_rot / v_rot hold those matrices. TQ3_0 rotates inside its
-    quantiser (DESIGN.md §7), so only the query needs rotating and the attention output un-rotating:
+    quantiser (pydflash/tq3.py), so only the query needs rotating and the attention output un-rotating:
     tq3_rotation (a pydflash.tq3.Rotation, in a buffer of its own) does both.
     """
 

@@ -1,4 +1,4 @@
-"""TQ3_0, the 3.5-bit KV-cache type (DESIGN.md §7; format in ggml_ext/include/ggml-ext.h).
+"""TQ3_0, the 3.5-bit KV-cache type (format in ggml_ext/include/ggml-ext.h).
 
 K and V rows are stored rotated: every 128-value group x is kept as R x, with R a fixed randomised Hadamard
 transform, quantised to 3-bit Lloyd-Max levels. Attention over such a cache needs the query rotated the same

@@ -140,7 +140,7 @@ def test_logits_match_zlab_reference(models, backend, target_cache, rng, kind, n
 
 def test_reference_check_is_sensitive(models, backend, target_cache, rng):
     """The tolerance separates real mistakes: a wrong RoPE base, a position off by one, features of the wrong
-    layers (DESIGN §13 pitfalls)."""
+    layers."""
     target = _target(models, backend, target_cache)
     draft = DFlashDraft(models["full"], target, window=WINDOW)
     features = rng.standard_normal((37, len(CAPTURE), 64)).astype(np.float32)

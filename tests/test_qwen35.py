@@ -332,7 +332,7 @@ def test_pooled_streaming_writer_matches(tmp_path, monkeypatch):
 
 def test_pooled_writer_rows_are_distinct(tmp_path, monkeypatch):
     """Big matrices come from pooled blocks, but no two rows repeat: equal LM-head rows would make tokens tie
-    exactly, and greedy ties would excuse any speculative mismatch (DESIGN §11's margin rule)."""
+    exactly, and greedy ties would excuse any speculative mismatch (the lossless tests' top-2 margin rule)."""
     import gguf
     import pydflash.testing as testing
     monkeypatch.setattr(testing, "_POOL_THRESHOLD", 1000)

@@ -1,4 +1,4 @@
-"""The qwen35 target with a TQ3_0 KV cache against the same target with an F16 cache (DESIGN.md §7).
+"""The qwen35 target with a TQ3_0 KV cache against the same target with an F16 cache.
 
 One tiny model with head size 128 (TQ3_0 rotates 128-value groups): attention layers 1 and 2 of 5. Both
 targets follow the F16 run's greedy tokens (teacher forcing), so every step compares the same context.

@@ -1,4 +1,4 @@
-"""float64 numpy references of the tree ops (DESIGN.md §6) and the random trees the tests run them on.
+"""float64 numpy references of the tree ops (docs/targets.md) and the random trees the tests run them on.
 
 Arrays are in numpy (C) order, the reverse of ggml's ne: a ggml tensor [S_v, H, n_t, n_s] is an array
 [n_s, n_t, H, S_v]. The conv reference builds each node's input stream from its root path, independently of the kernels' walks.

@@ -42,7 +42,7 @@ GGML_API struct ggml_tensor * ggml_ssm_conv_tree(
         struct ggml_tensor  * parent);
 
 
-// --- TQ3_0: the 3.5-bit KV-cache type (GGML_TYPE_TQ3_0; DESIGN.md §7) ------------------------------------------
+// --- TQ3_0: the 3.5-bit KV-cache type (GGML_TYPE_TQ3_0; format below) ------------------------------------------
 //
 // Format. A row is cut into groups of 128 values (one K/V head row of 128, or two of a 256-wide head). Rows
 // whose length is not a multiple of 128 are refused (the ggml block size is 128, so ggml_row_size and the

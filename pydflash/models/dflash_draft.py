@@ -135,7 +135,7 @@ class DFlashHParams:
         if float(rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))) != 1.0:
             raise DraftLoadError(f"{path}: partial_rotary_factor is not supported")
         rope_theta = rope.get("rope_theta", cfg.get("rope_theta"))
-        if rope_theta is None:   # a port that defaulted this produced garbage (DESIGN §13): insist on it
+        if rope_theta is None:   # a port that defaulted this produced garbage: insist on it
             raise DraftLoadError(f"{path}: missing field 'rope_theta'")
 
         n_layer, n_embd, n_head = int(need("num_hidden_layers")), int(need("hidden_size")), \
@@ -742,7 +742,7 @@ class DFlashDraft:
 
         rows: indices into the target's last forward (default: all of its tokens), e.g. the accepted path of a
         verify step. The target must capture exactly this draft's target_layer_ids, in that order: the output
-        of decoder layer lid, which is z-lab's `hidden_states[lid + 1]` (DESIGN §13). (Hugging Face applies the
+        of decoder layer lid, which is z-lab's `hidden_states[lid + 1]`. (Hugging Face applies the
         final norm to the last entry, so a draft reading the target's last layer would need it; none do.)"""
         if tuple(self.target.capture_layers) != self.hp.target_layer_ids:
             raise ValueError(f"the target captures layers {self.target.capture_layers}, the draft needs "

@@ -345,7 +345,7 @@ class TargetRuntime:
 
         tree=False allows chains only, through upstream gated_delta_net's state snapshots; tree=True needs the
         tree ops (`ggml.gated_delta_net_tree_persist`). state_type 'f16' halves the state store (tree ops only),
-        at the price of rounding every node's state (DESIGN §6: measure it against f32). A model without
+        at the price of rounding every node's state (docs/benchmarks.md measures it against f32). A model without
         recurrent layers verifies trees either way."""
         hp = self.hp
         if not 1 <= n_slots <= self.n_ubatch:
