@@ -92,26 +92,29 @@ model_of_depth() {   # path of the 27B-shaped model cut to $1 layers, written on
     echo "$model"
 }
 
-profile_decode() {   # GPU kernel time per decode step, pydflash vs llama.cpp, on a 27B-shaped model of $1 layers
-    set -e
-    cd /tmp
-    local model
-    model=$(model_of_depth "$1")
-    export GGML_CUDA_DISABLE_GRAPHS=1                 # kernels launched one by one, so ncu sees each
-    local ncu="ncu --csv --metrics gpu__time_duration.sum --cache-control none --clock-control none"
-    $ncu python3 "$src/bench/ar_decode.py" "$model" --device cuda --n-gen 2 --reps 1 > "$logs/ncu_pydflash_$1.csv"
-    $ncu "$build/bin/llama-bench" -m "$model" -p 0 -n 2 -r 1 -fa 1 -ngl 99 > "$logs/ncu_llama_$1.csv"
-    # steps: ar_decode runs a warm-up and one rep of 2; llama-bench a 1-token warm-up and one rep of 2
-    python3 "$src/tools/ncu_compare.py" "$logs/ncu_pydflash_$1.csv" 4 "$logs/ncu_llama_$1.csv" 3
+model_arg() {   # $1: a GGUF path, or a layer count of the 27B-shaped model
+    if [[ "$1" == *.gguf ]]; then echo "$1"; else model_of_depth "$1"; fi
 }
 
-# wall time per step against time inside compute, CUDA graphs on and off, pydflash and llama.cpp, on a
-# 27B-shaped model of $1 layers
+profile_decode() {   # GPU kernel time per decode step, pydflash vs llama.cpp, on $1 (model_arg)
+    set -e
+    cd /tmp
+    local model tag
+    model=$(model_arg "$1"); tag=$(basename "$model" .gguf)
+    export GGML_CUDA_DISABLE_GRAPHS=1                 # kernels launched one by one, so ncu sees each
+    local ncu="ncu --csv --metrics gpu__time_duration.sum --cache-control none --clock-control none"
+    $ncu python3 "$src/bench/ar_decode.py" "$model" --device cuda --n-gen 2 --reps 1 > "$logs/ncu_pydflash_$tag.csv"
+    $ncu "$build/bin/llama-bench" -m "$model" -p 0 -n 2 -r 1 -fa 1 -ngl 99 > "$logs/ncu_llama_$tag.csv"
+    # steps: ar_decode runs a warm-up and one rep of 2; llama-bench a 1-token warm-up and one rep of 2
+    python3 "$src/tools/ncu_compare.py" "$logs/ncu_pydflash_$tag.csv" 4 "$logs/ncu_llama_$tag.csv" 3
+}
+
+# wall time per step against time inside compute, CUDA graphs on and off, pydflash and llama.cpp, on $1 (model_arg)
 decode_overhead() {
     set -e
     cd /tmp
     local model
-    model=$(model_of_depth "$1")
+    model=$(model_arg "$1")
     python3 "$src/bench/ar_decode.py" "$model" --device cuda --n-gen 128 --reps 5 --llama-bench "$build/bin/llama-bench"
     echo "| model | device | graphs | us/step | inside compute | rest |"
     python3 "$src/bench/decode_overhead.py" "$model" --device cuda
@@ -119,7 +122,7 @@ decode_overhead() {
     GGML_CUDA_DISABLE_GRAPHS=1 "$build/bin/llama-bench" -m "$model" -p 0 -n 128 -r 5 -fa 1 -ngl 99 -o md
 }
 
-export -f model_of_depth decode_overhead profile_decode build_pydflash pytest_cuda write_models writer_alive wait_models
+export -f model_of_depth model_arg decode_overhead profile_decode build_pydflash pytest_cuda write_models writer_alive wait_models
 export src state logs data build
 
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee -a "$logs/summary.md"
@@ -222,5 +225,10 @@ phase lc_llama_f16_128k 500 llama_tg -d 131072 -ctk f16 -ctv f16
 phase lc_llama_q8_0_128k 500 llama_tg -d 131072 -ctk q8_0 -ctv q8_0
 phase bench_server 400 python3 "$src/bench/server_overhead.py" "$data/q27.gguf" --draft "$data/d27" --device cuda \
     --n-gen 256 --reps 3 --prompt-tokens 2000
+# a real GGUF shipped to this machine (tools/ship_file.py): REAL_MODEL=/path/q15.gguf. Where its decode time goes
+if [ -n "${REAL_MODEL:-}" ]; then
+    phase real_overhead 150 decode_overhead "$REAL_MODEL"
+    phase real_profile 200 profile_decode "$REAL_MODEL"
+fi
 echo "all phases done" | tee -a "$logs/summary.md"
 finish 0
