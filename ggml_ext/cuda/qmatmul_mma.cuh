@@ -151,22 +151,27 @@ static __device__ __forceinline__ void qmm_unit_k45(const char * const (&rows)[R
     constexpr int qs_off = HIGH ? 48 : 16;   // block_q5_K: dm, scales[12], qh[32], qs[128]; block_q4_K: no qh
     static_assert(sizeof(block_q5_K) == 176 && sizeof(block_q4_K) == 144, "unexpected K-quant block layout");
     uint4 hdr[RT][2];
-    uint2 qs[RT][2][4], qh[RT][2];
+    uint2 qs[RT][2], qh[RT][2];
 #pragma unroll
     for (int r = 0; r < RT; ++r) {
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
             const char * b = rows[r][h] + (size_t) u * bs;
             hdr[r][h] = *(const uint4 *) b;
-#pragma unroll
-            for (int p = 0; p < 4; ++p) {
-                qs[r][h][p] = *(const uint2 *) (b + qs_off + 32 * p + 8 * t4);
-            }
-            qh[r][h] = HIGH ? *(const uint2 *) (b + 16 + 8 * t4) : make_uint2(0, 0);
+            qh[r][h]  = HIGH ? *(const uint2 *) (b + 16 + 8 * t4) : make_uint2(0, 0);
         }
     }
 #pragma unroll
     for (int s = 0; s < 8; ++s) {
+        if (s % 2 == 0) {   // the quants of sub-blocks s and s + 1 (low and high nibbles), loaded only now: at RT = 4
+#pragma unroll              // a whole super-block's would not fit in the registers next to the accumulators
+            for (int r = 0; r < RT; ++r) {
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    qs[r][h] = *(const uint2 *) (rows[r][h] + (size_t) u * bs + qs_off + 16 * s + 8 * t4);
+                }
+            }
+        }
         float dsc[RT][2], dm[RT][2];
         int a[RT][4];
 #pragma unroll
@@ -174,8 +179,8 @@ static __device__ __forceinline__ void qmm_unit_k45(const char * const (&rows)[R
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
                 qmm_k4_scale_min(hdr[r][h], s, dsc[r][h], dm[r][h]);
-                int w0 = (qs[r][h][s / 2].x >> (4 * (s % 2))) & 0x0F0F0F0F;
-                int w1 = (qs[r][h][s / 2].y >> (4 * (s % 2))) & 0x0F0F0F0F;
+                int w0 = (qs[r][h].x >> (4 * (s % 2))) & 0x0F0F0F0F;
+                int w1 = (qs[r][h].y >> (4 * (s % 2))) & 0x0F0F0F0F;
                 if (HIGH) {   // bit s of qh byte l is the fifth bit of value 32 s + l
                     w0 |= ((qh[r][h].x >> s) & 0x01010101) << 4;
                     w1 |= ((qh[r][h].y >> s) & 0x01010101) << 4;
@@ -209,46 +214,51 @@ template <int NT, int RT> struct qmm_unit<GGML_TYPE_Q6_K, NT, RT> {
     static __device__ __forceinline__ void run(const char * const (&rows)[RT][2], int u, int, const qmm_cols<NT> & x,
                                                int t4, float (&acc)[RT][NT][4]) {
         static_assert(sizeof(block_q6_K) == 210, "unexpected Q6_K block layout");   // ql[128], qh[64], scales[16], d
-        // per row: ql words [hh][j%2][e] (bytes 64hh + 32(j%2) + 16e + 4t4), qh words [hh][e] (32hh + 16e + 4t4)
-        int ql[RT][2][2][2][2], qh[RT][2][2][2], scw[RT][2][4];
+        // per row and half hh of the super-block (values 128hh..128hh+127), loaded only when the half starts (at
+        // RT = 4 a whole super-block's would not fit in the registers next to the accumulators): ql words [j%2][e]
+        // (bytes 64hh + 32(j%2) + 16e + 4t4), qh words [e] (32hh + 16e + 4t4), scale words 2hh, 2hh + 1
+        int ql[RT][2][2][2], qh[RT][2][2], scw[RT][2][2];
         float d[RT][2];
+        bool al[RT][2];   // the row's block is 4-aligned: with an even row size the same for all rows and units
 #pragma unroll
         for (int r = 0; r < RT; ++r) {
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
                 const char * b = rows[r][h] + (size_t) u * sizeof(block_q6_K);
-                // with an even row size this is the same for all rows, and for all of a warp's units
-                const bool al = ((uintptr_t) b & 3) == 0;
-#pragma unroll
-                for (int hh = 0; hh < 2; ++hh) {
-#pragma unroll
-                    for (int e = 0; e < 2; ++e) {
-                        ql[r][h][hh][0][e] = qmm_ld32_a2(b + 64 * hh + 16 * e + 4 * t4, al);
-                        ql[r][h][hh][1][e] = qmm_ld32_a2(b + 64 * hh + 32 + 16 * e + 4 * t4, al);
-                        qh[r][h][hh][e]    = qmm_ld32_a2(b + 128 + 32 * hh + 16 * e + 4 * t4, al);
-                    }
-                }
-#pragma unroll
-                for (int i = 0; i < 4; ++i) {
-                    scw[r][h][i] = qmm_ld32_a2(b + 192 + 4 * i, al);
-                }
-                d[r][h] = __half2float(*(const half *) (b + 208));
+                al[r][h] = ((uintptr_t) b & 3) == 0;
+                d[r][h]  = __half2float(*(const half *) (b + 208));
             }
         }
         // group G = 8hh + 2j + e holds values 128hh + 32j + 16e + (0..15); activation block kb = 8u + G/2
 #pragma unroll
         for (int G = 0; G < 16; ++G) {
             const int hh = G / 8, j = (G / 2) % 4, e = G % 2;
+            if (G % 8 == 0) {
+#pragma unroll
+                for (int r = 0; r < RT; ++r) {
+#pragma unroll
+                    for (int h = 0; h < 2; ++h) {
+                        const char * b = rows[r][h] + (size_t) u * sizeof(block_q6_K);
+#pragma unroll
+                        for (int ee = 0; ee < 2; ++ee) {
+                            ql[r][h][0][ee] = qmm_ld32_a2(b + 64 * hh + 16 * ee + 4 * t4, al[r][h]);
+                            ql[r][h][1][ee] = qmm_ld32_a2(b + 64 * hh + 32 + 16 * ee + 4 * t4, al[r][h]);
+                            qh[r][h][ee]    = qmm_ld32_a2(b + 128 + 32 * hh + 16 * ee + 4 * t4, al[r][h]);
+                            scw[r][h][ee]   = qmm_ld32_a2(b + 192 + 8 * hh + 4 * ee, al[r][h]);
+                        }
+                    }
+                }
+            }
             float dsc[RT][2];
             int a[RT][2];
 #pragma unroll
             for (int r = 0; r < RT; ++r) {
 #pragma unroll
                 for (int h = 0; h < 2; ++h) {
-                    const int sc = (int) (int8_t) ((scw[r][h][G / 4] >> (8 * (G % 4))) & 0xFF);
+                    const int sc = (int) (int8_t) ((scw[r][h][(G % 8) / 4] >> (8 * (G % 4))) & 0xFF);
                     dsc[r][h] = __fmul_rn(d[r][h], qmm_i2f(sc));
-                    const int lo = (ql[r][h][hh][j % 2][e] >> (4 * (j / 2))) & 0x0F0F0F0F;
-                    const int hi = ((qh[r][h][hh][e] >> (2 * j)) & 0x03030303) << 4;
+                    const int lo = (ql[r][h][j % 2][e] >> (4 * (j / 2))) & 0x0F0F0F0F;
+                    const int hi = ((qh[r][h][e] >> (2 * j)) & 0x03030303) << 4;
                     a[r][h] = __vsubss4(lo | hi, 0x20202020);
                 }
             }
