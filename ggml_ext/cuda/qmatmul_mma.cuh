@@ -77,9 +77,15 @@ static __device__ __forceinline__ int qmm_ld32_a2(const char * p, bool aligned) 
 // Where this thread finds its B operands (activation column 8t + g) and its accumulators' scales (columns
 // 8t + 2 t4 and 8t + 2 t4 + 1) for each column tile t.
 template <int NT> struct qmm_cols {
-    const int8_t * col[NT];   // yq + (8t + g) * K
+    const int8_t * col0;      // yq + g * K: column g of tile 0 (one pointer, not NT: registers are short at RT = 4)
+    int K;
     const float2 * ds;        // yds + 2 t4
     int npad;
+
+    // activation column 8t + g
+    __device__ __forceinline__ const int8_t * col(int t) const {
+        return col0 + (size_t) (8 * t) * K;
+    }
 
     // (d, s) of both accumulator columns of tile t at activation block kb
     __device__ __forceinline__ float4 scales(int kb, int t) const {
@@ -105,7 +111,7 @@ static __device__ __forceinline__ void qmm_block_k32(const int (&a)[RT][4], cons
                                                      float (&acc)[RT][NT][4]) {
 #pragma unroll
     for (int t = 0; t < NT; ++t) {
-        const int2 b = *(const int2 *) (x.col[t] + kb * QK8_1 + 8 * t4);
+        const int2 b = *(const int2 *) (x.col(t) + kb * QK8_1 + 8 * t4);
         const float4 ds = x.scales(kb, t);
 #pragma unroll
         for (int r = 0; r < RT; ++r) {
@@ -265,7 +271,7 @@ template <int NT, int RT> struct qmm_unit<GGML_TYPE_Q6_K, NT, RT> {
             const int kb = u * (QMM_UNIT / QK8_1) + G / 2;
 #pragma unroll
             for (int t = 0; t < NT; ++t) {
-                const int b = *(const int *) (x.col[t] + u * QMM_UNIT + 16 * G + 4 * t4);
+                const int b = *(const int *) (x.col(t) + u * QMM_UNIT + 16 * G + 4 * t4);
                 const float4 ds = x.scales(kb, t);
 #pragma unroll
                 for (int r = 0; r < RT; ++r) {
@@ -338,10 +344,8 @@ qmm_mma(const char * __restrict__ W, const int8_t * __restrict__ yq, const float
         }
     }
     qmm_cols<NT> x;
-#pragma unroll
-    for (int t = 0; t < NT; ++t) {
-        x.col[t] = yq + (size_t) (8 * t + g) * K;
-    }
+    x.col0 = yq + (size_t) g * K;
+    x.K    = K;
     x.ds   = yds + 2 * t4;
     x.npad = npad;
 
