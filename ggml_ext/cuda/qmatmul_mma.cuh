@@ -349,23 +349,29 @@ qmm_mma(const char * __restrict__ W, const int8_t * __restrict__ yq, const float
     x.ds   = yds + 2 * t4;
     x.npad = npad;
 
+    // ask L2 for unit v of this thread's rows: the 4 lanes of a quad touch 4 points of a row's unit less than 128
+    // bytes apart, so every cache line of it
+    auto prefetch_unit = [&](int v) {
+        const int64_t off  = (int64_t) v * unit_bytes;
+        const int64_t span = min((int64_t) unit_bytes, row_bytes - off);
+#pragma unroll
+        for (int r = 0; r < RT; ++r) {
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                qmm_prefetch_l2(rows[r][h] + off + t4 * (span - 1) / 3);
+            }
+        }
+    };
+    if (warp < n_units) {
+        prefetch_unit(warp);   // the weights do not depend on the previous kernel: start before waiting for it
+    }
+
     ggml_cuda_pdl_sync();
 
     float acc[RT][NT][4] = {};
     for (int u = warp; u < n_units; u += QMM_MMA_WARPS) {
-        // ask L2 for this warp's next unit while this one computes: the 4 lanes of a quad touch 4 points of a
-        // row's unit less than 128 bytes apart, so every cache line of it
-        const int next = u + QMM_MMA_WARPS;
-        if (next < n_units) {
-            const int64_t off  = (int64_t) next * unit_bytes;
-            const int64_t span = min((int64_t) unit_bytes, row_bytes - off);
-#pragma unroll
-            for (int r = 0; r < RT; ++r) {
-#pragma unroll
-                for (int h = 0; h < 2; ++h) {
-                    qmm_prefetch_l2(rows[r][h] + off + t4 * (span - 1) / 3);
-                }
-            }
+        if (u + QMM_MMA_WARPS < n_units) {
+            prefetch_unit(u + QMM_MMA_WARPS);   // the next unit comes from DRAM while this one computes
         }
         qmm_unit<type, NT, RT>::run(rows, u, nb, x, t4, acc);
     }
