@@ -225,6 +225,10 @@ phase lc_llama_f16_128k 500 llama_tg -d 131072 -ctk f16 -ctv f16
 phase lc_llama_q8_0_128k 500 llama_tg -d 131072 -ctk q8_0 -ctv q8_0
 phase bench_server 400 python3 "$src/bench/server_overhead.py" "$data/q27.gguf" --draft "$data/d27" --device cuda \
     --n-gen 256 --reps 3 --prompt-tokens 2000
+phase tests_qmatmul 150 pytest_cuda "$src/tests/test_qmatmul.py"
+# ggml_qmatmul at every forced row-tile count per (shape, N), for the kernel's choice (bench/qmatmul.py --sweep)
+phase bench_qmatmul_sweep_q4k 400 python3 "$src/bench/qmatmul.py" --device cuda --sweep --shapes ffn_up,gdn_qkv,attn_q,gdn_out
+phase bench_qmatmul_sweep_rest 400 python3 "$src/bench/qmatmul.py" --device cuda --sweep --shapes ffn_down,lm_head,ffn_up_q5k,ffn_up_q8_0
 # a real GGUF shipped to this machine (tools/ship_file.py): REAL_MODEL=/path/q15.gguf. Where its decode time goes
 if [ -n "${REAL_MODEL:-}" ]; then
     phase real_overhead 150 decode_overhead "$REAL_MODEL"
