@@ -4,7 +4,8 @@
     python tools/prepare_gpu_carry.py
 
   .device/ggml-src   pristine pinned ggml, CPU and CUDA backends only (the 76 MB archive cannot travel)
-  .device/llama      the llama.cpp parts llama-bench is built from (tools/build_llama_bench.sh)
+  .device/llama      the llama.cpp parts llama-bench and the `pydflash bench` peers (llama-simple,
+                     llama-speculative-simple) are built from (tools/build_llama_bench.sh)
   .device/pylibs     llama_cpp from this environment, the oracle of the target tests (pure Python + .so files)
   .whl               cp312 wheels the GPU image lacks: cffi, pycparser, gguf, diskcache, dflash, and the server's
                      starlette, uvicorn, sse-starlette, pydantic, httpx (with their dependencies)
@@ -23,7 +24,7 @@ sys.path.insert(0, str(ROOT / "vendor"))
 import fetch_ggml  # noqa: E402  (vendor/ is not a package)
 
 LLAMA_PARTS = ("src", "include", "common", "vendor", "cmake", "licenses", "LICENSE", "CMakeLists.txt",
-               "tools/llama-bench")
+               "tools/llama-bench", "examples/simple", "examples/speculative-simple")
 WHEELS = ("cffi==2.1.1", "pycparser", "gguf==0.19.0", "diskcache==5.6.3", "dflash==0.1.0",
           # the server (bench/server_overhead.py): ASGI stack, request validation, the benchmark's HTTP client
           "starlette==1.10.0", "uvicorn==0.54.0", "sse-starlette==3.7.0", "h11==0.16.0", "anyio==4.16.0",
