@@ -265,6 +265,25 @@ def write_report(out_dir: str, runs: list[PromptRun], summary: dict, settings: d
     return paths
 
 
+def merge_reports(dirs, out_dir: str) -> dict:
+    """Join the bench.json of separate runs (one dataset each, same settings otherwise) into one report under
+    out_dir; returns write_report's paths."""
+    from dataclasses import fields
+
+    names = {f.name for f in fields(PromptRun)}
+    runs, settings = [], None
+    for d in dirs:
+        with open(os.path.join(d, "bench.json"), encoding="utf-8") as f:
+            record = json.load(f)
+        settings = settings or record["settings"]
+        runs += [PromptRun(**{k: v for k, v in p.items() if k in names}) for p in record["prompts"]]
+    if settings is None:
+        raise ValueError("merge_reports: no report folder given")
+    order = list(dict.fromkeys(r.dataset for r in runs))
+    summary = {name: summarize([r for r in runs if r.dataset == name]) for name in order}
+    return write_report(out_dir, runs, summary, settings)
+
+
 def settings_of(engine, *, target: str, draft: str, device: str, n_gen: int, seed: int, prompt_format: str,
                 peers=None) -> dict:
     settings = {"target": os.path.basename(str(target)), "draft": os.path.basename(str(draft).rstrip("/")),
