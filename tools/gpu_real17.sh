@@ -17,6 +17,10 @@
 # Writes $OUT/bench.md, bench.json, bench.png (all datasets), train-summary.json, summary.md and logs17.tgz.
 set -uo pipefail
 src=$(pwd)
+[ $# -ge 2 ] || { echo "usage: tools/gpu_real17.sh TARGET.gguf LLAMA_DRAFT.gguf [SECONDS]" >&2; exit 2; }
+for f in "$1" "$2" "$src/.device/train17.jsonl"; do
+    [ -f "$f" ] || { echo "gpu_real17.sh: $f is missing (prepare_gpu_carry.py writes .device/)" >&2; exit 2; }
+done
 target=$(realpath "$1"); llama_draft=$(realpath "$2")
 deadline=$(( $(date +%s) + ${3:-560} ))
 state=${STATE:-/tmp/pydflash-gpu}; logs=$state/logs17; work=$state/real17
