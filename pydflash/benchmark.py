@@ -13,8 +13,8 @@ llama.cpp peers (`--llama-bin DIR`, pydflash/llama_peers.py): llama.cpp's greedy
 prompt tokens for n_gen tokens; their tok/s, acceptance rate and whether llama.cpp's AR text equals pydflash's
 AR text are added per prompt and per dataset.
 Outputs: a markdown table (stdout and bench.md), bench.json (settings, per-prompt and per-dataset numbers) and,
-when matplotlib is installed (`pip install pydflash[plot]`), bench.png: speed-up per dataset and the
-acceptance-length histogram.
+when matplotlib is installed (`pip install pydflash[plot]`), bench.png: decode tok/s per dataset (pydflash AR and
+speculative, and the llama.cpp peers when run) and the acceptance-length histogram.
 """
 from __future__ import annotations
 
@@ -55,6 +55,7 @@ class PromptRun:
     llama_spec_s: float | None = None
     llama_drafted: int | None = None
     llama_accepted: int | None = None
+    llama_spec_equal: bool | None = None     # llama.cpp's speculative text starts with pydflash's AR text
 
     @property
     def ar_tok_s(self) -> float:       # the first new token comes out of the prefill, not the decode
@@ -79,6 +80,7 @@ class PromptRun:
         if spec is not None:
             self.llama_spec_decoded, self.llama_spec_s = spec.decoded, spec.decode_s
             self.llama_drafted, self.llama_accepted = spec.drafted, spec.accepted
+            self.llama_spec_equal = spec.text.startswith(ar_text)    # its last step may pass n_gen
 
 
 def _rate(n, seconds) -> float:
@@ -97,6 +99,7 @@ def _peer_summary(runs: list[PromptRun]) -> dict:
         out["llama_spec_tok_s"] = _rate(sum(r.llama_spec_decoded for r in spec), sum(r.llama_spec_s for r in spec))
         drafted = sum(r.llama_drafted for r in spec)
         out["llama_accept_rate"] = sum(r.llama_accepted for r in spec) / drafted if drafted else 0.0
+        out["llama_spec_equal_outputs"] = sum(bool(r.llama_spec_equal) for r in spec)
     return out
 
 
@@ -141,6 +144,7 @@ def run_bench(engine, datasets=BENCHMARKS, *, n_prompts: int = 20, n_gen: int = 
 
     from .api import Engine
     from .engine import Decoder
+    from .llama_peers import generated_bytes
 
     if engine.mode == "ar":
         raise ValueError("pydflash bench compares AR with a speculative mode: load the engine with a draft")
@@ -172,7 +176,6 @@ def run_bench(engine, datasets=BENCHMARKS, *, n_prompts: int = 20, n_gen: int = 
                 spec_decode_s=s["decode_s"], spec_steps=s["steps"], spec_committed=sum(s["committed_per_step"]),
                 identical=out.tokens == ref.tokens, histogram=list(s["acceptance_histogram"])))
             if peers is not None:
-                from .llama_peers import generated_bytes
                 result = peers.run(engine.tokenizer, p.text, chat, ids, n_gen)
                 runs[-1].add_peers(result, generated_bytes(engine.tokenizer, ref.tokens))
     summary = {name: summarize([r for r in runs if r.dataset == name]) for name in datasets}
