@@ -75,7 +75,8 @@ if [ ! -e "$work/train.done" ] && ! trainer_alive; then
     setsid bash -c train >> "$logs/train-run.log" 2>&1 < /dev/null &
     sleep 2
 fi
-phase r17_train 60 wait_training || finish 1
+# a failed training is not stamped done: the next call restarts it (train-draft resumes where it stopped)
+phase r17_train 60 wait_training || { rm -f "$state/r17_train.done"; finish 1; }
 phase r17_bench_humaneval 300 bench humaneval
 phase r17_bench_gsm8k 300 bench gsm8k
 phase r17_bench_math500 300 bench math500
