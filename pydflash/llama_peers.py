@@ -139,17 +139,19 @@ def run_ar(program: str, model: str, text: str, echo: bytes, n_gen: int, *, time
 
 def run_speculative(program: str, model: str, draft: str, text: str, echo: bytes, n_gen: int, draft_max: int, *,
                     n_ctx: int, timeout: float = 600) -> PeerResult:
-    """llama-speculative-simple, greedy (temperature 0, top-k 1), drafts of up to draft_max tokens."""
+    """llama-speculative-simple, greedy (temperature 0, top-k 1), drafts of up to draft_max tokens. The draft
+    type is named: this llama.cpp infers it only for DFlash/MTP draft files and otherwise runs no speculation."""
     cmd = [program, "-m", model, "-md", draft, "-n", str(n_gen), "-p", text, "--no-escape", "-c", str(n_ctx),
            "-b", str(max(2048, n_ctx)), "-ngl", "99", "-ngld", "99", "--temp", "0", "--top-k", "1", "--seed", "0",
-           "--spec-draft-n-max", str(draft_max), "--spec-draft-n-min", "0"]
+           "--spec-type", "draft-simple", "--spec-draft-n-max", str(draft_max), "--spec-draft-n-min", "0"]
     out = _run(cmd, timeout)
     err = out.stderr.decode("utf-8", "replace")
     m = _number(r"decoded\s+(\d+) tokens in\s+([\d.]+) seconds", err, SPEC_PROGRAM)
     drafted = int(_number(r"n_drafted\s*=\s*(\d+)", err, SPEC_PROGRAM).group(1))
     accepted = int(_number(r"n_accept\s*=\s*(\d+)", err, SPEC_PROGRAM).group(1))
     gen = _after_echo(out.stdout, echo, SPEC_PROGRAM)
-    return PeerResult(gen.rstrip(b"\n"), int(m.group(1)), float(m.group(2)), drafted, accepted)
+    gen = gen[:-4] if gen.endswith(b"\n" * 4) else gen        # the two blank-line pairs it prints after the text
+    return PeerResult(gen, int(m.group(1)), float(m.group(2)), drafted, accepted)
 
 
 @dataclass

