@@ -134,9 +134,9 @@ def test_bench_with_llama_cpp_peers_end_to_end(peer_bin, tmp_path):
     draft = tmp_path / "draft"
     testing.write_dflash_draft(str(draft), smol, n_layer=1, n_head=4, n_head_kv=2, head_dim=64, n_ff=256, seed=0)
     out = subprocess.run([sys.executable, "-m", "pydflash.cli", "bench", "--target", smol, "--draft", str(draft),
-                          "--device", "cpu", "--n-prompts", "2", "--n-gen", "24", "--budget", "8", "--max-ctx", "1024",
+                          "--device", "cpu", "--n-prompts", "2", "--n-gen", "12", "--budget", "8", "--max-ctx", "1024",
                           "--llama-bin", peer_bin, "--llama-draft", smol, "--llama-draft-max", "8",
-                          "--out", str(tmp_path / "report")], capture_output=True, text=True, timeout=1200)
+                          "--out", str(tmp_path / "report")], capture_output=True, text=True, timeout=2400)
     assert out.returncode == 0, out.stderr[-3000:]
     record = json.load(open(tmp_path / "report" / "bench.json"))
     assert record["settings"]["llama"]["draft"] == os.path.basename(smol)
@@ -145,7 +145,7 @@ def test_bench_with_llama_cpp_peers_end_to_end(peer_bin, tmp_path):
     for p in prompts:
         assert p["llama_ar_equal"], p["id"]
         assert p["llama_ar_tok_s"] > 0 and p["llama_spec_tok_s"] > 0
-        assert p["llama_ar_decoded"] == p["ar_tokens"] - 1 or p["ar_tokens"] < 24      # 23 one-token evals
+        assert p["llama_ar_decoded"] == p["ar_tokens"] - 1 or p["ar_tokens"] < 12      # 11 one-token evals
         assert p["llama_drafted"] > 0
     for name, s in record["datasets"].items():
         assert s["llama_ar_equal_outputs"] == 2
