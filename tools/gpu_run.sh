@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # A GPU session's work in phases that survive the 10-minute limit of one device call: build pydflash with CUDA
-# and llama-bench on the same ggml, run the CUDA tests, run the benchmarks of docs/benchmarks.md. A finished
-# phase leaves a stamp under $STATE, so running the same command again (on the same, still warm machine) goes on
-# where the last call stopped; a phase that would not fit in the time left waits for the next call.
+# and llama-bench (and the `pydflash bench` peers) on the same ggml, run the CUDA tests, run the benchmarks of
+# docs/benchmarks.md. A finished phase leaves a stamp under $STATE, so running the same command again (on the
+# same, still warm machine) goes on where the last call stopped; a phase that would not fit in the time left
+# waits for the next call (tools/gpu_phases.sh).
 #
 # Usage: first, here, `python tools/prepare_gpu_carry.py` (makes .device/ and .whl/); then, in the repo root on
 # the GPU machine, with .device and .whl carried:
@@ -29,34 +30,8 @@ export PYTHONPATH=$state/pyd:$state/site:$pylibs PYDFLASH_GGML_SOURCE=$ggml_src 
 export CMAKE_ARGS="-DCMAKE_CUDA_ARCHITECTURES=90" CMAKE_BUILD_PARALLEL_LEVEL=$(nproc)
 export LD_LIBRARY_PATH=$state/pyd/pydflash/lib   # llama-bench runs on the same ggml libraries as pydflash
 
-finish() {
-    tar czf "$out/logs.tgz" -C "$state" logs
-    cp "$logs/summary.md" "$out/summary.md" 2>/dev/null
-    exit "$1"
-}
-left() { echo $(( deadline - $(date +%s) )); }
-
-# phase NAME SECONDS_NEEDED CMD...: run CMD (from /tmp, so the source tree never shadows the installed package)
-# unless it is stamped done; stamp it unless it timed out. Not enough time left: end this call.
-phase() {
-    local name=$1 need=$2; shift 2
-    [ -e "$state/$name.done" ] && return 0
-    case " ${SKIP:-} " in *" $name "*) return 0 ;; esac
-    case "$name" in wheels|build|models|llama_bench) ;; *) [[ "$name" == "${ONLY:-}"* ]] || return 0 ;; esac
-    if [ "$(left)" -lt "$need" ]; then
-        echo "[$name] needs ~${need} s, $(left) s left: run again" | tee -a "$logs/summary.md"
-        finish 0
-    fi
-    local t0 rc
-    t0=$(date +%s)
-    (cd /tmp && timeout "$(left)" bash -c '"$@"' _ "$@") > "$logs/$name.log" 2>&1
-    rc=$?
-    echo "[$name] rc=$rc in $(( $(date +%s) - t0 )) s" | tee -a "$logs/summary.md"
-    tail -n 25 "$logs/$name.log" | tee -a "$logs/summary.md"
-    if [ $rc -eq 124 ]; then echo "[$name] timed out: run again" | tee -a "$logs/summary.md"; finish 0; fi
-    touch "$state/$name.done"
-    return $rc
-}
+ALWAYS="wheels build models llama_bench"
+. "$src/tools/gpu_phases.sh"     # phase, left, finish
 
 build_pydflash() {   # from the source root: pip's build folder is relative to it
     cd "$src" && python3 -m pip install --no-build-isolation --no-deps --upgrade --target "$state/pyd" .
