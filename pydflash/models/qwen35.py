@@ -210,7 +210,10 @@ class Qwen35Target(TargetRuntime):
         if parent is None:
             tail = ctx.view_3d(conv_in, hp.ssm_d_conv - 1, hp.conv_dim, 1, conv_in.nb[1], conv_in.nb[2], n * 4)
             side_effects.append(ctx.cpy(tail, state_3d).named(f"l{il}.gdn.conv_state_out"))
-            conv = ctx.ssm_conv(conv_in, w[p + "ssm_conv1d.weight"])
+            if g.decode_parent is not None:   # bit-exact decode: the verify's conv op, over a one-node tree
+                conv = ggml.ssm_conv_tree(ctx, conv_in, w[p + "ssm_conv1d.weight"], g.decode_parent)
+            else:
+                conv = ctx.ssm_conv(conv_in, w[p + "ssm_conv1d.weight"])
         else:
             inputs = self.slot_inputs[il]
             side_effects.append(ctx.cpy(qkv, ctx.view_2d(inputs, hp.conv_dim, n, inputs.nb[1], 0))
@@ -227,7 +230,10 @@ class Qwen35Target(TargetRuntime):
         ssm = cache.ssm[il]
         state = ctx.reshape_4d(ssm, d_v, d_v, h_v, 1)
         if parent is None:
-            res = ctx.gated_delta_net(q, k, v, gk, beta, state, 1)   # [d_v h_v, n + d_v]: o for n tokens, then S
+            if g.decode_parent is not None:   # bit-exact decode: the verify's delta-rule kernel, one-node tree
+                res = ggml.gated_delta_net_tree(ctx, q, k, v, gk, beta, state, g.decode_parent)
+            else:
+                res = ctx.gated_delta_net(q, k, v, gk, beta, state, 1)   # [d_v h_v, n + d_v]: o for n tokens, then S
             o = ctx.view_4d(res, d_v, h_v, n, 1, d_v * 4, d_v * h_v * 4, d_v * h_v * n * 4, 0)
             new_state = ctx.view_1d(res, d_v * d_v * h_v, d_v * h_v * n * 4)
             side_effects.append(ctx.cpy(new_state, ssm).named(f"l{il}.gdn.state_out"))
