@@ -133,7 +133,7 @@ def attention(ctx: ggml.Context, cache, il: int, q: ggml.Tensor, k: ggml.Tensor,
         out = ctx.flash_attn_ext(ctx.permute(q, 0, 2, 1, 3), ctx.permute(kt, 0, 2, 1, 3),
                                  ctx.permute(vt, 0, 2, 1, 3), inputs.kq_mask, scale, 0.0, 0.0)
         out.accumulate_f32()
-    out = ctx.reshape_2d(out, hd * n_head, n)                    # [hd n_head, n]
+    out = ctx.reshape_2d(out.named(f"l{il}.attn"), hd * n_head, n)    # [hd n_head, n]
     if cache.v_rot is not None:
         out = hadamard_rotate(ctx, out, cache.v_rot)
     elif cache.tq3_rotation is not None:   # attention over rotated V gives the rotated output
