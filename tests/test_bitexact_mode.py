@@ -79,6 +79,7 @@ def first_decodes(target, prompt, n=4):
     return np.stack(rows)
 
 
+@pytest.mark.slow
 def test_same_model_as_the_default_mode(model, prompt, monkeypatch):
     default = first_decodes(Qwen35Target(model, "cpu", n_ctx=512, n_ubatch=64), prompt)
     monkeypatch.setenv("PYDFLASH_BITEXACT", "1")
@@ -87,8 +88,11 @@ def test_same_model_as_the_default_mode(model, prompt, monkeypatch):
     assert np.abs(exact - default).max() < MODE_ATOL
 
 
-def test_tree_verify_equals_path_decodes_bit_for_bit(model, prompt, bitexact):
+@pytest.mark.parametrize("n_prompt", [24, pytest.param(253, marks=pytest.mark.slow)])
+def test_tree_verify_equals_path_decodes_bit_for_bit(model, bitexact, n_prompt):
+    """253: the verify attends 512 cells (its slots reach past the 256-cell bucket), a short path's decode 256."""
     target = Qwen35Target(model, "cpu", n_ctx=512, n_ubatch=64)
+    prompt = [int(t) for t in np.random.default_rng(n_prompt).integers(3, 400, size=n_prompt)]
     tokens = np.array([17, 50, 3, 99, 7, 9, 11], np.int32)
     got = verified_logits(target, prompt, tokens, TREE_PARENTS)
     want = decoded_logits(target, prompt, tokens, TREE_PARENTS)
@@ -127,6 +131,7 @@ def test_switch_values(monkeypatch):
         layers.bitexact_enabled()
 
 
+@pytest.mark.slow
 def test_probe_names_the_first_differing_node(model, prompt, bitexact, monkeypatch):
     """pydflash.probe: with nothing changed every slot agrees on every kept node; with layer 2's FFN output nudged
     in decode graphs only, it names that node for every slot (everything before it agrees)."""

@@ -67,9 +67,10 @@ def linear(ctx: ggml.Context, w: ggml.Tensor, x: ggml.Tensor) -> ggml.Tensor:
     how). The weight must be allocated when the graph is built (model weights always are)."""
     if qmatmul_enabled() and _takes_qmatmul(w, x):
         return ggml.qmatmul(ctx, w, x)
-    if bitexact_enabled() and x.ne[1] > 1 and x.ne[2:] == (1, 1) and is_contiguous(x):
+    if bitexact_enabled() and x.ne[2:] == (1, 1) and is_contiguous(x):
         # tokens as a batch of single columns: ggml then takes its matrix-vector kernel for every token count
-        # (its kernel choice, and so the rounding, depends on the column count)
+        # (its kernel choice, and so the rounding, depends on the column count). One token goes the same way, so
+        # that no graph fuses the product with its neighbours (CUDA fuses a 1-column FFN with its GLU).
         out = ctx.mul_mat(w, ctx.reshape_3d(x, x.ne[0], 1, x.ne[1]))
         return ctx.reshape_2d(out, out.ne[0], x.ne[1])
     return ctx.mul_mat(w, x)
