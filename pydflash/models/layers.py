@@ -43,6 +43,11 @@ def bitexact_enabled() -> bool:
     return _env_switch("PYDFLASH_BITEXACT")
 
 
+def kernel_mode() -> str:
+    """Which of the modes above graphs built now take: 'bit-exact', 'qmatmul' or 'ggml' (for benchmark reports)."""
+    return "bit-exact" if bitexact_enabled() else "qmatmul" if qmatmul_enabled() else "ggml"
+
+
 def _on_device(w: ggml.Tensor) -> bool:
     """True when the weight lives in a buffer that is not host memory (a GPU backend's)."""
     ptr = w._ptr

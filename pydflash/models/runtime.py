@@ -506,7 +506,8 @@ class TargetRuntime:
 
     def _build(self, n: int, n_kv: int, tree: bool = False) -> GraphInputs:
         hp, cache = self.hp, self.cache
-        g = GraphInputs(n, n_kv, self.GRAPH_TENSORS_PER_LAYER * hp.n_layer + 256, tree)
+        per_layer = self.GRAPH_TENSORS_PER_LAYER + (32 if layers.bitexact_enabled() else 0)   # + reshapes
+        g = GraphInputs(n, n_kv, per_layer * hp.n_layer + 256, tree)
         ctx = g.ctx
         g.tokens = ctx.new_tensor(ggml.Type.I32, (n,), name="inp.tokens").mark_input()
         if cache.k:   # positions, rows and mask only matter to attention layers
