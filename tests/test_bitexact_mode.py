@@ -88,7 +88,8 @@ def test_same_model_as_the_default_mode(model, prompt, monkeypatch):
     assert np.abs(exact - default).max() < MODE_ATOL
 
 
-@pytest.mark.parametrize("n_prompt", [24, pytest.param(253, marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize("n_prompt", [24, 253])
 def test_tree_verify_equals_path_decodes_bit_for_bit(model, bitexact, n_prompt):
     """253: the verify attends 512 cells (its slots reach past the 256-cell bucket), a short path's decode 256."""
     target = Qwen35Target(model, "cpu", n_ctx=512, n_ubatch=64)
@@ -120,6 +121,8 @@ def test_refuses_what_it_cannot_make_exact(model, prompt, bitexact):
     target = Qwen35Target(model, "cpu", n_ctx=512, n_ubatch=64)
     with pytest.raises(ValueError, match="f32 state store, got state_type 'f16'"):
         target.enable_verify(8, state_type="f16")
+    with pytest.raises(ValueError, match="verifies at most 48 slots, got 49"):
+        target.enable_verify(49)
 
 
 def test_switch_values(monkeypatch):

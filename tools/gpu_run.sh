@@ -221,16 +221,20 @@ phase lc_llama_f16_128k 500 llama_tg -d 131072 -ctk f16 -ctv f16
 phase lc_llama_q8_0_128k 500 llama_tg -d 131072 -ctk q8_0 -ctv q8_0
 phase bench_server 400 python3 "$src/bench/server_overhead.py" "$data/q27.gguf" --draft "$data/d27" --device cuda \
     --n-gen 256 --reps 3 --prompt-tokens 2000
-# bit-exact mode (PYDFLASH_BITEXACT=1): its CUDA tests (a failure names the first differing graph node), then its cost
-phase tests_bitexact 500 pytest_cuda "$src/tests/test_verify_bitexact.py" "$src/tests/test_flash_attn_ordered.py"
-phase bench_ar_bitexact 150 env PYDFLASH_BITEXACT=1 python3 "$src/bench/ar_decode.py" "$data/q27.gguf" --device cuda \
-    --n-gen 128 --reps 5
-phase bench_ddtree_bitexact 240 env PYDFLASH_BITEXACT=1 python3 "$src/bench/ddtree_step.py" "$data/q27.gguf" \
-    --draft "$data/d27" --device cuda --budget 22 --n-gen 64 --reps 5
-phase bench_ar_d8k 200 python3 "$src/bench/ar_decode.py" "$data/q27.gguf" --device cuda --n-gen 64 --reps 3 \
+# bit-exact mode (PYDFLASH_BITEXACT=1; ONLY=bx_ runs just these): its CUDA tests (a failure names the first differing
+# graph node), then its cost beside the default kernels, on the same machine in the same call
+phase bx_tests 500 pytest_cuda "$src/tests/test_verify_bitexact.py" "$src/tests/test_flash_attn_ordered.py"
+phase bx_attn 120 python3 "$src/bench/attn_ordered.py" --device cuda
+phase bx_ar_default 150 python3 "$src/bench/ar_decode.py" "$data/q27.gguf" --device cuda --n-gen 128 --reps 5
+phase bx_ar 150 env PYDFLASH_BITEXACT=1 python3 "$src/bench/ar_decode.py" "$data/q27.gguf" --device cuda --n-gen 128 \
+    --reps 5
+phase bx_ddtree_default 240 python3 "$src/bench/ddtree_step.py" "$data/q27.gguf" --draft "$data/d27" --device cuda \
+    --budget 22 --n-gen 64 --reps 5
+phase bx_ddtree 240 env PYDFLASH_BITEXACT=1 python3 "$src/bench/ddtree_step.py" "$data/q27.gguf" --draft "$data/d27" \
+    --device cuda --budget 22 --n-gen 64 --reps 5
+phase bx_ar_d8k_default 200 python3 "$src/bench/ar_decode.py" "$data/q27.gguf" --device cuda --n-gen 64 --reps 3 \
     --n-depth 8192 --n-ctx 8448
-phase bench_ar_bitexact_d8k 200 env PYDFLASH_BITEXACT=1 python3 "$src/bench/ar_decode.py" "$data/q27.gguf" \
-    --device cuda --n-gen 64 --reps 3 --n-depth 8192 --n-ctx 8448
-phase bench_attn_ordered 120 python3 "$src/bench/attn_ordered.py" --device cuda
+phase bx_ar_d8k 200 env PYDFLASH_BITEXACT=1 python3 "$src/bench/ar_decode.py" "$data/q27.gguf" --device cuda \
+    --n-gen 64 --reps 3 --n-depth 8192 --n-ctx 8448
 echo "all phases done" | tee -a "$logs/summary.md"
 finish 0

@@ -36,10 +36,10 @@ def qmatmul_enabled() -> bool:
 def bitexact_enabled() -> bool:
     """PYDFLASH_BITEXACT=1: every op of a target graph whose result for one token could depend on how many tokens
     the graph holds takes a form that does not, so a verify slot's logits are the very bits a decode of its path
-    gives (docs/benchmarks.md, "Bit-exact mode"): quantised weight matmuls through ggml_qmatmul, float ones as
-    one matrix-vector product per token, attention through ggml_flash_attn_ordered (f16 KV cache only), and a
-    decode runs the recurrent layers through the tree ops as a one-node tree, as a verify does. Slower; off by
-    default. Read when a graph is built."""
+    gives (docs/benchmarks.md, "Bit-exact mode"): weight matmuls of up to 48 tokens through ggml_qmatmul
+    (quantised) or as one matrix-vector product per token (others), decode and verify attention through
+    ggml_flash_attn_ordered (f16 KV cache only), and a decode runs the recurrent layers through the tree ops as
+    a one-node tree, as a verify does. Slower; off by default. Read when a graph is built."""
     return _env_switch("PYDFLASH_BITEXACT")
 
 
@@ -72,10 +72,11 @@ def linear(ctx: ggml.Context, w: ggml.Tensor, x: ggml.Tensor) -> ggml.Tensor:
     how). The weight must be allocated when the graph is built (model weights always are)."""
     if qmatmul_enabled() and _takes_qmatmul(w, x):
         return ggml.qmatmul(ctx, w, x)
-    if bitexact_enabled() and x.ne[2:] == (1, 1) and is_contiguous(x):
+    if bitexact_enabled() and x.ne[1] <= ggml.QMATMUL_MAX_COLS and x.ne[2:] == (1, 1) and is_contiguous(x):
         # tokens as a batch of single columns: ggml then takes its matrix-vector kernel for every token count
         # (its kernel choice, and so the rounding, depends on the column count). One token goes the same way, so
-        # that no graph fuses the product with its neighbours (CUDA fuses a 1-column FFN with its GLU).
+        # that no graph fuses the product with its neighbours (CUDA fuses a 1-column FFN with its GLU). Prefill
+        # micro-batches over 48 tokens keep mul_mat: verify sizes are at most 48.
         out = ctx.mul_mat(w, ctx.reshape_3d(x, x.ne[0], 1, x.ne[1]))
         return ctx.reshape_2d(out, out.ne[0], x.ne[1])
     return ctx.mul_mat(w, x)
@@ -129,10 +130,10 @@ def attention(ctx: ggml.Context, cache, il: int, q: ggml.Tensor, k: ggml.Tensor,
     kt = ctx.view_3d(k_written, hd, n_head_kv, n_kv, ggml.row_size(cache.kv_type, hd), k_cache.nb[1], 0)
     vt = ctx.view_3d(v_written, hd, n_head_kv, n_kv, ggml.row_size(cache.kv_type, hd), v_cache.nb[1], 0)
     scale = 1.0 / math.sqrt(hd) if scale is None else scale
-    if bitexact_enabled():
-        if cache.kv_type != ggml.Type.F16:
-            raise ValueError(f"PYDFLASH_BITEXACT=1 needs an f16 KV cache (ggml_flash_attn_ordered reads f16), "
-                             f"got kv_type {cache.kv_type.name.lower()}")
+    if bitexact_enabled() and cache.kv_type != ggml.Type.F16:
+        raise ValueError(f"PYDFLASH_BITEXACT=1 needs an f16 KV cache (ggml_flash_attn_ordered reads f16), "
+                         f"got kv_type {cache.kv_type.name.lower()}")
+    if bitexact_enabled() and (inputs.tree or n == 1):   # a prefill is the same forward in both: ggml's kernel
         out = ggml.flash_attn_ordered(ctx, ctx.permute(q, 0, 2, 1, 3), ctx.permute(kt, 0, 2, 1, 3),
                                       ctx.permute(vt, 0, 2, 1, 3), inputs.kq_mask, scale)
     else:

@@ -362,6 +362,8 @@ class TargetRuntime:
         if state_type not in ("f32", "f16") or (state_type == "f16" and not tree):
             raise ValueError(f"state_type {state_type!r}: 'f32', or 'f16' with tree=True")
         store_type = ggml.Type.F16 if state_type == "f16" else ggml.Type.F32
+        if layers.bitexact_enabled() and n_slots > ggml.QMATMUL_MAX_COLS:
+            raise ValueError(f"PYDFLASH_BITEXACT=1 verifies at most {ggml.QMATMUL_MAX_COLS} slots, got {n_slots}")
         bitexact = layers.bitexact_enabled() and n_rec > 0
         if bitexact and (persist is None or state_type != "f32"):
             # a decode keeps its state in f32 and runs the tree kernel: a verify must do the same, chains included
