@@ -126,7 +126,9 @@ def main(argv=None) -> int:
     ref = bench_llama(args) if args.llama_bench else bench_llama_cpp_python(args) if args.llama_cpp_python else None
     name = os.path.basename(args.model)
     print("\n| engine | model | device | test | tok/s | ratio |\n|---|---|---|---|---|---|")
+    from pydflash.models.layers import kernel_mode   # PYDFLASH_BITEXACT / PYDFLASH_QMATMUL
     test = f"tg{args.n_gen}" + (f" @ d{args.n_depth}" if args.n_depth else "") + f" kv {args.kv}"
+    test += "" if kernel_mode() == "ggml" else f" {kernel_mode()}"
     ratio = f"{ours['tok_s'] / ref['tok_s']:.3f}" if ref else "-"
     print(f"| pydflash | {name} | {ours['device']} | {test} | {ours['tok_s']:.2f} ± {ours['tok_s_std']:.2f} "
           f"| {ratio} |")

@@ -177,8 +177,10 @@ def main(argv=None) -> int:
     tokens, stats = bench_steps(target, draft, prompt, args.n_gen, args.budget, args.seed_chain, state_type)
 
     name = os.path.basename(args.target)
+    from pydflash.models.layers import kernel_mode   # PYDFLASH_BITEXACT / PYDFLASH_QMATMUL
     print(f"\n### DDTree step on {name}, {target.backend.name}, kv {args.kv}, budget {args.budget}"
-          f"{' (top-1 chain seeded)' if args.seed_chain else ''}, {state_type} node states\n")
+          f"{' (top-1 chain seeded)' if args.seed_chain else ''}, {state_type} node states, "
+          f"{kernel_mode()} kernels\n")
     print(f"target load {load_s:.1f} s; prompt {args.n_prompt} tokens; {args.n_gen} new tokens; draft: {draft_kind}\n")
     print(f"AR decode: {ar_ms:.2f} ms/token = {1e3 / ar_ms:.1f} tok/s\n")
     gaps, logit_std = gap

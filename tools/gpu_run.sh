@@ -209,5 +209,20 @@ if [ -n "${REAL_MODEL:-}" ]; then
     phase real_overhead 150 decode_overhead "$REAL_MODEL"
     phase real_profile 200 profile_decode "$REAL_MODEL"
 fi
+# bit-exact mode (PYDFLASH_BITEXACT=1; ONLY=bx_ runs just these): its CUDA tests (a failure names the first differing
+# graph node), then its cost beside the default kernels, on the same machine in the same call
+phase bx_tests 500 pytest_cuda "$src/tests/test_verify_bitexact.py" "$src/tests/test_flash_attn_ordered.py"
+phase bx_attn 120 python3 "$src/bench/attn_ordered.py" --device cuda
+phase bx_ar_default 150 python3 "$src/bench/ar_decode.py" "$data/q27.gguf" --device cuda --n-gen 128 --reps 5
+phase bx_ar 150 env PYDFLASH_BITEXACT=1 python3 "$src/bench/ar_decode.py" "$data/q27.gguf" --device cuda --n-gen 128 \
+    --reps 5
+phase bx_ddtree_default 240 python3 "$src/bench/ddtree_step.py" "$data/q27.gguf" --draft "$data/d27" --device cuda \
+    --budget 22 --n-gen 64 --reps 5
+phase bx_ddtree 240 env PYDFLASH_BITEXACT=1 python3 "$src/bench/ddtree_step.py" "$data/q27.gguf" --draft "$data/d27" \
+    --device cuda --budget 22 --n-gen 64 --reps 5
+phase bx_ar_d8k_default 200 python3 "$src/bench/ar_decode.py" "$data/q27.gguf" --device cuda --n-gen 64 --reps 3 \
+    --n-depth 8192 --n-ctx 8448
+phase bx_ar_d8k 200 env PYDFLASH_BITEXACT=1 python3 "$src/bench/ar_decode.py" "$data/q27.gguf" --device cuda \
+    --n-gen 64 --reps 3 --n-depth 8192 --n-ctx 8448
 echo "all phases done" | tee -a "$logs/summary.md"
 finish 0

@@ -11,6 +11,7 @@ void ggml_ext_cpu_compute_forward(const struct ggml_compute_params * params, str
         case GGML_OP_GATED_DELTA_NET_TREE_PERSIST: ggml_ext_cpu_gated_delta_net_tree_persist(params, dst); break;
         case GGML_OP_QMATMUL: ggml_ext_cpu_qmatmul(params, dst); break;
         case GGML_OP_SAMPLE_TOKENS: ggml_ext_cpu_sample_tokens(params, dst); break;
+        case GGML_OP_FLASH_ATTN_ORDERED: ggml_ext_cpu_flash_attn_ordered(params, dst); break;
         default: GGML_ABORT("ggml_ext: no CPU kernel for %s", ggml_op_name(dst->op));
     }
 }
@@ -29,6 +30,8 @@ size_t ggml_ext_cpu_work_size(const struct ggml_tensor * node, int n_tasks) {
             return ggml_ext_cpu_qmatmul_work_size(node, n_tasks);
         case GGML_OP_SAMPLE_TOKENS:
             return ggml_ext_cpu_sample_tokens_work_size(node, n_tasks);
+        case GGML_OP_FLASH_ATTN_ORDERED:
+            return ggml_ext_cpu_flash_attn_ordered_work_size(node, n_tasks);
         default:
             return 0;
     }

@@ -10,6 +10,7 @@ void ggml_ext_cuda_compute_forward(ggml_backend_cuda_context & ctx, ggml_tensor 
         case GGML_OP_GATED_DELTA_NET_TREE_PERSIST: ggml_ext_cuda_gated_delta_net_tree_persist(ctx, dst); break;
         case GGML_OP_QMATMUL: ggml_ext_cuda_qmatmul(ctx, dst); break;
         case GGML_OP_SAMPLE_TOKENS: ggml_ext_cuda_sample_tokens(ctx, dst); break;
+        case GGML_OP_FLASH_ATTN_ORDERED: ggml_ext_cuda_flash_attn_ordered(ctx, dst); break;
         default: GGML_ABORT("ggml_ext: no CUDA kernel for %s", ggml_op_name(dst->op));
     }
 }
@@ -26,6 +27,8 @@ bool ggml_ext_cuda_supports_op(int device, const ggml_tensor * op) {
             return ggml_ext_cuda_qmatmul_supported(op);
         case GGML_OP_SAMPLE_TOKENS:
             return op->src[0]->ne[0] <= INT32_MAX / 2;
+        case GGML_OP_FLASH_ATTN_ORDERED:
+            return ggml_ext_cuda_flash_attn_ordered_supported(op);
         default:
             return false;
     }

@@ -36,3 +36,7 @@ bool ggml_ext_cuda_gated_delta_net_tree_supported(const ggml_tensor * op);
 void ggml_ext_cuda_qmatmul(ggml_backend_cuda_context & ctx, ggml_tensor * dst);
 bool ggml_ext_cuda_qmatmul_supported(const ggml_tensor * op);
 void ggml_ext_cuda_sample_tokens(ggml_backend_cuda_context & ctx, ggml_tensor * dst);
+
+// ggml_flash_attn_ordered (flash_attn_ordered.cu)
+void ggml_ext_cuda_flash_attn_ordered(ggml_backend_cuda_context & ctx, ggml_tensor * dst);
+bool ggml_ext_cuda_flash_attn_ordered_supported(const ggml_tensor * op);

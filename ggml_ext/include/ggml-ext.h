@@ -10,7 +10,7 @@ extern "C" {
 #endif
 
 // Bumped whenever an op's signature or semantics change; the Python bindings check it at load.
-#define GGML_EXT_ABI_VERSION 6
+#define GGML_EXT_ABI_VERSION 7
 
 // The number of ops in ggml-ext-ops.def.
 enum {
@@ -198,6 +198,26 @@ GGML_API struct ggml_tensor * ggml_sample_probs(
         struct ggml_tensor  * logits,
         struct ggml_tensor  * hist,
         struct ggml_tensor  * params);
+
+
+// Attention whose every output is one fixed sequence of float operations, whatever the number of queries or of
+// masked cells: decode (1 query) and a tree verify (n queries, the path's cells spread among other branches')
+// give bit-identical rows for the same query over the same unmasked cells (docs/benchmarks.md, "bit-exact mode").
+//   q    f32 [D, n_q, H_q, 1]   rows contiguous (the layout ggml_flash_attn_ext takes)
+//   k, v f16 [D, n_kv, H_kv, 1] rows contiguous, H_q % H_kv == 0 (head h reads K/V head h / (H_q / H_kv))
+//   mask f16 [n_kv, >= n_q]     rows contiguous; added to the scores; -inf removes a cell
+// Per query i and head h: cells j with mask[i][j] = -inf are skipped (never read); the others, in ascending j,
+// are folded one at a time into a running max m, sum l and output row a (for s_j = scale * q.k_j + mask[i][j]:
+// if s_j > m, l and a are scaled by exp(m - s_j) and m = s_j; then p = exp(s_j - m), l += p, a += p v_j).
+// q.k_j is a sum over d in a fixed order. Returns f32 [D, H_q, n_q, 1] = a / l (0 for a query with no cell).
+// Sequential over the cells (no split of the KV range), so it is slower than ggml_flash_attn_ext at long context.
+GGML_API struct ggml_tensor * ggml_flash_attn_ordered(
+        struct ggml_context * ctx,
+        struct ggml_tensor  * q,
+        struct ggml_tensor  * k,
+        struct ggml_tensor  * v,
+        struct ggml_tensor  * mask,
+        float                 scale);
 
 #ifdef __cplusplus
 }

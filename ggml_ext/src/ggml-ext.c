@@ -197,3 +197,35 @@ struct ggml_tensor * ggml_sample_probs(
     struct ggml_tensor * result = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, logits->ne[0], logits->ne[1]);
     return ggml_ext_sample_op(result, 1, logits, hist, params, NULL);
 }
+
+struct ggml_tensor * ggml_flash_attn_ordered(
+        struct ggml_context * ctx,
+        struct ggml_tensor  * q,
+        struct ggml_tensor  * k,
+        struct ggml_tensor  * v,
+        struct ggml_tensor  * mask,
+        float                 scale) {
+    GGML_ASSERT(q->type == GGML_TYPE_F32 && q->nb[0] == sizeof(float));
+    GGML_ASSERT(k->type == GGML_TYPE_F16 && k->nb[0] == sizeof(ggml_fp16_t));
+    GGML_ASSERT(v->type == GGML_TYPE_F16 && v->nb[0] == sizeof(ggml_fp16_t));
+    GGML_ASSERT(mask->type == GGML_TYPE_F16 && mask->nb[0] == sizeof(ggml_fp16_t));
+
+    const int64_t D    = q->ne[0];
+    const int64_t n_q  = q->ne[1];
+    const int64_t H_q  = q->ne[2];
+    const int64_t n_kv = k->ne[1];
+
+    GGML_ASSERT(q->ne[3] == 1 && k->ne[3] == 1 && v->ne[3] == 1);
+    GGML_ASSERT(k->ne[0] == D && v->ne[0] == D && v->ne[1] == n_kv && v->ne[2] == k->ne[2]);
+    GGML_ASSERT(H_q % k->ne[2] == 0);
+    GGML_ASSERT(mask->ne[0] == n_kv && mask->ne[1] >= n_q && mask->ne[2] == 1 && mask->ne[3] == 1);
+
+    struct ggml_tensor * result = ggml_new_tensor_4d(ctx, GGML_TYPE_F32, D, H_q, n_q, 1);
+    result->op     = GGML_OP_FLASH_ATTN_ORDERED;
+    ggml_set_op_params_f32(result, 0, scale);
+    result->src[0] = q;
+    result->src[1] = k;
+    result->src[2] = v;
+    result->src[3] = mask;
+    return result;
+}

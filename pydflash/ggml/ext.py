@@ -195,3 +195,24 @@ def sample_probs(ctx: Context, logits: Tensor, hist: Tensor, params: Tensor) -> 
     """The distribution `sample_tokens` draws from, f32 [n_vocab, n_rows] (tests and diagnostics)."""
     _check_sample(logits, hist, params)
     return Tensor(lib.ggml_sample_probs(ctx._ptr, logits._ptr, hist._ptr, params._ptr), ctx)
+
+
+def flash_attn_ordered(ctx: Context, q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float) -> Tensor:
+    """Attention in one fixed order of float operations (ggml-ext.h): q f32 [D, n_q, H_q], k and v f16
+    [D, n_kv, H_kv] (H_kv dividing H_q), mask f16 [n_kv, >= n_q] (added to the scores; -inf removes a cell, which
+    is then never read) -> f32 [D, H_q, n_q], the layout of `ctx.flash_attn_ext`. Each query's row is the same
+    bits whatever the number of queries and wherever its unmasked cells sit (decode vs tree verify)."""
+    D, n_q, H_q = q.ne[0], q.ne[1], q.ne[2]
+    n_kv, H_kv = k.ne[1], k.ne[2]
+    _expect(q, "q", Type.F32, (D, n_q, H_q))
+    _expect(k, "k", Type.F16, (D, n_kv, H_kv))
+    _expect(v, "v", Type.F16, (D, n_kv, H_kv))
+    if H_kv < 1 or H_q % H_kv:
+        raise ValueError(f"the K/V heads ({H_kv}) must divide the query heads ({H_q})")
+    if mask.ne[1] < n_q:
+        raise ValueError(f"mask must have a row for each of the {n_q} queries, has {mask.ne[1]}")
+    _expect(mask, "mask", Type.F16, (n_kv, mask.ne[1]))
+    for t, what in ((q, "q"), (k, "k"), (v, "v"), (mask, "mask")):
+        if t.nb[0] != lib.ggml_type_size(t.type):
+            raise ValueError(f"{what} must have contiguous rows (nb[0] = element size), got nb {t.nb}")
+    return Tensor(lib.ggml_flash_attn_ordered(ctx._ptr, q._ptr, k._ptr, v._ptr, mask._ptr, float(scale)), ctx)

@@ -19,14 +19,33 @@ ROPE_TYPE_NEOX = 2        # qwen2/qwen3: rotate halves (x0, x_{d/2}), ...
 ROPE_TYPE_IMROPE = 40     # qwen35: interleaved multi-section rope over 4 position axes
 
 
+def _env_switch(name: str) -> bool:
+    value = os.environ.get(name, "0")
+    if value not in ("0", "1"):
+        raise ValueError(f"{name} must be 0 or 1, got {value!r}")
+    return value == "1"
+
+
 def qmatmul_enabled() -> bool:
     """PYDFLASH_QMATMUL=1 opts in to our quantised matmul (ggml_qmatmul) for GPU weights; unset or 0: ggml's
     mul_mat everywhere (the default: at verify sizes ggml's batched kernel is faster, docs/benchmarks.md).
-    Read when a graph is built, so a change applies to graphs built after it."""
-    value = os.environ.get("PYDFLASH_QMATMUL", "0")
-    if value not in ("0", "1"):
-        raise ValueError(f"PYDFLASH_QMATMUL must be 0 or 1, got {value!r}")
-    return value == "1"
+    PYDFLASH_BITEXACT=1 turns it on too. Read when a graph is built, so a change applies to graphs built after it."""
+    return _env_switch("PYDFLASH_QMATMUL") or bitexact_enabled()
+
+
+def bitexact_enabled() -> bool:
+    """PYDFLASH_BITEXACT=1: every op of a target graph whose result for one token could depend on how many tokens
+    the graph holds takes a form that does not, so a verify slot's logits are the very bits a decode of its path
+    gives (docs/benchmarks.md, "Bit-exact mode"): weight matmuls of up to 48 tokens through ggml_qmatmul
+    (quantised) or as one matrix-vector product per token (others), decode and verify attention through
+    ggml_flash_attn_ordered (f16 KV cache only), and a decode runs the recurrent layers through the tree ops as
+    a one-node tree, as a verify does. Slower; off by default. Read when a graph is built."""
+    return _env_switch("PYDFLASH_BITEXACT")
+
+
+def kernel_mode() -> str:
+    """Which of the modes above graphs built now take: 'bit-exact', 'qmatmul' or 'ggml' (for benchmark reports)."""
+    return "bit-exact" if bitexact_enabled() else "qmatmul" if qmatmul_enabled() else "ggml"
 
 
 def _on_device(w: ggml.Tensor) -> bool:
@@ -53,6 +72,13 @@ def linear(ctx: ggml.Context, w: ggml.Tensor, x: ggml.Tensor) -> ggml.Tensor:
     how). The weight must be allocated when the graph is built (model weights always are)."""
     if qmatmul_enabled() and _takes_qmatmul(w, x):
         return ggml.qmatmul(ctx, w, x)
+    if bitexact_enabled() and x.ne[1] <= ggml.QMATMUL_MAX_COLS and x.ne[2:] == (1, 1) and is_contiguous(x):
+        # tokens as a batch of single columns: ggml then takes its matrix-vector kernel for every token count
+        # (its kernel choice, and so the rounding, depends on the column count). One token goes the same way, so
+        # that no graph fuses the product with its neighbours (CUDA fuses a 1-column FFN with its GLU). Prefill
+        # micro-batches over 48 tokens keep mul_mat: verify sizes are at most 48.
+        out = ctx.mul_mat(w, ctx.reshape_3d(x, x.ne[0], 1, x.ne[1]))
+        return ctx.reshape_2d(out, out.ne[0], x.ne[1])
     return ctx.mul_mat(w, x)
 
 
@@ -104,10 +130,17 @@ def attention(ctx: ggml.Context, cache, il: int, q: ggml.Tensor, k: ggml.Tensor,
     kt = ctx.view_3d(k_written, hd, n_head_kv, n_kv, ggml.row_size(cache.kv_type, hd), k_cache.nb[1], 0)
     vt = ctx.view_3d(v_written, hd, n_head_kv, n_kv, ggml.row_size(cache.kv_type, hd), v_cache.nb[1], 0)
     scale = 1.0 / math.sqrt(hd) if scale is None else scale
-    out = ctx.flash_attn_ext(ctx.permute(q, 0, 2, 1, 3), ctx.permute(kt, 0, 2, 1, 3),
-                             ctx.permute(vt, 0, 2, 1, 3), inputs.kq_mask, scale, 0.0, 0.0)
-    out.accumulate_f32()
-    out = ctx.reshape_2d(out, hd * n_head, n)                    # [hd n_head, n]
+    if bitexact_enabled() and cache.kv_type != ggml.Type.F16:
+        raise ValueError(f"PYDFLASH_BITEXACT=1 needs an f16 KV cache (ggml_flash_attn_ordered reads f16), "
+                         f"got kv_type {cache.kv_type.name.lower()}")
+    if bitexact_enabled() and (inputs.tree or n == 1):   # a prefill is the same forward in both: ggml's kernel
+        out = ggml.flash_attn_ordered(ctx, ctx.permute(q, 0, 2, 1, 3), ctx.permute(kt, 0, 2, 1, 3),
+                                      ctx.permute(vt, 0, 2, 1, 3), inputs.kq_mask, scale)
+    else:
+        out = ctx.flash_attn_ext(ctx.permute(q, 0, 2, 1, 3), ctx.permute(kt, 0, 2, 1, 3),
+                                 ctx.permute(vt, 0, 2, 1, 3), inputs.kq_mask, scale, 0.0, 0.0)
+        out.accumulate_f32()
+    out = ctx.reshape_2d(out.named(f"l{il}.attn"), hd * n_head, n)    # [hd n_head, n]
     if cache.v_rot is not None:
         out = hadamard_rotate(ctx, out, cache.v_rot)
     elif cache.tq3_rotation is not None:   # attention over rotated V gives the rotated output

@@ -174,14 +174,14 @@ class Qwen35Target(TargetRuntime):
     def _attention(self, ctx, x, il: int, g: GraphInputs):
         hp, w = self.hp, self.weights
         p, hd, n = f"blk.{il}.", hp.head_dim, g.n_tokens
-        q_full = linear(ctx, w[p + "attn_q.weight"], x)              # [2 hd n_head, n], per head [Q | gate]
+        q_full = linear(ctx, w[p + "attn_q.weight"], x).named(f"l{il}.q_proj")   # [2 hd n_head, n], [Q | gate]
         q = ctx.view_3d(q_full, hd, hp.n_head, n, 2 * hd * 4, 2 * hd * hp.n_head * 4, 0)
         q = rms_norm(ctx, q, w[p + "attn_q_norm.weight"], hp.rms_eps, f"l{il}.q_norm")     # [hd, n_head, n]
         gate = ctx.view_3d(q_full, hd, hp.n_head, n, 2 * hd * 4, 2 * hd * hp.n_head * 4, hd * 4)
         gate = ctx.cont_2d(gate, hd * hp.n_head, n)
-        k = ctx.reshape_3d(linear(ctx, w[p + "attn_k.weight"], x), hd, hp.n_head_kv, n)
+        k = ctx.reshape_3d(linear(ctx, w[p + "attn_k.weight"], x).named(f"l{il}.k_proj"), hd, hp.n_head_kv, n)
         k = rms_norm(ctx, k, w[p + "attn_k_norm.weight"], hp.rms_eps, f"l{il}.k_norm")
-        v = ctx.reshape_3d(linear(ctx, w[p + "attn_v.weight"], x), hd, hp.n_head_kv, n)
+        v = ctx.reshape_3d(linear(ctx, w[p + "attn_v.weight"], x).named(f"l{il}.v_proj"), hd, hp.n_head_kv, n)
         rope = (hp.n_rot, list(hp.rope_sections), layers.ROPE_TYPE_IMROPE, hp.n_ctx_train, hp.rope_base, 1.0, 0.0,
                 1.0, 32.0, 1.0)
         q = ctx.rope_multi(q, g.pos, None, *rope).named(f"l{il}.q")
@@ -196,8 +196,8 @@ class Qwen35Target(TargetRuntime):
         hp, w, cache = self.hp, self.weights, self.cache
         p, n, parent, side_effects = f"blk.{il}.", g.n_tokens, g.parent, g.side_effects
         d_k, h_k, d_v, h_v = hp.ssm_d_k, hp.ssm_n_k_heads, hp.ssm_d_v, hp.ssm_n_v_heads
-        qkv = linear(ctx, w[p + "attn_qkv.weight"], x)               # [conv_dim, n]
-        z = linear(ctx, w[p + "attn_gate.weight"], x)                # [value_dim, n]
+        qkv = linear(ctx, w[p + "attn_qkv.weight"], x).named(f"l{il}.gdn.qkv")   # [conv_dim, n]
+        z = linear(ctx, w[p + "attn_gate.weight"], x).named(f"l{il}.gdn.z")      # [value_dim, n]
         beta = ctx.sigmoid(ctx.reshape_4d(linear(ctx, w[p + "ssm_beta.weight"], x), 1, h_v, n, 1))
         alpha = ctx.reshape_3d(linear(ctx, w[p + "ssm_alpha.weight"], x), h_v, n, 1)
         gk = ctx.mul(ctx.softplus(ctx.add(alpha, w[p + "ssm_dt.bias"])), w[p + "ssm_a"])  # log-decay, <= 0
@@ -210,7 +210,10 @@ class Qwen35Target(TargetRuntime):
         if parent is None:
             tail = ctx.view_3d(conv_in, hp.ssm_d_conv - 1, hp.conv_dim, 1, conv_in.nb[1], conv_in.nb[2], n * 4)
             side_effects.append(ctx.cpy(tail, state_3d).named(f"l{il}.gdn.conv_state_out"))
-            conv = ctx.ssm_conv(conv_in, w[p + "ssm_conv1d.weight"])
+            if g.decode_parent is not None:   # bit-exact decode: the verify's conv op, over a one-node tree
+                conv = ggml.ssm_conv_tree(ctx, conv_in, w[p + "ssm_conv1d.weight"], g.decode_parent)
+            else:
+                conv = ctx.ssm_conv(conv_in, w[p + "ssm_conv1d.weight"])
         else:
             inputs = self.slot_inputs[il]
             side_effects.append(ctx.cpy(qkv, ctx.view_2d(inputs, hp.conv_dim, n, inputs.nb[1], 0))
@@ -227,7 +230,10 @@ class Qwen35Target(TargetRuntime):
         ssm = cache.ssm[il]
         state = ctx.reshape_4d(ssm, d_v, d_v, h_v, 1)
         if parent is None:
-            res = ctx.gated_delta_net(q, k, v, gk, beta, state, 1)   # [d_v h_v, n + d_v]: o for n tokens, then S
+            if g.decode_parent is not None:   # bit-exact decode: the verify's delta-rule kernel, one-node tree
+                res = ggml.gated_delta_net_tree(ctx, q, k, v, gk, beta, state, g.decode_parent)
+            else:
+                res = ctx.gated_delta_net(q, k, v, gk, beta, state, 1)   # [d_v h_v, n + d_v]: o for n tokens, then S
             o = ctx.view_4d(res, d_v, h_v, n, 1, d_v * 4, d_v * h_v * 4, d_v * h_v * n * 4, 0)
             new_state = ctx.view_1d(res, d_v * d_v * h_v, d_v * h_v * n * 4)
             side_effects.append(ctx.cpy(new_state, ssm).named(f"l{il}.gdn.state_out"))

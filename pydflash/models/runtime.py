@@ -89,15 +89,16 @@ class GraphInputs:
     What a layer builder reads: n_tokens, n_kv (attended KV cells), tokens (i32 [n]), pos (i32
     [n * POS_PER_TOKEN]: rope positions), kv_rows (i64 [n]: the KV cells this forward writes), kq_mask (f16
     [n_kv, n]: 0 where a token may attend a cell, -inf elsewhere), parent (tree verify of a model with recurrent
-    layers: i32 [n, 1], each slot's parent slot, -1 for the root), tree (a verify graph), side_effects (cache
-    writes a layer adds; they become graph outputs so they are computed). pos, kv_rows and kq_mask exist only
-    when the model has attention layers."""
+    layers: i32 [n, 1], each slot's parent slot, -1 for the root), decode_parent (a one-token decode of such a
+    model in bit-exact mode: i32 [1, 1] = -1, the one-node tree its recurrent layers run the verify's tree ops
+    over), tree (a verify graph), side_effects (cache writes a layer adds; they become graph outputs so they are
+    computed). pos, kv_rows and kq_mask exist only when the model has attention layers."""
 
     def __init__(self, n_tokens: int, n_kv: int, size: int, tree: bool):
         self.n_tokens, self.n_kv, self.tree = n_tokens, n_kv, tree
         self.ctx = ggml.Context(n_tensors=size, graph_size=size)
         self.graph = None
-        self.tokens = self.pos = self.kq_mask = self.kv_rows = self.parent = None
+        self.tokens = self.pos = self.kq_mask = self.kv_rows = self.parent = self.decode_parent = None
         self.side_effects: list[ggml.Tensor] = []
         self.mask_host = None         # the host copy of the mask, kept and updated where it changes
         self.mask_past = 0            # the n_past mask_host was last written for
@@ -361,11 +362,18 @@ class TargetRuntime:
         if state_type not in ("f32", "f16") or (state_type == "f16" and not tree):
             raise ValueError(f"state_type {state_type!r}: 'f32', or 'f16' with tree=True")
         store_type = ggml.Type.F16 if state_type == "f16" else ggml.Type.F32
+        if layers.bitexact_enabled() and n_slots > ggml.QMATMUL_MAX_COLS:
+            raise ValueError(f"PYDFLASH_BITEXACT=1 verifies at most {ggml.QMATMUL_MAX_COLS} slots, got {n_slots}")
+        bitexact = layers.bitexact_enabled() and n_rec > 0
+        if bitexact and (persist is None or state_type != "f32"):
+            # a decode keeps its state in f32 and runs the tree kernel: a verify must do the same, chains included
+            raise ValueError("PYDFLASH_BITEXACT=1 verifies through the tree ops with an f32 state store, got "
+                             f"state_type {state_type!r}" + ("" if persist else " and a build without the tree ops"))
         if n_rec:
             per_slot = tensor_bytes(store_type, (hp.ssm_d_v * hp.ssm_d_v, hp.ssm_n_v_heads)) + 4 * hp.conv_dim
             check_memory(self.backend, {"verify state store": n_rec * n_slots * per_slot},
                          f"{self.gguf.path} with {n_slots} verify slots")
-        self.tree_state_op = persist if tree else None
+        self.tree_state_op = persist if tree or bitexact else None
         self._trees = tree or not n_rec
         self.n_slots = n_slots
         self._verify_ctx = ggml.Context(n_tensors=2 * n_rec + 1)
@@ -484,6 +492,8 @@ class TargetRuntime:
         g = self._graph((n, n_kv), n, n_kv, tree=False)
         pos = np.arange(n_past, n_past + n, dtype=np.int32)
         g.tokens.set(tokens, self.backend)
+        if g.decode_parent is not None:
+            g.decode_parent.set(_ROOT_PARENT, self.backend)
         if g.pos is not None:
             g.pos.set(self.rope_positions(pos), self.backend)
             g.kv_rows.set(pos.astype(np.int64), self.backend)
@@ -498,7 +508,8 @@ class TargetRuntime:
 
     def _build(self, n: int, n_kv: int, tree: bool = False) -> GraphInputs:
         hp, cache = self.hp, self.cache
-        g = GraphInputs(n, n_kv, self.GRAPH_TENSORS_PER_LAYER * hp.n_layer + 256, tree)
+        per_layer = self.GRAPH_TENSORS_PER_LAYER + (32 if layers.bitexact_enabled() else 0)   # + reshapes
+        g = GraphInputs(n, n_kv, per_layer * hp.n_layer + 256, tree)
         ctx = g.ctx
         g.tokens = ctx.new_tensor(ggml.Type.I32, (n,), name="inp.tokens").mark_input()
         if cache.k:   # positions, rows and mask only matter to attention layers
@@ -507,6 +518,8 @@ class TargetRuntime:
             g.kq_mask = ctx.new_tensor(ggml.Type.F16, (n_kv, n), name="inp.kq_mask").mark_input()
         if tree and any(hp.recurrent):
             g.parent = ctx.new_tensor(ggml.Type.I32, (n, 1), name="inp.parent").mark_input()
+        elif n == 1 and any(hp.recurrent) and layers.bitexact_enabled():
+            g.decode_parent = ctx.new_tensor(ggml.Type.I32, (1, 1), name="inp.decode_parent").mark_input()
 
         h = self.embed(ctx, g)                                          # [n_embd, n]
         for il in range(hp.n_layer):
@@ -559,6 +572,9 @@ class TargetRuntime:
                     outs.append(ctx.set_rows(t, rows, cg.kv_dst).named(f"l{il}.commit.{name}"))
         cg.graph = ctx.graph(outs) if outs else None
         return cg
+
+
+_ROOT_PARENT = np.full((1, 1), -1, np.int32)   # a one-node tree: the node follows the committed state
 
 
 def prefill_ubatch(n_tokens: int, n_max: int) -> int:
