@@ -26,7 +26,7 @@ from dataclasses import dataclass, field, replace
 
 from . import ggml
 from .kv import KV_TYPES, kv_type_of
-from .models.dflash_draft import DEFAULT_WINDOW
+from .models.dflash_draft import DEFAULT_WINDOW, DRAFT_MATRIX_TYPES
 from .models.runtime import KV_BUCKET   # the target's KV cells are a multiple of this
 
 AUTO_KV_ORDER = ("f16", "q8_0", "q4_0", "tq3_0")   # kv_type="auto": the first one the context fits in
@@ -73,21 +73,30 @@ class DraftShape:
     window: int = DRAFT_WINDOW
 
     @classmethod
-    def from_hparams(cls, hp, stored_itemsize: int = 2, window: int = DRAFT_WINDOW) -> "DraftShape":
-        """Weights from the draft's tensor list: matrices `stored_itemsize` bytes per value, norms f32."""
-        nbytes = sum(_count(ne) * (4 if len(ne) == 1 else stored_itemsize) for ne in hp.tensor_shapes().values())
+    def from_hparams(cls, hp, stored_itemsize: int = 2, window: int = DRAFT_WINDOW,
+                     matrix_type: str | None = None) -> "DraftShape":
+        """Weights from the draft's tensor list: matrices `stored_itemsize` bytes per value, or quantized to
+        matrix_type at load ('q8_0': DFlashWeights), norms f32."""
+        def matrix_bytes(ne):
+            if matrix_type is None:
+                return _count(ne) * stored_itemsize
+            return ggml.row_size(DRAFT_MATRIX_TYPES[matrix_type], ne[0]) * (_count(ne) // ne[0])
+        nbytes = sum(_count(ne) * 4 if len(ne) == 1 else matrix_bytes(ne) for ne in hp.tensor_shapes().values())
         return cls(hp.n_layer, hp.n_embd, hp.n_ff, hp.head_dim * hp.n_head_kv, hp.block_size, hp.n_feat, nbytes,
                    window)
 
     @classmethod
-    def from_path(cls, path, window: int = DRAFT_WINDOW) -> "DraftShape":
-        """From a z-lab folder (config.json + the safetensors header) or a llama.cpp dflash GGUF header."""
+    def from_path(cls, path, window: int = DRAFT_WINDOW, matrix_type: str | None = None) -> "DraftShape":
+        """From a z-lab folder (config.json + the safetensors header) or a llama.cpp dflash GGUF header;
+        matrix_type: None (as stored) or the type load quantizes the matrices to."""
         from .models.dflash_draft import DFlashHParams, read_safetensors_header, _resolve_zlab
         path = os.fspath(path)
         if path.endswith(".gguf"):             # matrices as stored (any type), norms widened to f32
             from .gguf_io import GGUFFile
             gf = GGUFFile(path)
-            shape = cls.from_hparams(DFlashHParams.from_gguf(gf), 2, window)
+            shape = cls.from_hparams(DFlashHParams.from_gguf(gf), 2, window, matrix_type)
+            if matrix_type is not None:
+                return shape
             nbytes = sum(4 * _count(t.ne) if len(t.ne) == 1 else t.nbytes for t in gf.tensors.values())
             return replace(shape, weight_bytes=nbytes)
         import json
@@ -96,7 +105,7 @@ class DraftShape:
             hp = DFlashHParams.from_config(json.load(f), config_path)
         tensors, _ = read_safetensors_header(weights_path)
         itemsizes = {t.nbytes // max(1, _count(t.ne)) for t in tensors.values() if _count(t.ne) > 1}
-        return cls.from_hparams(hp, max(itemsizes) if itemsizes else 2, window)
+        return cls.from_hparams(hp, max(itemsizes) if itemsizes else 2, window, matrix_type)
 
 
 def _count(ne) -> int:
@@ -114,6 +123,7 @@ class MemoryPlan:
     n_ubatch: int = 512                           # the longest prefill micro-batch planned for
     prefix_snapshots: int = 0                     # recurrent-state snapshots planned for prefix reuse
     vram: int | None = None                       # the memory it was fitted to (None: not fitted)
+    draft_type: str | None = None                 # the draft's matrices quantized at load to this (None: as stored)
 
     @property
     def total(self) -> int:
@@ -121,7 +131,8 @@ class MemoryPlan:
 
     def table(self) -> str:
         width = max(len(k) for k in self.parts)
-        lines = [f"memory plan: n_ctx {self.n_ctx}, kv_type {self.kv_type}, prefill micro-batch up to {self.n_ubatch}"]
+        lines = [f"memory plan: n_ctx {self.n_ctx}, kv_type {self.kv_type}, prefill micro-batch up to {self.n_ubatch}"
+                 + (f", draft matrices {self.draft_type}" if self.draft_type else "")]
         lines += [f"  {name:<{width}}  {fmt_bytes(n):>11}" for name, n in self.parts.items()]
         lines.append(f"  {'total':<{width}}  {fmt_bytes(self.total):>11}")
         if self.vram is not None:
@@ -310,35 +321,43 @@ def target_shape(path):
 def plan_for_files(target, draft=None, *, vram=None, max_ctx="auto", kv_type="auto", budget: int = 22,
                    n_ubatch: int = 512, state_type: str = "f32", mode: str | None = None,
                    draft_window: int = DRAFT_WINDOW, prefix_snapshots: int = 0,
-                   prefix_bytes: int | None = None) -> MemoryPlan:
+                   prefix_bytes: int | None = None, draft_type: str | None = None) -> MemoryPlan:
     """The plan for a target GGUF (a file name or a parsed GGUFFile) and an optional draft (folder or GGUF),
     fitted to `vram` bytes when given (then max_ctx / kv_type may be 'auto'); without vram, max_ctx and kv_type
-    must be concrete. prefix_snapshots / prefix_bytes: the prefix cache's bound (load's arguments)."""
+    must be concrete. prefix_snapshots / prefix_bytes: the prefix cache's bound (load's arguments); draft_type:
+    None (the draft's matrices as stored) or a type of DRAFT_MATRIX_TYPES they are quantized to at load."""
     hp, weight_bytes = target_shape(target)
     mode = mode or ("ddtree" if draft is not None else "ar")
-    shape = DraftShape.from_path(draft, draft_window) if (draft is not None and mode != "ar") else None
+    shape = DraftShape.from_path(draft, draft_window, draft_type) if (draft is not None and mode != "ar") else None
     n_slots = 0 if shape is None else (min(budget, shape.block_size - 1) if mode == "chain" else budget) + 1
     args = dict(draft=shape, n_ubatch=n_ubatch, n_slots=n_slots, state_type=state_type,
                 prefix_snapshots=prefix_snapshot_count(hp, prefix_snapshots, prefix_bytes))
     if vram is None:
         if max_ctx == "auto" or kv_type == "auto":
             raise ValueError("max_ctx and kv_type 'auto' need the device memory (vram)")
-        return memory_plan(hp, weight_bytes, int(max_ctx), kv_type, **args)
-    return fit(hp, weight_bytes, parse_size(vram), max_ctx=max_ctx, kv_type=kv_type, **args)
+        result = memory_plan(hp, weight_bytes, int(max_ctx), kv_type, **args)
+    else:
+        result = fit(hp, weight_bytes, parse_size(vram), max_ctx=max_ctx, kv_type=kv_type, **args)
+    result.draft_type = draft_type if shape is not None else None
+    return result
 
 
 def plan_for_load(target, draft=None, *, vram, n_ubatch="auto", budget: int = 22, prefix_snapshots: int = 0,
-                  prefix_bytes: int | None = PREFIX_BYTES, **args) -> MemoryPlan:
+                  prefix_bytes: int | None = PREFIX_BYTES, draft_type: str | None = "auto", **args) -> MemoryPlan:
     """What `pydflash.load` allocates (plan_for_files' arguments). The context and KV type come first: fitted
     with the smallest buffers (no prefix snapshots, DEFAULT_UBATCH-token micro-batches, or n_ubatch when it is a
-    number). Then the prefix snapshots (as many as requested, else fewer) and, with n_ubatch="auto",
+    number) and, with draft_type="auto", the draft's matrices as stored unless quantizing them to q8_0 at load
+    fits a longer context (or the same one with a finer KV type): that changes the draft's proposals, never the
+    output. Then the prefix snapshots (as many as requested, else fewer) and, with n_ubatch="auto",
     LONG_PROMPT_UBATCH micro-batches are taken where they leave that context and KV type unchanged; snapshots
     before bigger micro-batches. A verify must fit in one micro-batch (at least budget + 1 tokens)."""
     ubatches = [LONG_PROMPT_UBATCH, DEFAULT_UBATCH] if n_ubatch == "auto" else [int(n_ubatch)]
+    if draft_type == "auto":
+        draft_type = _best_draft_type(target, draft, vram, max(ubatches[-1], budget + 1), budget, args)
 
     def fit_with(ubatch, snapshots):
         return plan_for_files(target, draft, vram=vram, budget=budget, n_ubatch=max(ubatch, budget + 1),
-                              prefix_snapshots=snapshots, prefix_bytes=prefix_bytes, **args)
+                              prefix_snapshots=snapshots, prefix_bytes=prefix_bytes, draft_type=draft_type, **args)
 
     fitted = fit_with(ubatches[-1], 0)
     for snapshots in range(prefix_snapshots, -1, -1):
@@ -350,3 +369,24 @@ def plan_for_load(target, draft=None, *, vram, n_ubatch="auto", budget: int = 22
             if (candidate.n_ctx, candidate.kv_type) == (fitted.n_ctx, fitted.kv_type):
                 return candidate
     return fitted
+
+
+def _best_draft_type(target, draft, vram, n_ubatch, budget, args) -> str | None:
+    """None (the draft's matrices as stored) unless a type of DRAFT_MATRIX_TYPES fits a longer context, or the
+    same context with a finer KV type; a PlanError when none fits."""
+    if draft is None or args.get("mode") == "ar":
+        return None
+    best, best_key, error = None, None, None
+    for matrix_type in (None, *DRAFT_MATRIX_TYPES):
+        try:
+            p = plan_for_files(target, draft, vram=vram, budget=budget, n_ubatch=n_ubatch, draft_type=matrix_type,
+                               **args)
+        except PlanError as e:
+            error = error or e
+            continue
+        key = (p.n_ctx, -AUTO_KV_ORDER.index(p.kv_type))
+        if best_key is None or key > best_key:
+            best, best_key = matrix_type, key
+    if best_key is None:
+        raise error
+    return best
