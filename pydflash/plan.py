@@ -351,6 +351,9 @@ def plan_for_load(target, draft=None, *, vram, n_ubatch="auto", budget: int = 22
     output. Then the prefix snapshots (as many as requested, else fewer) and, with n_ubatch="auto",
     LONG_PROMPT_UBATCH micro-batches are taken where they leave that context and KV type unchanged; snapshots
     before bigger micro-batches. A verify must fit in one micro-batch (at least budget + 1 tokens)."""
+    from .gguf_io import GGUFFile
+    if not isinstance(target, GGUFFile):      # parsed once for the several fits below (a vocabulary is big)
+        target = GGUFFile(os.fspath(target))
     ubatches = [LONG_PROMPT_UBATCH, DEFAULT_UBATCH] if n_ubatch == "auto" else [int(n_ubatch)]
     if draft_type == "auto":
         draft_type = _best_draft_type(target, draft, vram, max(ubatches[-1], budget + 1), budget, args)
