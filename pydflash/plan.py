@@ -376,7 +376,8 @@ def plan_for_load(target, draft=None, *, vram, n_ubatch="auto", budget: int = 22
 
 def _best_draft_type(target, draft, vram, n_ubatch, budget, args) -> str | None:
     """None (the draft's matrices as stored) unless a type of DRAFT_MATRIX_TYPES fits a longer context, or the
-    same context with a finer KV type; a PlanError when none fits."""
+    same context with a finer KV type; when none fits, the PlanError of the most compact (its numbers are the
+    closest to fitting)."""
     if draft is None or args.get("mode") == "ar":
         return None
     best, best_key, error = None, None, None
@@ -385,11 +386,13 @@ def _best_draft_type(target, draft, vram, n_ubatch, budget, args) -> str | None:
             p = plan_for_files(target, draft, vram=vram, budget=budget, n_ubatch=n_ubatch, draft_type=matrix_type,
                                **args)
         except PlanError as e:
-            error = error or e
+            error = e
             continue
         key = (p.n_ctx, -AUTO_KV_ORDER.index(p.kv_type))
         if best_key is None or key > best_key:
             best, best_key = matrix_type, key
     if best_key is None:
-        raise error
+        hint = ("a smaller budget shrinks" if args.get("state_type") == "f16" else
+                "a smaller budget and f16 verify states (state_type='f16', which may change the output) shrink")
+        raise PlanError(f"{error} (with the draft's matrices in {matrix_type}; {hint} the verify stores)") from None
     return best
