@@ -187,6 +187,24 @@ def test_27b_plan_picks_q8_0_draft_only_where_it_buys_context(pair_27b):
 
 
 @pytest.mark.slow
+def test_27b_at_256k_in_24_gib(pair_27b):
+    """The full 262,144 positions in 24 GiB: refused with f32 states (the message gives the q8_0 draft's numbers,
+    the context that fits and what else would shrink), planned with f16 states and budget 7, not 8: one more
+    slot adds, in each of the 48 GDN layers, an f16 state (128 x 128 x 48 heads) and an f32 conv input (10240),
+    and its logits row (248320 f32) to the compute estimate."""
+    fitted = plan.plan_for_load(*pair_27b, vram="24GiB")
+    with pytest.raises(plan.PlanError, match=rf"max_ctx 262144 does not fit in 24.00 GiB: .* at most {fitted.n_ctx} "
+                                             r"positions fit .*matrices in q8_0; a smaller budget and f16 verify"):
+        plan.plan_for_load(*pair_27b, vram="24GiB", max_ctx=262144)
+    b7 = plan.plan_for_load(*pair_27b, vram="24GiB", max_ctx=262144, state_type="f16", budget=7)
+    assert (b7.draft_type, b7.kv_type, b7.total <= 24 * GiB) == ("q8_0", "tq3_0", True)
+    b8 = plan.plan_for_files(*pair_27b, max_ctx=262144, kv_type="tq3_0", state_type="f16", budget=8,
+                             draft_type="q8_0")
+    assert b8.total - b7.total == 48 * (128 * 128 * 48 * 2 + 10240 * 4) + 248320 * 4
+    assert b8.total > 24 * GiB
+
+
+@pytest.mark.slow
 def test_plan_cli_prints_the_chosen_draft_type(pair_27b, capsys):
     assert cli.main(["plan", "--target", pair_27b[0], "--draft", pair_27b[1], "--vram", "24GiB"]) == 0
     out = capsys.readouterr().out
