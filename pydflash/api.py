@@ -26,7 +26,7 @@ MAX_CTX = 1 << 24          # far above any model's context; larger values only f
 MAX_BUDGET = 1024          # tree nodes / chain length per step
 MAX_TOKENS = 1 << 24
 MAX_SNAPSHOTS = 1 << 16    # saved prefix states (each one also bounded by prefix_bytes)
-STATE_TYPES = ("f32", "f16")               # the verify's node states (load's state_type)
+STATE_TYPES = ("f32", "f16", "replay")     # the verify's node states (load's state_type)
 DRAFT_TYPES = ("auto", "stored", "q8_0")   # the draft's matrices on the device (load's draft_type)
 
 
@@ -177,9 +177,11 @@ def load(target, draft=None, *, device: str = "auto", kv_type: str = "auto", max
     the device, at most prefix_snapshots of them and prefix_bytes in all (least recently used dropped first). The
     memory plan counts them after the context: where they would shorten the fitted context or coarsen its KV
     type, fewer are kept (none, if need be).
-    state_type: 'f32' (default) or 'f16' recurrent states of the verify's tree nodes; f16 halves their store
-    (1.6 GiB for the 27B at budget 22) but rounds the state a step commits, so the output may differ from plain
-    decoding where the top two logits are within ~1e-2 (docs/benchmarks.md, "Long context").
+    state_type: the verify's per-node recurrent states: 'f32' (default) stores every node's state (3.3 GiB for
+    the 27B at budget 22); 'replay' stores only every node's delta-rule inputs (~80 MiB) and the commit runs the
+    accepted path's steps again, exactly as plain decoding does; 'f16' halves the f32 store but rounds the state
+    a step commits, so the output may differ from plain decoding where the top two logits are within ~1e-2
+    (docs/benchmarks.md, "Long context").
     draft_type: the draft's matrices on the device: 'stored' (as in the file, bf16 for z-lab drafts), 'q8_0'
     (quantized at load, ~53% of bf16: the proposals change slightly, the output never), or 'auto' (default):
     'stored' unless q8_0 fits a longer context (or a finer KV type) in the memory plan."""

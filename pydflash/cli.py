@@ -109,8 +109,9 @@ def add_model_options(parser: argparse.ArgumentParser, *, target_required: bool 
 def add_memory_options(parser: argparse.ArgumentParser) -> None:
     """--state-type and --draft-type (load's state_type and draft_type), for every command that loads or plans a
     speculative pair."""
-    parser.add_argument("--state-type", default="f32", choices=["f32", "f16"],
-                        help="verify node states: f32 (default, exact) or f16 (half the store; may change the "
+    parser.add_argument("--state-type", default="f32", choices=["f32", "f16", "replay"],
+                        help="verify node states: f32 (default, exact), replay (none stored, the commit re-runs the "
+                             "accepted path; exact, ~2%% of the store) or f16 (half the store; may change the "
                              "output where the top two logits are close)")
     parser.add_argument("--draft-type", default="auto", choices=["auto", "stored", "q8_0"],
                         help="draft matrices on the device: stored (as in the file), q8_0 (quantized at load; "

@@ -10,7 +10,8 @@ Parts (exact unless marked):
   target weights       the GGUF's tensor bytes (tied LM head counted once)
   KV cache             attention layers x (K, V) x cells (n_ctx rounded up to the 256-cell bucket) x row bytes
   recurrent states     per GDN layer the conv window ((d_conv-1) x conv_dim f32) and the state (S x S x H f32)
-  verify stores        per GDN layer, every verify slot's state (f32 or f16) and conv input (f32)
+  verify stores        per GDN layer, every verify slot's state (f32 or f16; 'replay': its delta-rule inputs)
+                       and conv input (f32)
   prefix snapshots     saved recurrent states for prefix reuse (pydflash.prefix_cache), as many as load keeps
   captured features    the draft's target layers, f32 x n_ubatch tokens
   draft weights        matrices as stored (bf16), norms widened to f32
@@ -27,7 +28,7 @@ from dataclasses import dataclass, field, replace
 from . import ggml
 from .kv import KV_TYPES, kv_type_of
 from .models.dflash_draft import DEFAULT_WINDOW, DRAFT_MATRIX_TYPES
-from .models.runtime import KV_BUCKET   # the target's KV cells are a multiple of this
+from .models.runtime import KV_BUCKET, replay_width   # the target's KV cells are a multiple of KV_BUCKET
 
 AUTO_KV_ORDER = ("f16", "q8_0", "q4_0", "tq3_0")   # kv_type="auto": the first one the context fits in
 RESERVE = 512 << 20             # cuBLAS workspaces, CUDA graph memory, allocator rounding
@@ -206,19 +207,26 @@ def memory_plan(hp, weight_bytes: int, n_ctx: int, kv_type="f16", *, draft: Draf
         raise PlanError(f"kv type tq3_0 rotates groups of 128 values: head size {hp.head_dim} is not a multiple "
                         f"of 128")
     n_rec = sum(1 for r in hp.recurrent if r)
-    state_bytes = 2 if state_type == "f16" else 4
-    slot_bytes = (hp.ssm_d_v ** 2 * hp.ssm_n_v_heads * state_bytes + hp.conv_dim * 4) if n_rec else 0
+    if not n_rec:
+        store_bytes = 0
+    elif state_type == "replay":    # per slot its delta-rule inputs, plus one zero column (TargetRuntime.commit)
+        store_bytes = n_slots * hp.conv_dim * 4 + (n_slots + 1) * replay_width(hp) * 4 if n_slots else 0
+    else:
+        state_bytes = 2 if state_type == "f16" else 4
+        store_bytes = n_slots * (hp.ssm_d_v ** 2 * hp.ssm_n_v_heads * state_bytes + hp.conv_dim * 4)
     parts = {
         "target weights": int(weight_bytes),
         f"KV cache ({kv_name}, {kv_cells(n_ctx)} cells)": kv_bytes(hp, n_ctx, kv_name),
         "recurrent states": recurrent_state_bytes(hp),
-        f"verify stores ({n_slots} slots, {state_type})": n_rec * n_slots * slot_bytes,
+        f"verify stores ({n_slots} slots, {state_type})": n_rec * store_bytes,
         "prefix snapshots": prefix_snapshots * recurrent_state_bytes(hp),
         "captured features": (hp.n_embd * draft.n_feat * n_ubatch * 4) if draft else 0,
         "draft weights": draft.weight_bytes if draft else 0,
         "draft context ring": (draft.n_layer * 2 * draft.kv_row * 2 * kv_cells(draft.block_size + draft.window)
                                if draft else 0),
-        "compute (estimate)": compute_estimate(hp, n_ctx, kv_name, n_ubatch, n_slots, draft),
+        "compute (estimate)": compute_estimate(hp, n_ctx, kv_name, n_ubatch, n_slots, draft)
+        # replay: one layer's node states live in the verify graph instead of a store
+        + (n_slots * hp.ssm_d_v ** 2 * hp.ssm_n_v_heads * 4 if state_type == "replay" and n_rec else 0),
         "reserve": int(reserve),
     }
     return MemoryPlan(n_ctx, kv_name, parts, n_ubatch, prefix_snapshots)

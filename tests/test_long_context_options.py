@@ -144,6 +144,62 @@ def test_q8_0_draft_planned_as_allocated(pair):
     assert p.parts["draft weights"] < 0.6 * stored.target.memory_plan.parts["draft weights"]
 
 
+# --- state_type 'replay': no node states stored, the commit re-runs the accepted path ---------------------------
+
+@pytest.fixture(scope="module")
+def engine_model(tmp_path_factory):
+    path = tmp_path_factory.mktemp("replay") / "tiny.gguf"
+    testing.write_qwen35_gguf(path, seed=11, recurrent_layers=(True, True, False, True))   # tests/test_engine.py's
+    return path
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode,budget", [("chain", 15), ("ddtree", 22)])
+def test_replay_state_equals_ar_bit_for_bit(engine_model, mode, budget):
+    """An oracle draft with second-rank errors (long accepted paths, off-chain commits): after every step the
+    recurrent states and conv windows equal plain decoding's exactly, and the output is AR's."""
+    from pydflash.engine import Decoder
+    from test_engine import N_GEN as ENGINE_N_GEN, ar_reference, cache_state, oracle
+    prompt = [int(t) for t in np.random.default_rng(5).integers(3, 400, size=24)]
+    target = Qwen35Target(engine_model, "cpu", n_ctx=512, n_ubatch=64)
+    ar = Qwen35Target(engine_model, "cpu", n_ctx=512, n_ubatch=64)
+    reference = ar_reference(ar, prompt)
+    ar.reset()
+    ar.prefill(prompt, return_logits=False)
+    committed, checked = list(prompt), []
+
+    def check(tokens):
+        committed.extend(tokens)
+        if len(committed) <= target.n_past:
+            return
+        for tok in committed[ar.n_past:target.n_past]:
+            ar.decode(tok)
+        want, got = cache_state(ar), cache_state(target)
+        for name in want:
+            if name.startswith(("ssm", "conv")):
+                assert np.array_equal(got[name], want[name]), name
+        checked.append(target.n_past)
+
+    decoder = Decoder(target, oracle(prompt, reference, target), mode=mode, budget=budget, state_type="replay")
+    assert sum(t.nbytes for t in target.slot_states.values()) == 3 * 4 * (budget + 2) * (
+        target.hp.key_dim + target.hp.value_dim + 2 * target.hp.ssm_n_v_heads)
+    out, stats = decoder.generate_ids(prompt, 100, on_tokens=check)
+    assert ENGINE_N_GEN >= 100 and out == reference[0][:100]
+    assert len(checked) > 8 and stats["acceptance_length"] > 4
+    if mode == "ddtree":
+        assert stats["off_chain_steps"] > 0
+
+
+def test_replay_with_the_real_draft_is_lossless(pair, reference):
+    prompt, want = reference
+    engine = pydflash.load(*pair, device="cpu", max_ctx=512, tokenizer=False, state_type="replay")
+    assert engine.generate(prompt, max_tokens=N_GEN).tokens == want
+    p, t = engine.target.memory_plan, engine.target
+    stores = sum(x.nbytes for x in t.slot_states.values()) + sum(x.nbytes for x in t.slot_inputs.values())
+    planned = p.parts["verify stores (23 slots, replay)"]
+    assert planned <= stores <= planned + 64 * 2 * len(t.slot_states)
+
+
 # --- the 27B pair, from headers only --------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
