@@ -125,6 +125,7 @@ class MemoryPlan:
     prefix_snapshots: int = 0                     # recurrent-state snapshots planned for prefix reuse
     vram: int | None = None                       # the memory it was fitted to (None: not fitted)
     draft_type: str | None = None                 # the draft's matrices quantized at load to this (None: as stored)
+    state_type: str = "f32"                       # the verify's node states (TargetRuntime.enable_verify)
 
     @property
     def total(self) -> int:
@@ -347,28 +348,34 @@ def plan_for_files(target, draft=None, *, vram=None, max_ctx="auto", kv_type="au
     else:
         result = fit(hp, weight_bytes, parse_size(vram), max_ctx=max_ctx, kv_type=kv_type, **args)
     result.draft_type = draft_type if shape is not None else None
+    result.state_type = state_type
     return result
 
 
 def plan_for_load(target, draft=None, *, vram, n_ubatch="auto", budget: int = 22, prefix_snapshots: int = 0,
-                  prefix_bytes: int | None = PREFIX_BYTES, draft_type: str | None = "auto", **args) -> MemoryPlan:
+                  prefix_bytes: int | None = PREFIX_BYTES, draft_type: str | None = "auto", state_type: str = "f32",
+                  **args) -> MemoryPlan:
     """What `pydflash.load` allocates (plan_for_files' arguments). The context and KV type come first: fitted
     with the smallest buffers (no prefix snapshots, DEFAULT_UBATCH-token micro-batches, or n_ubatch when it is a
-    number) and, with draft_type="auto", the draft's matrices as stored unless quantizing them to q8_0 at load
-    fits a longer context (or the same one with a finer KV type): that changes the draft's proposals, never the
-    output. Then the prefix snapshots (as many as requested, else fewer) and, with n_ubatch="auto",
+    number) and, for the options given as "auto", the first of AUTO_OPTIONS that fits the longest context (or the
+    same one with the finest KV type): f32 node states and the draft's matrices as stored, else replayed states
+    (state_type 'replay'), else the draft's matrices quantized to q8_0 at load, else both. None of these changes
+    the output (q8_0 changes the draft's proposals; f16 states, which would, are never picked). Then the prefix
+    snapshots (as many as requested, else fewer) and, with n_ubatch="auto",
     LONG_PROMPT_UBATCH micro-batches are taken where they leave that context and KV type unchanged; snapshots
     before bigger micro-batches. A verify must fit in one micro-batch (at least budget + 1 tokens)."""
     from .gguf_io import GGUFFile
     if not isinstance(target, GGUFFile):      # parsed once for the several fits below (a vocabulary is big)
         target = GGUFFile(os.fspath(target))
     ubatches = [LONG_PROMPT_UBATCH, DEFAULT_UBATCH] if n_ubatch == "auto" else [int(n_ubatch)]
-    if draft_type == "auto":
-        draft_type = _best_draft_type(target, draft, vram, max(ubatches[-1], budget + 1), budget, args)
+    if "auto" in (draft_type, state_type):
+        draft_type, state_type = _best_options(target, draft, vram, max(ubatches[-1], budget + 1), budget, draft_type,
+                                               state_type, args)
 
     def fit_with(ubatch, snapshots):
         return plan_for_files(target, draft, vram=vram, budget=budget, n_ubatch=max(ubatch, budget + 1),
-                              prefix_snapshots=snapshots, prefix_bytes=prefix_bytes, draft_type=draft_type, **args)
+                              prefix_snapshots=snapshots, prefix_bytes=prefix_bytes, draft_type=draft_type,
+                              state_type=state_type, **args)
 
     fitted = fit_with(ubatches[-1], 0)
     for snapshots in range(prefix_snapshots, -1, -1):
@@ -382,25 +389,34 @@ def plan_for_load(target, draft=None, *, vram, n_ubatch="auto", budget: int = 22
     return fitted
 
 
-def _best_draft_type(target, draft, vram, n_ubatch, budget, args) -> str | None:
-    """None (the draft's matrices as stored) unless a type of DRAFT_MATRIX_TYPES fits a longer context, or the
-    same context with a finer KV type; when none fits, the PlanError of the most compact (its numbers are the
-    closest to fitting)."""
-    if draft is None or args.get("mode") == "ar":
-        return None
+AUTO_STATE_TYPES = ("f32", "replay")    # state_type "auto" tries these (f16, which may change the output, never)
+
+
+def _best_options(target, draft, vram, n_ubatch, budget, draft_type, state_type, args) -> tuple:
+    """(draft_type, state_type) for plan_for_load: each "auto" one chosen among its candidates, in the order of
+    preference f32 states and the draft as stored, replayed states, q8_0 draft, both; the first of the best fits
+    is taken. When nothing fits, the PlanError of the most compact choice (the closest to fitting)."""
+    speculative = draft is not None and args.get("mode") != "ar"
+    if not speculative:
+        return None, "f32" if state_type == "auto" else state_type
+    drafts = [None, *DRAFT_MATRIX_TYPES] if draft_type == "auto" else [draft_type]
+    states = list(AUTO_STATE_TYPES) if state_type == "auto" else [state_type]
+    options = [(d, st) for d in drafts for st in states]
     best, best_key, error = None, None, None
-    for matrix_type in (None, *DRAFT_MATRIX_TYPES):
+    for d, st in options:
         try:
-            p = plan_for_files(target, draft, vram=vram, budget=budget, n_ubatch=n_ubatch, draft_type=matrix_type,
-                               **args)
+            p = plan_for_files(target, draft, vram=vram, budget=budget, n_ubatch=n_ubatch, draft_type=d,
+                               state_type=st, **args)
         except PlanError as e:
             error = e
             continue
         key = (p.n_ctx, -AUTO_KV_ORDER.index(p.kv_type))
         if best_key is None or key > best_key:
-            best, best_key = matrix_type, key
-    if best_key is None:
-        hint = ("a smaller budget shrinks" if args.get("state_type") == "f16" else
-                "a smaller budget and f16 verify states (state_type='f16', which may change the output) shrink")
-        raise PlanError(f"{error} (with the draft's matrices in {matrix_type}; {hint} the verify stores)") from None
-    return best
+            best, best_key = (d, st), key
+    if best_key is not None:
+        return best
+    d, st = options[-1]
+    shrink = ("a smaller budget shrinks" if st != "f32" else
+              "a smaller budget and replayed states (state_type='replay') shrink")
+    raise PlanError(f"{error} (with the draft's matrices {d or 'as stored'} and {st} verify states; {shrink} "
+                    f"the verify stores)") from None

@@ -114,7 +114,7 @@ def test_load_state_type_reaches_the_verify(pair, reference):
     """state_type='f16' makes f16 node-state stores (half of f32's bytes, as planned); its output is checked
     against AR's margins in tests/test_engine.py (test_ddtree_f16_states)."""
     prompt, _ = reference
-    f32 = pydflash.load(*pair, device="cpu", max_ctx=512, tokenizer=False, draft_type="stored")
+    f32 = pydflash.load(*pair, device="cpu", max_ctx=512, tokenizer=False, draft_type="stored", state_type="f32")
     f16 = pydflash.load(*pair, device="cpu", max_ctx=512, tokenizer=False, draft_type="stored", state_type="f16")
     assert {t.type for t in f16.target.slot_states.values()} == {ggml.Type.F16}
     assert {t.type for t in f32.target.slot_states.values()} == {ggml.Type.F32}
@@ -129,7 +129,7 @@ def test_load_state_type_reaches_the_verify(pair, reference):
 def test_load_refuses_bad_options(pair):
     with pytest.raises(ValueError, match=r"state_type 'f16' concerns the speculative verify; mode 'ar'"):
         pydflash.load(pair[0], device="cpu", max_ctx=256, tokenizer=False, state_type="f16")
-    with pytest.raises(ValueError, match=r"state_type = 'bf16': expected one of 'f32', 'f16'"):
+    with pytest.raises(ValueError, match=r"state_type = 'bf16': expected one of 'auto', 'f32', 'replay', 'f16'"):
         pydflash.load(*pair, device="cpu", max_ctx=256, tokenizer=False, state_type="bf16")
     with pytest.raises(ValueError, match=r"draft_type = 'q4_0': expected one of 'auto', 'stored', 'q8_0'"):
         pydflash.load(*pair, device="cpu", max_ctx=256, tokenizer=False, draft_type="q4_0")
@@ -250,7 +250,8 @@ def test_27b_at_256k_in_24_gib(pair_27b):
     and its logits row (248320 f32) to the compute estimate."""
     fitted = plan.plan_for_load(*pair_27b, vram="24GiB")
     with pytest.raises(plan.PlanError, match=rf"max_ctx 262144 does not fit in 24.00 GiB: .* at most {fitted.n_ctx} "
-                                             r"positions fit .*matrices in q8_0; a smaller budget and f16 verify"):
+                                             r"positions fit .*matrices q8_0 and f32 verify states; a smaller budget "
+                                             r"and replayed states \(state_type='replay'\) shrink"):
         plan.plan_for_load(*pair_27b, vram="24GiB", max_ctx=262144)
     b7 = plan.plan_for_load(*pair_27b, vram="24GiB", max_ctx=262144, state_type="f16", budget=7)
     assert (b7.draft_type, b7.kv_type, b7.total <= 24 * GiB) == ("q8_0", "tq3_0", True)
@@ -261,13 +262,28 @@ def test_27b_at_256k_in_24_gib(pair_27b):
 
 
 @pytest.mark.slow
-def test_plan_cli_prints_the_chosen_draft_type(pair_27b, capsys):
+def test_27b_256k_in_24_gib_exact_with_replayed_states(pair_27b):
+    """Both "auto" options at 24 GiB: replayed states and the q8_0 draft, the whole training context in tq3_0. The
+    replay store by hand: per GDN layer, 23 conv inputs (10240 f32) and 24 columns (23 slots and the zero one) of
+    k (16 x 128), v (48 x 128), gate and beta (48 each)."""
+    p = plan.plan_for_load(*pair_27b, vram="24GiB", state_type="auto")
+    assert (p.draft_type, p.state_type, p.n_ctx, p.kv_type) == ("q8_0", "replay", 262144, "tq3_0")
+    assert p.parts["verify stores (23 slots, replay)"] == 48 * (23 * 10240 + 24 * (2048 + 6144 + 96)) * 4
+    assert p.total <= 24 * GiB
+    # 48 GiB holds the training context in f16 with f32 states and the stored draft: auto keeps them
+    roomy = plan.plan_for_load(*pair_27b, vram="48GiB", state_type="auto")
+    assert (roomy.draft_type, roomy.state_type, roomy.n_ctx, roomy.kv_type) == (None, "f32", 262144, "f16")
+
+
+@pytest.mark.slow
+def test_plan_cli_prints_the_chosen_options(pair_27b, capsys):
     assert cli.main(["plan", "--target", pair_27b[0], "--draft", pair_27b[1], "--vram", "24GiB"]) == 0
     out = capsys.readouterr().out
-    assert "draft matrices q8_0" in out and "kv_type tq3_0" in out
+    assert "n_ctx 262144, kv_type tq3_0" in out and "draft matrices q8_0" in out and "slots, replay)" in out
     assert cli.main(["plan", "--target", pair_27b[0], "--draft", pair_27b[1], "--vram", "24GiB",
-                     "--draft-type", "stored"]) == 0
-    assert "draft matrices" not in capsys.readouterr().out
+                     "--draft-type", "stored", "--state-type", "f32"]) == 0
+    out = capsys.readouterr().out
+    assert "draft matrices" not in out and "slots, f32)" in out
 
 
 # --- CLI ------------------------------------------------------------------------------------------------------
@@ -290,6 +306,6 @@ def test_memory_flags_parse():
         args = parse(command + ["--state-type", "f16", "--draft-type", "q8_0"])
         assert (args.state_type, args.draft_type) == ("f16", "q8_0")
         default = parse(command)
-        assert (default.state_type, default.draft_type) == ("f32", "auto")
+        assert (default.state_type, default.draft_type) == ("auto", "auto")
     assert parse(["run", "-m", "t.gguf", "-c", "4096"]).max_ctx == 4096
     assert parse(["serve", "--target", "t.gguf"]).max_ctx == "auto"

@@ -228,7 +228,7 @@ lcq() { local s=$1; shift; timeout --preserve-status "$s" bash -c '"$@"' _ "$@";
 llama_tgq() { "$build/bin/llama-bench" -m "$data/q27.gguf" -p 0 -n 32 -r 1 -fa 1 -ngl 99 -o md "$@"; }
 export -f lcq llama_tgq
 phase lcq_memory 150 lcq 150 python3 "$lc" memory "$data/q27.gguf" --draft "$data/d27" --device cuda --kv tq3_0 \
-    --ctx 262144 --draft-type q8_0 --f16-states --budget 7
+    --ctx 262144 --draft-type q8_0 --state-type replay
 phase lcq_depth_tq3_0 100 lcq 100 python3 "$lc" depth "$data/q27.gguf" --draft "$data/d27" --device cuda --kv tq3_0 \
     --depths 2048,32768,131072 --n-gen 32 --n-steps 8
 phase lcq_llama_tg_f16 200 lcq 200 llama_tgq -d 2048,32768,131072 -ctk f16 -ctv f16
