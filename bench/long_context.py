@@ -104,7 +104,7 @@ def llama_bench(path, args, extra: list[str]) -> list[dict]:
 
 def cmd_depth(args) -> int:
     depths = _ints(args.depths)
-    target, decoder = load_pair(args, max(depths) + 512)
+    target, decoder = load_pair(args, max(depths) + 512, state_type=args.state_type)
     target.reset()
     target.prefill(some_tokens(target, PROMPT), return_logits=False)
     if decoder is not None:
@@ -122,7 +122,8 @@ def cmd_depth(args) -> int:
                                                        "-ctk", args.kv, "-ctv", args.kv]):
             ref[int(r["n_depth"])] = r["avg_ts"]
     name = os.path.basename(args.target)
-    print(f"\n### Depth sweep on {name}, {target.backend.name}, kv {args.kv}, n_ctx {target.n_ctx} allocated\n")
+    print(f"\n### Depth sweep on {name}, {target.backend.name}, kv {args.kv}, n_ctx {target.n_ctx} allocated, "
+          f"{args.state_type} verify states\n")
     print("| depth | AR ms/token | AR tok/s | llama.cpp tg tok/s | ratio | DDTree step ms (draft / verify / commit / "
           "host) |\n|---|---|---|---|---|---|")
     for d, ar, step in rows:
@@ -226,6 +227,8 @@ def main(argv=None) -> int:
         s.set_defaults(func=fn)
         if name == "depth":
             s.add_argument("--depths", default="2048,8192,32768,131072")
+            s.add_argument("--state-type", default="f32", choices=["f32", "replay", "f16"],
+                           help="the verify's node states (default f32)")
             s.add_argument("--n-gen", type=int, default=64, help="AR steps timed per depth")
             s.add_argument("--n-steps", type=int, default=16, help="DDTree steps timed per depth")
         if name == "prefill":

@@ -190,6 +190,36 @@ def test_replay_state_equals_ar_bit_for_bit(engine_model, mode, budget):
         assert stats["off_chain_steps"] > 0
 
 
+@pytest.mark.cuda
+@pytest.mark.parametrize("mode,budget", [("chain", 15), ("ddtree", 22)])
+def test_cuda_replay_lossless_and_state_near_f32(tmp_path, mode, budget):
+    """On CUDA: replayed states give AR's tokens (up to tests/test_engine.py's CUDA near-tie margin), and the
+    committed recurrent states stay within STATE_ATOL of the f32-store path's (the tree kernel and upstream's
+    chain kernel may round differently; a wrong slot or path moves them by O(0.1))."""
+    from pydflash.engine import Decoder
+    from test_engine import BLOCK, CUDA_MARGIN, CUDA_SHAPE, ERRORS, N_GEN as ENGINE_N_GEN, STATE_ATOL, ar_reference
+    path = tmp_path / "b.gguf"
+    testing.write_qwen35_gguf(path, **CUDA_SHAPE)
+    prompt = [int(t) for t in np.random.default_rng(5).integers(3, 400, size=24)]
+    ar = Qwen35Target(path, "cuda", n_ctx=512, n_ubatch=64)
+    ref, margins = ar_reference(ar, prompt)
+    states = {}
+    for state_type in ("f32", "replay"):
+        target = Qwen35Target(path, "cuda", n_ctx=512, n_ubatch=64)
+        draft = testing.OracleDraft(prompt + ref, target.hp.n_vocab, block_size=BLOCK, error_positions=ERRORS)
+        out, stats = Decoder(target, draft, mode=mode, budget=budget, state_type=state_type).generate_ids(
+            prompt, ENGINE_N_GEN)
+        for i, (a, b) in enumerate(zip(out, ref)):
+            if a != b:
+                assert margins[i] < CUDA_MARGIN, f"{state_type} token {i}: {a} != AR {b}, margin {margins[i]:.3g}"
+                break
+        assert len(out) == ENGINE_N_GEN and stats["acceptance_length"] > 4
+        states[state_type] = (out, {il: t.numpy() for il, t in target.cache.ssm.items()})
+    if states["f32"][0] == states["replay"][0]:      # the same tokens committed: the same states, up to rounding
+        for il, want in states["f32"][1].items():
+            np.testing.assert_allclose(states["replay"][1][il], want, rtol=0, atol=STATE_ATOL, err_msg=f"layer {il}")
+
+
 def test_replay_with_the_real_draft_is_lossless(pair, reference):
     prompt, want = reference
     engine = pydflash.load(*pair, device="cpu", max_ctx=512, tokenizer=False, state_type="replay")

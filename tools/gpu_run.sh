@@ -231,6 +231,8 @@ phase lcq_memory 150 lcq 150 python3 "$lc" memory "$data/q27.gguf" --draft "$dat
     --ctx 262144 --draft-type q8_0 --state-type replay
 phase lcq_depth_tq3_0 100 lcq 100 python3 "$lc" depth "$data/q27.gguf" --draft "$data/d27" --device cuda --kv tq3_0 \
     --depths 2048,32768,131072 --n-gen 32 --n-steps 8
+phase lcq_depth_replay 80 lcq 80 python3 "$lc" depth "$data/q27.gguf" --draft "$data/d27" --device cuda \
+    --kv tq3_0 --depths 2048,131072 --n-gen 8 --n-steps 16 --state-type replay
 phase lcq_llama_tg_f16 200 lcq 200 llama_tgq -d 2048,32768,131072 -ctk f16 -ctv f16
 phase lcq_prefill 120 lcq 120 python3 "$lc" prefill "$data/q27.gguf" --device cuda --lengths 2048,8192,32768 \
     --reps 1 --no-fixed --llama-bench "$build/bin/llama-bench"
