@@ -227,6 +227,7 @@ phase bench_server 400 python3 "$src/bench/server_overhead.py" "$data/q27.gguf" 
 lcq() { local s=$1; shift; timeout --preserve-status "$s" bash -c '"$@"' _ "$@"; }
 llama_tgq() { "$build/bin/llama-bench" -m "$data/q27.gguf" -p 0 -n 32 -r 1 -fa 1 -ngl 99 -o md "$@"; }
 export -f lcq llama_tgq
+phase lcq_tests 120 lcq 120 pytest_cuda "$src/tests/test_long_context_options.py"
 phase lcq_memory 150 lcq 150 python3 "$lc" memory "$data/q27.gguf" --draft "$data/d27" --device cuda --kv tq3_0 \
     --ctx 262144 --draft-type q8_0 --state-type replay
 phase lcq_depth_tq3_0 100 lcq 100 python3 "$lc" depth "$data/q27.gguf" --draft "$data/d27" --device cuda --kv tq3_0 \
