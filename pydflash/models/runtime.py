@@ -367,7 +367,7 @@ class TargetRuntime:
             raise ValueError(f"state_type {state_type!r}: 'f32', or 'f16' / 'replay' with tree=True")
         replay = state_type == "replay"
         store_type = ggml.Type.F16 if state_type == "f16" else ggml.Type.F32
-        S, H = hp.ssm_d_v, hp.ssm_n_v_heads
+        S, H = (hp.ssm_d_v, hp.ssm_n_v_heads) if n_rec else (0, 0)   # attention-only models have no GDN layer
         if n_rec:
             per_slot = (4 * replay_width(hp) if replay else tensor_bytes(store_type, (S * S, H))) + 4 * hp.conv_dim
             check_memory(self.backend, {"verify state store": n_rec * n_slots * per_slot},
