@@ -242,5 +242,7 @@ phase lcq_depth_f16_32k 60 lcq 60 python3 "$lc" depth "$data/q27.gguf" --draft "
 phase lcq_depth_q8_0_32k 60 lcq 60 python3 "$lc" depth "$data/q27.gguf" --draft "$data/d27" --device cuda \
     --kv q8_0 --depths 32768 --n-gen 32 --n-steps 8
 phase lcq_llama_tg_q8_0 50 lcq 50 llama_tgq -d 32768 -ctk q8_0 -ctv q8_0
+phase lcq_draft_quant 90 lcq 90 python3 "$src/bench/draft_quant.py" "$data/q27.gguf" --draft "$data/d27" \
+    --device cuda --n-steps 32 --n-gen 32
 echo "all phases done" | tee -a "$logs/summary.md"
 finish 0
