@@ -4,14 +4,15 @@ and the peak device memory of a long-context load against its memory plan.
     python bench/long_context.py depth   TARGET.gguf --draft DRAFT --device cuda --kv tq3_0 \
         --depths 2048,8192,32768,131072,262144 [--llama-bench PATH]
     python bench/long_context.py prefill TARGET.gguf --device cuda --lengths 2048,8192,32768 [--llama-bench PATH]
-    python bench/long_context.py memory  TARGET.gguf --draft DRAFT --device cuda --ctx 262144 --kv tq3_0 [--f16-states]
+    python bench/long_context.py memory  TARGET.gguf --draft DRAFT --device cuda --ctx 262144 --kv tq3_0 \
+        [--state-type replay|f16] [--draft-type q8_0]
 
 depth: one target allocated for the deepest depth, then at each depth the cache's fill is set to that depth
 (rows past a short real prompt stay zero: attention time depends on the attended length, not the values) and
 AR steps and DDTree steps (budget 22, draft ring filled to its window) are timed. With --llama-bench, llama.cpp's
 `-n 128 -d DEPTH` on the same file and KV type (it has no TQ3_0) for comparison; its depth is a real prefill.
 prefill: real prompts of each length, prefill tok/s with the micro-batch chosen by length (n_ubatch 2048) and a
-fixed 512 one, beside llama-bench -p.
+fixed 512 one (--no-fixed: only the chosen one), beside llama-bench -p.
 memory: loads target + draft for --ctx positions, then runs a prefill micro-batch and DDTree steps at the end of
 the context (the largest compute buffers) and reports the device's used memory (free-memory query) after each,
 beside the plan (pydflash.plan) for the same configuration. Prints markdown.
@@ -44,7 +45,7 @@ def some_tokens(target, n: int) -> list[int]:
     return [1 + i % (target.hp.n_vocab - 1) for i in range(n)]
 
 
-def load_pair(args, n_ctx: int, n_ubatch: int = 512, state_type: str = "f32"):
+def load_pair(args, n_ctx: int, n_ubatch: int = 512, state_type: str = "f32", draft_type: str | None = None):
     from pydflash.api import _load_draft, draft_layer_ids
     from pydflash.engine import Decoder
     from pydflash.models import load_target
@@ -54,7 +55,7 @@ def load_pair(args, n_ctx: int, n_ubatch: int = 512, state_type: str = "f32"):
                          capture_layers=capture, progress=True)
     decoder = None
     if args.draft:
-        draft = _load_draft(args.draft, target, top_k=8)
+        draft = _load_draft(args.draft, target, top_k=8, weight_type=draft_type)
         decoder = Decoder(target, draft, mode="ddtree", budget=args.budget, state_type=state_type)
     return target, decoder
 
@@ -103,7 +104,7 @@ def llama_bench(path, args, extra: list[str]) -> list[dict]:
 
 def cmd_depth(args) -> int:
     depths = _ints(args.depths)
-    target, decoder = load_pair(args, max(depths) + 512)
+    target, decoder = load_pair(args, max(depths) + 512, state_type=args.state_type)
     target.reset()
     target.prefill(some_tokens(target, PROMPT), return_logits=False)
     if decoder is not None:
@@ -121,7 +122,8 @@ def cmd_depth(args) -> int:
                                                        "-ctk", args.kv, "-ctv", args.kv]):
             ref[int(r["n_depth"])] = r["avg_ts"]
     name = os.path.basename(args.target)
-    print(f"\n### Depth sweep on {name}, {target.backend.name}, kv {args.kv}, n_ctx {target.n_ctx} allocated\n")
+    print(f"\n### Depth sweep on {name}, {target.backend.name}, kv {args.kv}, n_ctx {target.n_ctx} allocated, "
+          f"{args.state_type} verify states\n")
     print("| depth | AR ms/token | AR tok/s | llama.cpp tg tok/s | ratio | DDTree step ms (draft / verify / commit / "
           "host) |\n|---|---|---|---|---|---|")
     for d, ar, step in rows:
@@ -143,7 +145,7 @@ def cmd_prefill(args) -> int:
     for n in lengths:
         prompt = [int(t) for t in rng.integers(1, min(target.hp.n_vocab, 30000), n)]
         rates = {}
-        for label, ubatch in (("auto", None), ("512", 512)):
+        for label, ubatch in (("auto", None),) + ((("512", 512),) if args.fixed else ()):
             best = 0.0
             for _ in range(args.reps + 1):                 # the first run builds the graphs
                 target.reset()
@@ -167,7 +169,8 @@ def cmd_prefill(args) -> int:
     for n, rates in rows:
         llama = ref.get(n)
         versus = f"{rates['auto'] / llama:.3f}" if llama else "-"
-        print(f"| {n} | {prefill_ubatch(n, 2048)} | {rates['auto']:.0f} | {rates['512']:.0f} | "
+        fixed = f"{rates['512']:.0f}" if "512" in rates else "-"
+        print(f"| {n} | {prefill_ubatch(n, 2048)} | {rates['auto']:.0f} | {fixed} | "
               f"{f'{llama:.0f}' if llama else '-'} | {versus} |")
     return 0
 
@@ -177,8 +180,9 @@ def cmd_memory(args) -> int:
     backend = ggml.Backend(args.device)
     free0, total = backend.memory()
     args.device = backend                          # load on this backend (one CUDA context)
-    state_type = "f16" if args.f16_states else "f32"
-    target, decoder = load_pair(args, args.ctx, n_ubatch=args.ubatch, state_type=state_type)
+    state_type = "f16" if args.f16_states else args.state_type
+    draft_type = None if args.draft_type == "stored" else args.draft_type
+    target, decoder = load_pair(args, args.ctx, n_ubatch=args.ubatch, state_type=state_type, draft_type=draft_type)
     used = {"after load": free0 - backend.memory()[0]}
     target.reset()
     target.prefill(some_tokens(target, PROMPT), return_logits=False)
@@ -190,18 +194,21 @@ def cmd_memory(args) -> int:
         time_ddtree(decoder, args.ctx - 8 * (args.budget + 1), 2)   # 5 steps of at most budget + 1 tokens
         used["after DDTree steps at the end"] = free0 - backend.memory()[0]
     want = plan.plan_for_files(args.target, args.draft, max_ctx=args.ctx, kv_type=args.kv, budget=args.budget,
-                               n_ubatch=args.ubatch, state_type=state_type)
+                               n_ubatch=args.ubatch, state_type=state_type, draft_type=draft_type)
     print(f"\n### Device memory, {os.path.basename(args.target)}"
           f"{' + ' + os.path.basename(args.draft.rstrip('/')) if args.draft else ''}, {backend.name} "
           f"({total / GiB:.1f} GiB, {free0 / GiB:.2f} GiB free before loading)\n")
-    print(f"context {args.ctx}, kv {args.kv}, {state_type} verify states, prefill micro-batch {args.ubatch}\n")
+    print(f"context {args.ctx}, kv {args.kv}, {state_type} verify states, draft matrices {args.draft_type}, "
+          f"prefill micro-batch {args.ubatch}\n")
     print("| measured (device free-memory query) | GiB |\n|---|---|")
     for k, v in used.items():
         print(f"| used {k} | {v / GiB:.2f} |")
     print(f"| peak | {max(used.values()) / GiB:.2f} |")
     print(f"\nplan (its reserve of {plan.RESERVE / GiB:.2f} GiB included in the total):\n\n```\n{want.table()}\n```")
-    print(f"\npeak measured {max(used.values()) / GiB:.2f} GiB vs planned {want.total / GiB:.2f} GiB; goal <= 24 GB "
-          f"(22.35 GiB): {'met' if max(used.values()) <= 24e9 else 'NOT met'}")
+    peak = max(used.values())
+    print(f"\npeak measured {peak / GiB:.2f} GiB vs planned {want.total / GiB:.2f} GiB; a 24 GiB card: "
+          f"{'fits' if peak <= 24 * GiB else 'does NOT fit'}; the goal <= 24 GB (22.35 GiB): "
+          f"{'met' if peak <= 24e9 else 'NOT met'}")
     return 0
 
 
@@ -220,15 +227,23 @@ def main(argv=None) -> int:
         s.set_defaults(func=fn)
         if name == "depth":
             s.add_argument("--depths", default="2048,8192,32768,131072")
+            s.add_argument("--state-type", default="f32", choices=["f32", "replay", "f16"],
+                           help="the verify's node states (default f32)")
             s.add_argument("--n-gen", type=int, default=64, help="AR steps timed per depth")
             s.add_argument("--n-steps", type=int, default=16, help="DDTree steps timed per depth")
         if name == "prefill":
             s.add_argument("--lengths", default="2048,8192,32768")
             s.add_argument("--reps", type=int, default=2)
+            s.add_argument("--no-fixed", dest="fixed", action="store_false",
+                           help="time only the micro-batch chosen by length, not also a fixed 512")
         if name == "memory":
             s.add_argument("--ctx", type=int, default=262144)
             s.add_argument("--ubatch", type=int, default=512)
-            s.add_argument("--f16-states", action="store_true")
+            s.add_argument("--state-type", default="f32", choices=["f32", "replay", "f16"],
+                           help="the verify's node states (TargetRuntime.enable_verify; default f32)")
+            s.add_argument("--f16-states", action="store_true", help="the same as --state-type f16")
+            s.add_argument("--draft-type", default="stored", choices=["stored", "q8_0"],
+                           help="the draft's matrices: as stored (default) or quantized to q8_0 at load")
     args = p.parse_args(argv)
     return args.func(args)
 

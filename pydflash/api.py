@@ -26,6 +26,8 @@ MAX_CTX = 1 << 24          # far above any model's context; larger values only f
 MAX_BUDGET = 1024          # tree nodes / chain length per step
 MAX_TOKENS = 1 << 24
 MAX_SNAPSHOTS = 1 << 16    # saved prefix states (each one also bounded by prefix_bytes)
+STATE_TYPES = ("auto", "f32", "replay", "f16")   # the verify's node states (load's state_type)
+DRAFT_TYPES = ("auto", "stored", "q8_0")   # the draft's matrices on the device (load's draft_type)
 
 
 @dataclass
@@ -143,20 +145,20 @@ def draft_layer_ids(draft_path) -> list[int]:
         raise DraftLoadError(str(e)) from None
 
 
-def _load_draft(draft_path, target, top_k: int = 8, window: int | None = None):
+def _load_draft(draft_path, target, top_k: int = 8, window: int | None = None, weight_type: str | None = None):
     try:
         from .models.dflash_draft import DFlashDraft
     except ImportError as e:
         raise RuntimeError("the DFlash draft model is not part of this build yet (pydflash.models.dflash_draft); "
                            "run with mode='ar'") from e
-    return DFlashDraft(draft_path, target, top_k=top_k, window=window or DRAFT_WINDOW)
+    return DFlashDraft(draft_path, target, top_k=top_k, window=window or DRAFT_WINDOW, weight_type=weight_type)
 
 
 def load(target, draft=None, *, device: str = "auto", kv_type: str = "auto", max_ctx: int | str | None = "auto",
          mode: str | None = None, budget: int = 22, tokenizer: bool = True, progress: bool | None = None,
          n_ubatch: int | str = "auto", vram=None, verbose: bool = False, draft_window: int = DRAFT_WINDOW,
          prefix_cache: bool = True, prefix_snapshots: int = PREFIX_SNAPSHOTS,
-         prefix_bytes: int | None = PREFIX_BYTES) -> Engine:
+         prefix_bytes: int | None = PREFIX_BYTES, state_type: str = "auto", draft_type: str = "auto") -> Engine:
     """Load a target GGUF (and a DFlash draft: its directory or config.json) and return an `Engine`.
 
     device: 'auto', 'cpu', 'cuda' or 'cuda:N'. max_ctx: positions of the KV cache; 'auto' (or None) fits the
@@ -174,7 +176,16 @@ def load(target, draft=None, *, device: str = "auto", kv_type: str = "auto", max
     end of that prompt or of its generation, instead of prefilling it all; the saved recurrent states are kept on
     the device, at most prefix_snapshots of them and prefix_bytes in all (least recently used dropped first). The
     memory plan counts them after the context: where they would shorten the fitted context or coarsen its KV
-    type, fewer are kept (none, if need be)."""
+    type, fewer are kept (none, if need be).
+    state_type: the verify's per-node recurrent states: 'f32' stores every node's state (3.3 GiB for the 27B at
+    budget 22); 'replay' stores only every node's delta-rule inputs (~80 MiB) and the commit runs the accepted
+    path's steps again, as plain decoding does (same output); 'f16' halves the f32 store but rounds the state a
+    step commits, so the output may differ from plain decoding where the top two logits are within ~1e-2
+    (docs/benchmarks.md, "Long context"); 'auto' (default): f32 unless replay fits a longer context (or a finer
+    KV type) in the memory plan.
+    draft_type: the draft's matrices on the device: 'stored' (as in the file, bf16 for z-lab drafts), 'q8_0'
+    (quantized at load, ~53% of bf16: the proposals change slightly, the output never), or 'auto' (default):
+    'stored' unless q8_0 fits a longer context (or a finer KV type) in the memory plan, after replayed states."""
     import sys
 
     from . import ggml, plan
@@ -214,6 +225,10 @@ def load(target, draft=None, *, device: str = "auto", kv_type: str = "auto", max
             raise TypeError(f"vram = {vram!r}: expected a byte count or a size such as '24GiB'")
         if plan.parse_size(vram) <= 0:
             raise ValueError(f"vram = {vram!r}: expected a positive size")
+    choice_param("state_type", state_type, STATE_TYPES)
+    if mode == "ar" and state_type not in ("auto", "f32"):
+        raise ValueError(f"state_type {state_type!r} concerns the speculative verify; mode 'ar' does not use it")
+    choice_param("draft_type", draft_type, DRAFT_TYPES)
     prefix_snapshots = int_param("prefix_snapshots", prefix_snapshots, 0, MAX_SNAPSHOTS)
     if prefix_bytes is not None:
         prefix_bytes = int_param("prefix_bytes", prefix_bytes, 0, 1 << 62)
@@ -236,7 +251,8 @@ def load(target, draft=None, *, device: str = "auto", kv_type: str = "auto", max
     fitted = plan.plan_for_load(target_file, None if (draft_object or mode == "ar") else draft, vram=memory,
                                 max_ctx=max_ctx, kv_type=kv_type, budget=budget,
                                 n_ubatch=n_ubatch, mode=mode, draft_window=draft_window,
-                                prefix_snapshots=prefix_snapshots if prefix_cache else 0, prefix_bytes=prefix_bytes)
+                                prefix_snapshots=prefix_snapshots if prefix_cache else 0, prefix_bytes=prefix_bytes,
+                                state_type=state_type, draft_type=None if draft_type == "stored" else draft_type)
     n_ubatch = fitted.n_ubatch
     if verbose:
         print(fitted.table(), file=sys.stderr)
@@ -245,11 +261,12 @@ def load(target, draft=None, *, device: str = "auto", kv_type: str = "auto", max
     model.memory_plan = fitted
     draft_model = None
     if mode != "ar":
-        draft_model = draft if draft_object else _load_draft(draft, model, top_k=min(budget, 8), window=draft_window)
+        draft_model = draft if draft_object else _load_draft(draft, model, top_k=min(budget, 8), window=draft_window,
+                                                             weight_type=fitted.draft_type)
     tok = None
     if tokenizer:
         from .tokenizer import Tokenizer
         tok = Tokenizer(target, target_file)
-    decoder = Decoder(model, draft_model, mode=mode, budget=budget, tokenizer=tok,
+    decoder = Decoder(model, draft_model, mode=mode, budget=budget, tokenizer=tok, state_type=fitted.state_type,
                       prefix_snapshots=fitted.prefix_snapshots if prefix_cache else 0, prefix_bytes=prefix_bytes)
     return Engine(decoder, tok)

@@ -98,11 +98,25 @@ def add_model_options(parser: argparse.ArgumentParser, *, target_required: bool 
     parser.add_argument("--kv", "-ctk", "--cache-type-k", dest="kv", default="auto",
                         choices=["auto", "f16", "q8_0", "q4_0", "tq3_0"],
                         help="KV cache type (default auto: f16 while the context fits, then q8_0, q4_0, tq3_0)")
-    parser.add_argument("--max-ctx", "-c", "--ctx-size", dest="max_ctx", type=_ctx_arg, default="auto",
+    parser.add_argument("--max-ctx", "-c", "--ctx-size", dest="max_ctx", type=_ctx_type, default="auto",
                         help="KV cache positions, or auto (default): the most that fit, up to the training context")
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (default: auto)")
+    add_memory_options(parser)
     parser.add_argument("-ngl", "--n-gpu-layers", "--gpu-layers", dest="n_gpu_layers", type=int,
                         help="accepted for llama.cpp compatibility: every layer runs on --device")
+
+
+def add_memory_options(parser: argparse.ArgumentParser) -> None:
+    """--state-type and --draft-type (load's state_type and draft_type), for every command that loads or plans a
+    speculative pair."""
+    parser.add_argument("--state-type", default="auto", choices=["auto", "f32", "replay", "f16"],
+                        help="verify node states: f32 (every node's state stored), replay (none stored, the commit "
+                             "re-runs the accepted path; ~2%% of the memory), f16 (half of f32; may change the "
+                             "output where the top two logits are close), auto (default): f32 unless replay fits "
+                             "a longer context")
+    parser.add_argument("--draft-type", default="auto", choices=["auto", "stored", "q8_0"],
+                        help="draft matrices on the device: stored (as in the file), q8_0 (quantized at load; "
+                             "output unchanged), auto (default): q8_0 only where it fits a longer context")
 
 
 # keyword -> (type, help) of the sampling flags of `run` and `chat`, passed on as Engine.stream keywords
@@ -179,7 +193,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     sampling = _sampling_options(args, "run")
     # a plan that does not fit (PlanError) is reported as one line by main(), like every other error
     engine = load(args.target, args.draft, device=args.device, kv_type=args.kv, max_ctx=_ctx_arg(args.max_ctx),
-                  mode=args.mode, budget=args.budget, progress=True, verbose=args.verbose)
+                  mode=args.mode, budget=args.budget, progress=True, verbose=args.verbose,
+                  state_type=args.state_type, draft_type=args.draft_type)
     source = _prompt_input(engine, args, prompt)
     for piece in engine.stream(source, max_tokens=args.n_gen, chat=args.chat and args.system is None, **sampling):
         sys.stdout.write(piece)
@@ -196,6 +211,15 @@ def _ctx_arg(text):
     if not text.isdigit() or int(text) < 1:
         raise UsageError(f"--max-ctx {text!r}: expected a positive number of positions or 'auto'")
     return int(text)
+
+
+def _ctx_type(text):
+    """--max-ctx as an argparse type: a bad value is reported with what is accepted (argparse shows the message
+    of an ArgumentTypeError; of a ValueError only its generic 'invalid ... value')."""
+    try:
+        return _ctx_arg(text)
+    except UsageError as e:
+        raise argparse.ArgumentTypeError(str(e).split(": ", 1)[1] + f", got {text!r}") from None
 
 
 def _ubatch_arg(text: str):
@@ -219,7 +243,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     result = plan.plan_for_load(args.target, args.draft, vram=vram, max_ctx=_ctx_arg(args.max_ctx),
                                 kv_type=args.kv, budget=args.budget, mode=args.mode,
                                 n_ubatch=_ubatch_arg(args.ubatch), state_type=args.state_type,
-                                prefix_snapshots=args.prefix_snapshots)
+                                prefix_snapshots=args.prefix_snapshots,
+                                draft_type=None if args.draft_type == "stored" else args.draft_type)
     print(result.table())
     return 0
 
@@ -290,7 +315,8 @@ def cmd_chat(args: argparse.Namespace) -> int:
             _check_run_args(args)
         engine = load(target, draft, device=args.device, kv_type=args.kv, max_ctx=_ctx_arg(args.max_ctx),
                       mode=args.mode, budget=args.budget, progress=not args.demo,
-                      prefix_cache=not args.no_prefix_cache)
+                      prefix_cache=not args.no_prefix_cache, state_type=args.state_type,
+                      draft_type=args.draft_type)
         return repl(ChatSession(engine, system=args.system, max_tokens=args.n_gen, sampling=sampling))
 
 
@@ -394,7 +420,7 @@ def build_parser() -> argparse.ArgumentParser:
     mem = sub.add_parser("plan", help="print the device-memory plan of a target (and draft); no GPU needed")
     mem.add_argument("--target", required=True, help="target GGUF (only its header is read)")
     mem.add_argument("--draft", help="DFlash draft directory or GGUF (only config and header are read)")
-    mem.add_argument("--max-ctx", default="auto", help="positions, or auto (default): the most that fit")
+    mem.add_argument("--max-ctx", type=_ctx_type, default="auto", help="positions, or auto (default): the most that fit")
     mem.add_argument("--kv", default="auto", choices=["auto", "f16", "q8_0", "q4_0", "tq3_0"],
                      help="KV cache type (default auto)")
     mem.add_argument("--vram", help="device memory to plan for, e.g. 24GiB or 24GB (default: the free memory "
@@ -405,8 +431,7 @@ def build_parser() -> argparse.ArgumentParser:
     mem.add_argument("--ubatch", default="auto",
                      help="longest prefill micro-batch, or auto (default, as load: 2048 where it costs no context, "
                           "else 512)")
-    mem.add_argument("--state-type", default="f32", choices=["f32", "f16"],
-                     help="verify state store type (default f32)")
+    add_memory_options(mem)
     mem.add_argument("--prefix-snapshots", type=int, default=4,
                      help="recurrent-state snapshots for prefix reuse (default 4, as load; fewer where they would "
                           "cost context)")

@@ -146,7 +146,8 @@ class Decoder:
 
     budget: tree nodes per step (ddtree) or chain length (chain, capped by the draft block). top_k: proposals
     per position the draft hands over (ddtree). seed_chain: seed the tree with the draft's top-1 chain.
-    state_type: 'f32' or 'f16' recurrent states of the tree nodes (f16 needs the tree ops).
+    state_type: 'f32', 'f16' or 'replay' recurrent states of the tree nodes (TargetRuntime.enable_verify; f16 and
+    replay need the tree ops).
     eog: a predicate on token ids that ends generation (the tokenizer's end-of-generation test); stop_tokens:
     more ids that do. prefix_snapshots / prefix_bytes: the bound of the prefix cache (pydflash.prefix_cache)
     that lets a prompt extending an earlier one resume from it; 0 snapshots turn prefix reuse off."""

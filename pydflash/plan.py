@@ -10,7 +10,8 @@ Parts (exact unless marked):
   target weights       the GGUF's tensor bytes (tied LM head counted once)
   KV cache             attention layers x (K, V) x cells (n_ctx rounded up to the 256-cell bucket) x row bytes
   recurrent states     per GDN layer the conv window ((d_conv-1) x conv_dim f32) and the state (S x S x H f32)
-  verify stores        per GDN layer, every verify slot's state (f32 or f16) and conv input (f32)
+  verify stores        per GDN layer, every verify slot's state (f32 or f16; 'replay': its delta-rule inputs)
+                       and conv input (f32)
   prefix snapshots     saved recurrent states for prefix reuse (pydflash.prefix_cache), as many as load keeps
   captured features    the draft's target layers, f32 x n_ubatch tokens
   draft weights        matrices as stored (bf16), norms widened to f32
@@ -26,8 +27,8 @@ from dataclasses import dataclass, field, replace
 
 from . import ggml
 from .kv import KV_TYPES, kv_type_of
-from .models.dflash_draft import DEFAULT_WINDOW
-from .models.runtime import KV_BUCKET   # the target's KV cells are a multiple of this
+from .models.dflash_draft import DEFAULT_WINDOW, DRAFT_MATRIX_TYPES
+from .models.runtime import KV_BUCKET, replay_width   # the target's KV cells are a multiple of KV_BUCKET
 
 AUTO_KV_ORDER = ("f16", "q8_0", "q4_0", "tq3_0")   # kv_type="auto": the first one the context fits in
 RESERVE = 512 << 20             # cuBLAS workspaces, CUDA graph memory, allocator rounding
@@ -73,21 +74,30 @@ class DraftShape:
     window: int = DRAFT_WINDOW
 
     @classmethod
-    def from_hparams(cls, hp, stored_itemsize: int = 2, window: int = DRAFT_WINDOW) -> "DraftShape":
-        """Weights from the draft's tensor list: matrices `stored_itemsize` bytes per value, norms f32."""
-        nbytes = sum(_count(ne) * (4 if len(ne) == 1 else stored_itemsize) for ne in hp.tensor_shapes().values())
+    def from_hparams(cls, hp, stored_itemsize: int = 2, window: int = DRAFT_WINDOW,
+                     matrix_type: str | None = None) -> "DraftShape":
+        """Weights from the draft's tensor list: matrices `stored_itemsize` bytes per value, or quantized to
+        matrix_type at load ('q8_0': DFlashWeights), norms f32."""
+        def matrix_bytes(ne):
+            if matrix_type is None:
+                return _count(ne) * stored_itemsize
+            return ggml.row_size(DRAFT_MATRIX_TYPES[matrix_type], ne[0]) * (_count(ne) // ne[0])
+        nbytes = sum(_count(ne) * 4 if len(ne) == 1 else matrix_bytes(ne) for ne in hp.tensor_shapes().values())
         return cls(hp.n_layer, hp.n_embd, hp.n_ff, hp.head_dim * hp.n_head_kv, hp.block_size, hp.n_feat, nbytes,
                    window)
 
     @classmethod
-    def from_path(cls, path, window: int = DRAFT_WINDOW) -> "DraftShape":
-        """From a z-lab folder (config.json + the safetensors header) or a llama.cpp dflash GGUF header."""
+    def from_path(cls, path, window: int = DRAFT_WINDOW, matrix_type: str | None = None) -> "DraftShape":
+        """From a z-lab folder (config.json + the safetensors header) or a llama.cpp dflash GGUF header;
+        matrix_type: None (as stored) or the type load quantizes the matrices to."""
         from .models.dflash_draft import DFlashHParams, read_safetensors_header, _resolve_zlab
         path = os.fspath(path)
         if path.endswith(".gguf"):             # matrices as stored (any type), norms widened to f32
             from .gguf_io import GGUFFile
             gf = GGUFFile(path)
-            shape = cls.from_hparams(DFlashHParams.from_gguf(gf), 2, window)
+            shape = cls.from_hparams(DFlashHParams.from_gguf(gf), 2, window, matrix_type)
+            if matrix_type is not None:
+                return shape
             nbytes = sum(4 * _count(t.ne) if len(t.ne) == 1 else t.nbytes for t in gf.tensors.values())
             return replace(shape, weight_bytes=nbytes)
         import json
@@ -96,7 +106,7 @@ class DraftShape:
             hp = DFlashHParams.from_config(json.load(f), config_path)
         tensors, _ = read_safetensors_header(weights_path)
         itemsizes = {t.nbytes // max(1, _count(t.ne)) for t in tensors.values() if _count(t.ne) > 1}
-        return cls.from_hparams(hp, max(itemsizes) if itemsizes else 2, window)
+        return cls.from_hparams(hp, max(itemsizes) if itemsizes else 2, window, matrix_type)
 
 
 def _count(ne) -> int:
@@ -114,6 +124,8 @@ class MemoryPlan:
     n_ubatch: int = 512                           # the longest prefill micro-batch planned for
     prefix_snapshots: int = 0                     # recurrent-state snapshots planned for prefix reuse
     vram: int | None = None                       # the memory it was fitted to (None: not fitted)
+    draft_type: str | None = None                 # the draft's matrices quantized at load to this (None: as stored)
+    state_type: str = "f32"                       # the verify's node states (TargetRuntime.enable_verify)
 
     @property
     def total(self) -> int:
@@ -121,7 +133,8 @@ class MemoryPlan:
 
     def table(self) -> str:
         width = max(len(k) for k in self.parts)
-        lines = [f"memory plan: n_ctx {self.n_ctx}, kv_type {self.kv_type}, prefill micro-batch up to {self.n_ubatch}"]
+        lines = [f"memory plan: n_ctx {self.n_ctx}, kv_type {self.kv_type}, prefill micro-batch up to {self.n_ubatch}"
+                 + (f", draft matrices {self.draft_type}" if self.draft_type else "")]
         lines += [f"  {name:<{width}}  {fmt_bytes(n):>11}" for name, n in self.parts.items()]
         lines.append(f"  {'total':<{width}}  {fmt_bytes(self.total):>11}")
         if self.vram is not None:
@@ -195,19 +208,26 @@ def memory_plan(hp, weight_bytes: int, n_ctx: int, kv_type="f16", *, draft: Draf
         raise PlanError(f"kv type tq3_0 rotates groups of 128 values: head size {hp.head_dim} is not a multiple "
                         f"of 128")
     n_rec = sum(1 for r in hp.recurrent if r)
-    state_bytes = 2 if state_type == "f16" else 4
-    slot_bytes = (hp.ssm_d_v ** 2 * hp.ssm_n_v_heads * state_bytes + hp.conv_dim * 4) if n_rec else 0
+    if not n_rec:
+        store_bytes = 0
+    elif state_type == "replay":    # per slot its delta-rule inputs, plus one zero column (TargetRuntime.commit)
+        store_bytes = n_slots * hp.conv_dim * 4 + (n_slots + 1) * replay_width(hp) * 4 if n_slots else 0
+    else:
+        state_bytes = 2 if state_type == "f16" else 4
+        store_bytes = n_slots * (hp.ssm_d_v ** 2 * hp.ssm_n_v_heads * state_bytes + hp.conv_dim * 4)
     parts = {
         "target weights": int(weight_bytes),
         f"KV cache ({kv_name}, {kv_cells(n_ctx)} cells)": kv_bytes(hp, n_ctx, kv_name),
         "recurrent states": recurrent_state_bytes(hp),
-        f"verify stores ({n_slots} slots, {state_type})": n_rec * n_slots * slot_bytes,
+        f"verify stores ({n_slots} slots, {state_type})": n_rec * store_bytes,
         "prefix snapshots": prefix_snapshots * recurrent_state_bytes(hp),
         "captured features": (hp.n_embd * draft.n_feat * n_ubatch * 4) if draft else 0,
         "draft weights": draft.weight_bytes if draft else 0,
         "draft context ring": (draft.n_layer * 2 * draft.kv_row * 2 * kv_cells(draft.block_size + draft.window)
                                if draft else 0),
-        "compute (estimate)": compute_estimate(hp, n_ctx, kv_name, n_ubatch, n_slots, draft),
+        "compute (estimate)": compute_estimate(hp, n_ctx, kv_name, n_ubatch, n_slots, draft)
+        # replay: one layer's node states live in the verify graph instead of a store
+        + (n_slots * hp.ssm_d_v ** 2 * hp.ssm_n_v_heads * 4 if state_type == "replay" and n_rec else 0),
         "reserve": int(reserve),
     }
     return MemoryPlan(n_ctx, kv_name, parts, n_ubatch, prefix_snapshots)
@@ -310,35 +330,52 @@ def target_shape(path):
 def plan_for_files(target, draft=None, *, vram=None, max_ctx="auto", kv_type="auto", budget: int = 22,
                    n_ubatch: int = 512, state_type: str = "f32", mode: str | None = None,
                    draft_window: int = DRAFT_WINDOW, prefix_snapshots: int = 0,
-                   prefix_bytes: int | None = None) -> MemoryPlan:
+                   prefix_bytes: int | None = None, draft_type: str | None = None) -> MemoryPlan:
     """The plan for a target GGUF (a file name or a parsed GGUFFile) and an optional draft (folder or GGUF),
     fitted to `vram` bytes when given (then max_ctx / kv_type may be 'auto'); without vram, max_ctx and kv_type
-    must be concrete. prefix_snapshots / prefix_bytes: the prefix cache's bound (load's arguments)."""
+    must be concrete. prefix_snapshots / prefix_bytes: the prefix cache's bound (load's arguments); draft_type:
+    None (the draft's matrices as stored) or a type of DRAFT_MATRIX_TYPES they are quantized to at load."""
     hp, weight_bytes = target_shape(target)
     mode = mode or ("ddtree" if draft is not None else "ar")
-    shape = DraftShape.from_path(draft, draft_window) if (draft is not None and mode != "ar") else None
+    shape = DraftShape.from_path(draft, draft_window, draft_type) if (draft is not None and mode != "ar") else None
     n_slots = 0 if shape is None else (min(budget, shape.block_size - 1) if mode == "chain" else budget) + 1
     args = dict(draft=shape, n_ubatch=n_ubatch, n_slots=n_slots, state_type=state_type,
                 prefix_snapshots=prefix_snapshot_count(hp, prefix_snapshots, prefix_bytes))
     if vram is None:
         if max_ctx == "auto" or kv_type == "auto":
             raise ValueError("max_ctx and kv_type 'auto' need the device memory (vram)")
-        return memory_plan(hp, weight_bytes, int(max_ctx), kv_type, **args)
-    return fit(hp, weight_bytes, parse_size(vram), max_ctx=max_ctx, kv_type=kv_type, **args)
+        result = memory_plan(hp, weight_bytes, int(max_ctx), kv_type, **args)
+    else:
+        result = fit(hp, weight_bytes, parse_size(vram), max_ctx=max_ctx, kv_type=kv_type, **args)
+    result.draft_type = draft_type if shape is not None else None
+    result.state_type = state_type
+    return result
 
 
 def plan_for_load(target, draft=None, *, vram, n_ubatch="auto", budget: int = 22, prefix_snapshots: int = 0,
-                  prefix_bytes: int | None = PREFIX_BYTES, **args) -> MemoryPlan:
+                  prefix_bytes: int | None = PREFIX_BYTES, draft_type: str | None = "auto", state_type: str = "f32",
+                  **args) -> MemoryPlan:
     """What `pydflash.load` allocates (plan_for_files' arguments). The context and KV type come first: fitted
     with the smallest buffers (no prefix snapshots, DEFAULT_UBATCH-token micro-batches, or n_ubatch when it is a
-    number). Then the prefix snapshots (as many as requested, else fewer) and, with n_ubatch="auto",
+    number) and, for the options given as "auto", the first of AUTO_OPTIONS that fits the longest context (or the
+    same one with the finest KV type): f32 node states and the draft's matrices as stored, else replayed states
+    (state_type 'replay'), else the draft's matrices quantized to q8_0 at load, else both. None of these changes
+    the output (q8_0 changes the draft's proposals; f16 states, which would, are never picked). Then the prefix
+    snapshots (as many as requested, else fewer) and, with n_ubatch="auto",
     LONG_PROMPT_UBATCH micro-batches are taken where they leave that context and KV type unchanged; snapshots
     before bigger micro-batches. A verify must fit in one micro-batch (at least budget + 1 tokens)."""
+    from .gguf_io import GGUFFile
+    if not isinstance(target, GGUFFile):      # parsed once for the several fits below (a vocabulary is big)
+        target = GGUFFile(os.fspath(target))
     ubatches = [LONG_PROMPT_UBATCH, DEFAULT_UBATCH] if n_ubatch == "auto" else [int(n_ubatch)]
+    if "auto" in (draft_type, state_type):
+        draft_type, state_type = _best_options(target, draft, vram, max(ubatches[-1], budget + 1), budget, draft_type,
+                                               state_type, args)
 
     def fit_with(ubatch, snapshots):
         return plan_for_files(target, draft, vram=vram, budget=budget, n_ubatch=max(ubatch, budget + 1),
-                              prefix_snapshots=snapshots, prefix_bytes=prefix_bytes, **args)
+                              prefix_snapshots=snapshots, prefix_bytes=prefix_bytes, draft_type=draft_type,
+                              state_type=state_type, **args)
 
     fitted = fit_with(ubatches[-1], 0)
     for snapshots in range(prefix_snapshots, -1, -1):
@@ -350,3 +387,36 @@ def plan_for_load(target, draft=None, *, vram, n_ubatch="auto", budget: int = 22
             if (candidate.n_ctx, candidate.kv_type) == (fitted.n_ctx, fitted.kv_type):
                 return candidate
     return fitted
+
+
+AUTO_STATE_TYPES = ("f32", "replay")    # state_type "auto" tries these (f16, which may change the output, never)
+
+
+def _best_options(target, draft, vram, n_ubatch, budget, draft_type, state_type, args) -> tuple:
+    """(draft_type, state_type) for plan_for_load: each "auto" one chosen among its candidates, in the order of
+    preference f32 states and the draft as stored, replayed states, q8_0 draft, both; the first of the best fits
+    is taken. When nothing fits, the PlanError of the most compact choice (the closest to fitting)."""
+    speculative = draft is not None and args.get("mode") != "ar"
+    if not speculative:
+        return None, "f32" if state_type == "auto" else state_type
+    drafts = [None, *DRAFT_MATRIX_TYPES] if draft_type == "auto" else [draft_type]
+    states = list(AUTO_STATE_TYPES) if state_type == "auto" else [state_type]
+    options = [(d, st) for d in drafts for st in states]
+    best, best_key, error = None, None, None
+    for d, st in options:
+        try:
+            p = plan_for_files(target, draft, vram=vram, budget=budget, n_ubatch=n_ubatch, draft_type=d,
+                               state_type=st, **args)
+        except PlanError as e:
+            error = e
+            continue
+        key = (p.n_ctx, -AUTO_KV_ORDER.index(p.kv_type))
+        if best_key is None or key > best_key:
+            best, best_key = (d, st), key
+    if best_key is not None:
+        return best
+    d, st = options[-1]
+    shrink = ("a smaller budget shrinks" if st != "f32" else
+              "a smaller budget and replayed states (state_type='replay') shrink")
+    raise PlanError(f"{error} (with the draft's matrices {d or 'as stored'} and {st} verify states; {shrink} "
+                    f"the verify stores)") from None

@@ -520,11 +520,12 @@ _ST_DTYPES = {np.dtype(np.uint16): "BF16", np.dtype(np.float16): "F16", np.dtype
               np.dtype(np.float64): "F64", np.dtype(np.int32): "I32"}
 
 
-def write_safetensors(path, tensors: dict, metadata: dict | None = None) -> None:
+def write_safetensors(path, tensors: dict, metadata: dict | None = None, data: bool = True) -> None:
     """Write named arrays; uint16 arrays are written as BF16 bit patterns, float arrays as F32/F16/F64.
 
     Values may also be (dtype, shape, make) triples: make() is called when the tensor is written, so large
-    files are streamed one tensor at a time."""
+    files are streamed one tensor at a time. data=False: the header and a sparse file of the full size (memory
+    plans read headers only)."""
     import json
     specs = {}
     for name, value in tensors.items():
@@ -545,6 +546,9 @@ def write_safetensors(path, tensors: dict, metadata: dict | None = None) -> None
     with open(path, "wb") as f:
         f.write(len(raw).to_bytes(8, "little"))
         f.write(raw)
+        if not data:
+            f.truncate(8 + len(raw) + offset)
+            return
         for name, (dtype, shape, make) in specs.items():
             arr = np.ascontiguousarray(make())
             assert arr.dtype == dtype and arr.shape == shape, name
@@ -555,12 +559,13 @@ def write_dflash_draft(out_dir, target_gguf, *, n_layer: int = 2, n_head: int = 
                        head_dim: int = 64, n_ff: int = 128, block_size: int = 16, rope_theta: float = 1e7,
                        rms_eps: float = 1e-6, mask_token_id: int | None = None, target_layer_ids=None,
                        layer_types=None, sliding_window: int | None = None, seed: int = 0,
-                       dtype: str = "BF16") -> dict:
+                       dtype: str = "BF16", data: bool = True) -> dict:
     """Write a random DFlash draft in z-lab format (config.json + model.safetensors) that fits `target_gguf`.
 
     Hidden size and vocabulary come from the target; the mask token defaults to the target's last token id and
     the captured layers to ids spread over its depth. Tensors are generated while being written, so the 27B
-    draft shape (3.5 GB) never sits in memory whole. Returns the config written."""
+    draft shape (3.5 GB) never sits in memory whole. data=False writes the safetensors header and a sparse file
+    (for memory plans). Returns the config written."""
     import json
     import os
     from .gguf_io import GGUFFile
@@ -625,7 +630,7 @@ def write_dflash_draft(out_dir, target_gguf, *, n_layer: int = 2, n_head: int = 
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, "config.json"), "w") as f:
         json.dump(cfg, f, indent=1)
-    write_safetensors(os.path.join(out_dir, "model.safetensors"), specs, {"format": "pt"})
+    write_safetensors(os.path.join(out_dir, "model.safetensors"), specs, {"format": "pt"}, data)
     return cfg
 
 

@@ -224,5 +224,28 @@ phase bx_ar_d8k_default 200 python3 "$src/bench/ar_decode.py" "$data/q27.gguf" -
     --n-depth 8192 --n-ctx 8448
 phase bx_ar_d8k 200 env PYDFLASH_BITEXACT=1 python3 "$src/bench/ar_decode.py" "$data/q27.gguf" --device cuda \
     --n-gen 64 --reps 3 --n-depth 8192 --n-ctx 8448
+# long context in ~10 minutes (ONLY=lcq_): the 256K peak with the compact options, AR and DDTree step by depth
+# (TQ3_0 2K/32K/128K, f16 and q8_0 at 32K) beside llama-bench -d, prefill beside llama-bench -p. Each phase is
+# bounded by its own timeout (--preserve-status: a cut phase is stamped, its log kept, the others still run).
+lcq() { local s=$1; shift; timeout --preserve-status "$s" bash -c '"$@"' _ "$@"; }
+llama_tgq() { "$build/bin/llama-bench" -m "$data/q27.gguf" -p 0 -n 32 -r 1 -fa 1 -ngl 99 -o md "$@"; }
+export -f lcq llama_tgq
+phase lcq_tests 120 lcq 120 pytest_cuda "$src/tests/test_long_context_options.py"
+phase lcq_memory 150 lcq 150 python3 "$lc" memory "$data/q27.gguf" --draft "$data/d27" --device cuda --kv tq3_0 \
+    --ctx 262144 --draft-type q8_0 --state-type replay
+phase lcq_depth_tq3_0 100 lcq 100 python3 "$lc" depth "$data/q27.gguf" --draft "$data/d27" --device cuda --kv tq3_0 \
+    --depths 2048,32768,131072 --n-gen 32 --n-steps 8
+phase lcq_depth_replay 80 lcq 80 python3 "$lc" depth "$data/q27.gguf" --draft "$data/d27" --device cuda \
+    --kv tq3_0 --depths 2048,131072 --n-gen 8 --n-steps 16 --state-type replay
+phase lcq_llama_tg_f16 200 lcq 200 llama_tgq -d 2048,32768,131072 -ctk f16 -ctv f16
+phase lcq_prefill 120 lcq 120 python3 "$lc" prefill "$data/q27.gguf" --device cuda --lengths 2048,8192,32768 \
+    --reps 1 --no-fixed --llama-bench "$build/bin/llama-bench"
+phase lcq_depth_f16_32k 60 lcq 60 python3 "$lc" depth "$data/q27.gguf" --draft "$data/d27" --device cuda --kv f16 \
+    --depths 32768 --n-gen 32 --n-steps 8
+phase lcq_depth_q8_0_32k 60 lcq 60 python3 "$lc" depth "$data/q27.gguf" --draft "$data/d27" --device cuda \
+    --kv q8_0 --depths 32768 --n-gen 32 --n-steps 8
+phase lcq_llama_tg_q8_0 50 lcq 50 llama_tgq -d 32768 -ctk q8_0 -ctv q8_0
+phase lcq_draft_quant 90 lcq 90 python3 "$src/bench/draft_quant.py" "$data/q27.gguf" --draft "$data/d27" \
+    --device cuda --n-steps 32 --n-gen 32
 echo "all phases done" | tee -a "$logs/summary.md"
 finish 0

@@ -442,15 +442,33 @@ def _bf16_to_f32(raw: np.ndarray) -> np.ndarray:
     return (np.frombuffer(raw.tobytes(), np.uint16).astype(np.uint32) << 16).view(np.float32)
 
 
+def _to_f32(raw: np.ndarray, src_type: ggml.Type) -> np.ndarray:
+    if src_type == ggml.Type.BF16:
+        return _bf16_to_f32(raw)
+    return np.frombuffer(raw.tobytes(), np.float16 if src_type == ggml.Type.F16 else np.float32).astype(np.float32)
+
+
+# draft_type -> the type the draft's matrices are quantized to at load (None: as stored)
+DRAFT_MATRIX_TYPES = {"q8_0": ggml.Type.Q8_0}
+
+
 class DFlashWeights:
     """The draft's tensors in one device buffer, by z-lab name.
 
-    Matrices keep their stored type (bf16 for z-lab drafts; f16 on a backend without bf16 matrix products);
-    the 1-D norm weights are widened to f32 on the host because ggml's elementwise ops want f32 operands.
+    Matrices keep their stored type (bf16 for z-lab drafts; f16 on a backend without bf16 matrix products),
+    or with matrix_type 'q8_0' are quantized on the host as they are uploaded (about half the bytes of bf16: the
+    draft's proposals change slightly, the verified output does not); the 1-D norm weights are widened to f32 on
+    the host because ggml's elementwise ops want f32 operands.
     """
 
-    def __init__(self, hp: DFlashHParams, backend: ggml.Backend, sources: dict, read, path: str):
-        """sources: z-lab name -> (type, ne, nbytes); read(name) -> the raw bytes (uint8 array)."""
+    def __init__(self, hp: DFlashHParams, backend: ggml.Backend, sources: dict, read, path: str,
+                 matrix_type: str | None = None):
+        """sources: z-lab name -> (type, ne, nbytes); read(name) -> the raw bytes (uint8 array); matrix_type:
+        None (as stored) or one of DRAFT_MATRIX_TYPES."""
+        if matrix_type is not None and matrix_type not in DRAFT_MATRIX_TYPES:
+            raise ValueError(f"draft weight type {matrix_type!r}: expected one of {sorted(DRAFT_MATRIX_TYPES)} "
+                             f"or None (as stored)")
+        quant = DRAFT_MATRIX_TYPES.get(matrix_type)
         shapes = hp.tensor_shapes()
         extra = sorted(set(sources) - set(shapes))
         if extra:
@@ -472,6 +490,11 @@ class DFlashWeights:
             src_type = ggml.Type(sources[name][0])
             if len(ne) == 1:
                 dst_type = ggml.Type.F32
+            elif quant is not None:
+                if ne[0] % ggml.block_size(quant):
+                    raise DraftLoadError(f"{path}: tensor {name!r} has rows of {ne[0]} values; {matrix_type} "
+                                         f"needs a multiple of {ggml.block_size(quant)}")
+                dst_type = quant
             elif src_type == ggml.Type.BF16 and not bf16_ok:
                 dst_type = ggml.Type.F16
             else:
@@ -486,9 +509,23 @@ class DFlashWeights:
                 for start in range(0, raw.nbytes, chunk):
                     self.t[name].set_bytes(raw[start: start + chunk], start)
                 continue
-            values = _bf16_to_f32(raw) if src_type == ggml.Type.BF16 else \
-                np.frombuffer(raw.tobytes(), np.float16 if src_type == ggml.Type.F16 else np.float32)
+            if dst_type == quant:
+                self._upload_quantized(self.t[name], raw, src_type)
+                continue
+            values = _to_f32(raw, src_type)
             self.t[name].set(values.astype(np.float32 if dst_type == ggml.Type.F32 else np.float16))
+
+    @staticmethod
+    def _upload_quantized(t: ggml.Tensor, raw: np.ndarray, src_type: ggml.Type) -> None:
+        """Quantize a matrix to t's type by row chunks (a 17408 x 5120 matrix is 356 MB as f32)."""
+        n_per_row = t.ne[0]
+        src_row = n_per_row * (4 if src_type == ggml.Type.F32 else 2)
+        dst_row = ggml.row_size(t.type, n_per_row)
+        n_rows = raw.nbytes // src_row
+        chunk = max(1, (32 << 20) // (4 * n_per_row))
+        for r in range(0, n_rows, chunk):
+            rows = _to_f32(raw[r * src_row: min(n_rows, r + chunk) * src_row], src_type).reshape(-1, n_per_row)
+            t.set_bytes(ggml.quantize(t.type, rows), r * dst_row)
 
     def __getitem__(self, name: str) -> ggml.Tensor:
         return self.t[name]
@@ -544,10 +581,11 @@ def _open_gguf(path) -> GGUFFile:
         raise DraftLoadError(str(e)) from None
 
 
-def load_draft_weights(path, backend: ggml.Backend, check=None):
+def load_draft_weights(path, backend: ggml.Backend, check=None, matrix_type: str | None = None):
     """(hparams, weights, weights path) of a z-lab draft folder / (config, safetensors) pair, or a GGUF.
 
-    check(hp, weights_path), if given, runs before anything is uploaded (e.g. the fit to a target)."""
+    check(hp, weights_path), if given, runs before anything is uploaded (e.g. the fit to a target); matrix_type:
+    see DFlashWeights."""
     check = check or (lambda hp, p: None)
     if _is_gguf(path):
         gf = _open_gguf(path)
@@ -556,7 +594,7 @@ def load_draft_weights(path, backend: ggml.Backend, check=None):
         names = _gguf_names(hp.n_layer)
         by_zlab = {names.get(g, g): info for g, info in gf.tensors.items()}
         sources = {z: (info.type, info.ne, info.nbytes) for z, info in by_zlab.items()}
-        return hp, DFlashWeights(hp, backend, sources, lambda n: gf.data(by_zlab[n]), gf.path), gf.path
+        return hp, DFlashWeights(hp, backend, sources, lambda n: gf.data(by_zlab[n]), gf.path, matrix_type), gf.path
     config_path, weights_path = _resolve_zlab(path)
     hp = DFlashHParams.from_config(read_config(config_path), config_path)
     check(hp, weights_path)
@@ -565,7 +603,7 @@ def load_draft_weights(path, backend: ggml.Backend, check=None):
     strip = {n[len("model."):] if n.startswith("model.") else n: t for n, t in tensors.items()}
     sources = {n: (t.type, t.ne, t.nbytes) for n, t in strip.items()}
     weights = DFlashWeights(hp, backend, sources, lambda n: mm[strip[n].offset: strip[n].offset + strip[n].nbytes],
-                            weights_path)
+                            weights_path, matrix_type)
     return hp, weights, weights_path
 
 
@@ -689,13 +727,14 @@ class DFlashDraft:
     path: a z-lab folder, a (config.json, model.safetensors) pair, or a llama.cpp `dflash` GGUF.
     target: a loaded Qwen35Target (its token embedding and LM head are used in place, and its backend).
     window: context positions kept (the ring); top_k: candidates per block position returned by `propose`.
+    weight_type: None (matrices as stored) or 'q8_0' (quantized at load: DFlashWeights).
     """
 
-    def __init__(self, path, target, *, window: int = DEFAULT_WINDOW, top_k: int = 8):
+    def __init__(self, path, target, *, window: int = DEFAULT_WINDOW, top_k: int = 8, weight_type: str | None = None):
         self.target = target
         self.backend = target.backend
         self.hp, self.weights, self.path = load_draft_weights(
-            path, self.backend, lambda hp, p: check_fits(hp, target.hp, p, target.gguf.path))
+            path, self.backend, lambda hp, p: check_fits(hp, target.hp, p, target.gguf.path), weight_type)
         if not 1 <= top_k <= target.hp.n_vocab:
             raise ValueError(f"top_k {top_k} outside 1..{target.hp.n_vocab}")
         self.top_k = int(top_k)

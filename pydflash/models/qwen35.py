@@ -237,6 +237,15 @@ class Qwen35Target(TargetRuntime):
             o = ctx.view_4d(res, d_v, h_v, n, 1, d_v * 4, d_v * h_v * 4, d_v * h_v * n * 4, 0)
             new_state = ctx.view_1d(res, d_v * d_v * h_v, d_v * h_v * n * 4)
             side_effects.append(ctx.cpy(new_state, ssm).named(f"l{il}.gdn.state_out"))
+        elif self.replay:   # node states stay in this graph; the store keeps what commit replays them from
+            res = ggml.gated_delta_net_tree(ctx, q, k, v, gk, beta, state, parent)
+            o = ctx.view_4d(res, d_v, h_v, n, 1, d_v * 4, d_v * h_v * 4, d_v * h_v * n * 4, 0)
+            store = self.slot_states[il]
+            offset = 0
+            for name, t, width in (("k", k, hp.key_dim), ("v", v, hp.value_dim), ("g", gk, h_v), ("beta", beta, h_v)):
+                dst = ctx.view_2d(store, width, n, store.nb[1], offset)
+                side_effects.append(ctx.cpy(t, dst).named(f"l{il}.gdn.slot_{name}"))
+                offset += width * 4
         elif self.tree_state_op is not None:                          # node states go straight to the store
             o = self.tree_state_op(ctx, q, k, v, gk, beta, state, parent, self.slot_states[il])
         else:

@@ -143,6 +143,7 @@ class _CommitGraph:
         self.ctx = ggml.Context(n_tensors=size, graph_size=size)
         self.graph = None
         self.state_slot = None        # i32 [1]: the accepted node's slot in the verify's state store
+        self.replay_slots = None      # i32 [n_slots]: state_type 'replay': the path's slots, then the zero column
         self.conv_cols = None         # i32 [d_conv-1]: columns of (conv state ‖ verify inputs) that become the state
         self.kv_src = self.kv_dst = None   # i32 / i64 [n_slots]: KV cells to move, and where to
 
@@ -198,6 +199,7 @@ class TargetRuntime:
         self.slot_states: dict[int, ggml.Tensor] = {}
         self.slot_inputs: dict[int, ggml.Tensor] = {}
         self.tree_state_op = None         # the tree delta-rule op writing slot_states (None: chains only)
+        self.replay = False               # state_type 'replay': slot_states hold each slot's delta-rule inputs
         self._trees = False               # verify accepts branching trees (else chains only)
         self._commit_graphs: dict[bool, _CommitGraph] = {}
         self._commit_allocator = ggml.Allocator(self.backend)
@@ -346,7 +348,10 @@ class TargetRuntime:
 
         tree=False allows chains only, through upstream gated_delta_net's state snapshots; tree=True needs the
         tree ops (`ggml.gated_delta_net_tree_persist`). state_type 'f16' halves the state store (tree ops only),
-        at the price of rounding every node's state (docs/benchmarks.md measures it against f32). A model without
+        at the price of rounding every node's state (docs/benchmarks.md measures it against f32). state_type
+        'replay' (tree ops only) stores no node state: per slot only its delta-rule inputs (k, v, gate, beta), and
+        `commit` runs the accepted path's steps again from the committed state with upstream gated_delta_net (the
+        op plain decoding uses), so the 27B's store shrinks from 3.3 GiB to ~80 MiB at 23 slots. A model without
         recurrent layers verifies trees either way."""
         hp = self.hp
         if not 1 <= n_slots <= self.n_ubatch:
@@ -359,8 +364,9 @@ class TargetRuntime:
         if tree and persist is None and n_rec:
             raise RuntimeError("tree verify needs ggml.gated_delta_net_tree_persist (the tree ops are not in this "
                                "build); use chains (tree=False)")
-        if state_type not in ("f32", "f16") or (state_type == "f16" and not tree):
-            raise ValueError(f"state_type {state_type!r}: 'f32', or 'f16' with tree=True")
+        if state_type not in ("f32", "f16", "replay") or (state_type != "f32" and not tree):
+            raise ValueError(f"state_type {state_type!r}: 'f32', or 'f16' / 'replay' with tree=True")
+        replay = state_type == "replay"
         store_type = ggml.Type.F16 if state_type == "f16" else ggml.Type.F32
         if layers.bitexact_enabled() and n_slots > ggml.QMATMUL_MAX_COLS:
             raise ValueError(f"PYDFLASH_BITEXACT=1 verifies at most {ggml.QMATMUL_MAX_COLS} slots, got {n_slots}")
@@ -369,23 +375,30 @@ class TargetRuntime:
             # a decode keeps its state in f32 and runs the tree kernel: a verify must do the same, chains included
             raise ValueError("PYDFLASH_BITEXACT=1 verifies through the tree ops with an f32 state store, got "
                              f"state_type {state_type!r}" + ("" if persist else " and a build without the tree ops"))
+        S, H = (hp.ssm_d_v, hp.ssm_n_v_heads) if n_rec else (0, 0)   # attention-only models have no GDN layer
         if n_rec:
-            per_slot = tensor_bytes(store_type, (hp.ssm_d_v * hp.ssm_d_v, hp.ssm_n_v_heads)) + 4 * hp.conv_dim
+            per_slot = (4 * replay_width(hp) if replay else tensor_bytes(store_type, (S * S, H))) + 4 * hp.conv_dim
             check_memory(self.backend, {"verify state store": n_rec * n_slots * per_slot},
                          f"{self.gguf.path} with {n_slots} verify slots")
         self.tree_state_op = persist if tree or bitexact else None
+        self.replay = replay
         self._trees = tree or not n_rec
         self.n_slots = n_slots
         self._verify_ctx = ggml.Context(n_tensors=2 * n_rec + 1)
         self.slot_states, self.slot_inputs = {}, {}
         for il in range(hp.n_layer):
             if hp.recurrent[il]:
-                S, H = hp.ssm_d_v, hp.ssm_n_v_heads
-                self.slot_states[il] = self._verify_ctx.new_tensor(store_type, (S * S, H, n_slots, 1),
-                                                                   name=f"verify.l{il}.states")
+                if replay:   # one more column, kept zero: the commit's padding steps (gate 0, beta 0) change nothing
+                    shape, name = (replay_width(hp), n_slots + 1), f"verify.l{il}.steps"
+                else:
+                    shape, name = (S * S, H, n_slots, 1), f"verify.l{il}.states"
+                self.slot_states[il] = self._verify_ctx.new_tensor(store_type, shape, name=name)
                 self.slot_inputs[il] = self._verify_ctx.new_tensor(ggml.Type.F32, (hp.conv_dim, n_slots),
                                                                    name=f"verify.l{il}.conv_inputs")
         self._verify_buffer = self.backend.alloc_tensors(self._verify_ctx) if n_rec else None
+        if replay:
+            for store in self.slot_states.values():
+                store.set(np.zeros(store.ne[::-1][-2:], np.float32))
         self._graphs = {k: v for k, v in self._graphs.items() if k[0] != "verify"}
         self._commit_graphs = {}
 
@@ -438,10 +451,13 @@ class TargetRuntime:
             cg = self._commit_graphs[compact] = self._build_commit(compact)
         if cg.graph is not None and self._commit_allocator.current is not cg.graph:
             self._commit_allocator.allocate(cg.graph)
-        if cg.state_slot is not None:
+        if cg.conv_cols is not None:
             d = self.hp.ssm_d_conv - 1
-            column = path[-1] if self.tree_state_op is not None else n - 1 - path[-1]   # snapshots: newest first
-            cg.state_slot.set(np.array([column], np.int32), self.backend)
+            if cg.replay_slots is not None:
+                cg.replay_slots.set(np.array(path + [n] * (n - len(path)), np.int32), self.backend)   # n: the zero column
+            else:
+                column = path[-1] if self.tree_state_op is not None else n - 1 - path[-1]   # snapshots: newest first
+                cg.state_slot.set(np.array([column], np.int32), self.backend)
             cols = (list(range(d)) + [d + s for s in path])[-d:]
             cg.conv_cols.set(np.array(cols, np.int32), self.backend)
         if cg.kv_src is not None:
@@ -541,20 +557,42 @@ class TargetRuntime:
         g.graph = ctx.graph(outputs)   # Allocator.allocate checks every node
         return g
 
+    def _replay_state(self, ctx, il: int, store, slots):
+        """The committed state of recurrent layer il after the accepted path: upstream gated_delta_net over the
+        path's stored (k, v, gate, beta), padded to n_slots steps with the zero column, from the cache's state."""
+        hp, n = self.hp, self.n_slots
+        d_k, h_k, d_v, h_v = hp.ssm_d_k, hp.ssm_n_k_heads, hp.ssm_d_v, hp.ssm_n_v_heads
+        steps = ctx.get_rows(store, slots)                                # f32 [replay_width, n_slots]
+        row = steps.nb[1]
+        k = ctx.view_4d(steps, d_k, h_k, n, 1, d_k * 4, row, row * n, 0)
+        v = ctx.view_4d(steps, d_v, h_v, n, 1, d_v * 4, row, row * n, hp.key_dim * 4)
+        g = ctx.cont(ctx.view_4d(steps, 1, h_v, n, 1, 4, row, row * n, (hp.key_dim + hp.value_dim) * 4))
+        beta = ctx.cont(ctx.view_4d(steps, 1, h_v, n, 1, 4, row, row * n, (hp.key_dim + hp.value_dim + h_v) * 4))
+        ssm = self.cache.ssm[il]
+        res = ctx.gated_delta_net(k, k, v, g, beta, ctx.reshape_4d(ssm, d_v, d_v, h_v, 1), 1)   # q unused: o is
+        state = ctx.view_1d(res, d_v * d_v * h_v, d_v * h_v * n * 4)                             # not read
+        return ctx.cpy(state, ssm).named(f"l{il}.commit.state")
+
     def _build_commit(self, compact_kv: bool) -> _CommitGraph:
         hp, cache, n = self.hp, self.cache, self.n_slots
         cg = _CommitGraph(16 * hp.n_layer + 16)
         ctx, outs = cg.ctx, []
         if self.slot_states:
             d = hp.ssm_d_conv - 1
-            cg.state_slot = ctx.new_tensor(ggml.Type.I32, (1,), name="commit.state_slot").mark_input()
+            if self.replay:
+                cg.replay_slots = ctx.new_tensor(ggml.Type.I32, (n,), name="commit.replay_slots").mark_input()
+            else:
+                cg.state_slot = ctx.new_tensor(ggml.Type.I32, (1,), name="commit.state_slot").mark_input()
             cg.conv_cols = ctx.new_tensor(ggml.Type.I32, (d,), name="commit.conv_cols").mark_input()
         for il, store in self.slot_states.items():
-            size = store.ne[0] * store.ne[1]
-            row = store.nb[2]                                            # bytes of one slot's state
-            states = ctx.view_2d(store, size, n, row, 0)                  # [S*S*H, n_slots]
-            state = ctx.get_rows(states, cg.state_slot)                   # f32 [S*S*H, 1]
-            outs.append(ctx.cpy(state, ctx.reshape_2d(cache.ssm[il], size, 1)).named(f"l{il}.commit.state"))
+            if self.replay:
+                outs.append(self._replay_state(ctx, il, store, cg.replay_slots))
+            else:
+                size = store.ne[0] * store.ne[1]
+                row = store.nb[2]                                        # bytes of one slot's state
+                states = ctx.view_2d(store, size, n, row, 0)              # [S*S*H, n_slots]
+                state = ctx.get_rows(states, cg.state_slot)               # f32 [S*S*H, 1]
+                outs.append(ctx.cpy(state, ctx.reshape_2d(cache.ssm[il], size, 1)).named(f"l{il}.commit.state"))
             # conv window: columns of (old state ‖ slot inputs), channel-major rows for get_rows
             old = ctx.cont(ctx.transpose(ctx.reshape_2d(cache.conv[il], d, hp.conv_dim)))   # [conv_dim, d]
             seq = ctx.concat(old, self.slot_inputs[il], 1)                # [conv_dim, d + n_slots]
@@ -575,6 +613,12 @@ class TargetRuntime:
 
 
 _ROOT_PARENT = np.full((1, 1), -1, np.int32)   # a one-node tree: the node follows the committed state
+
+
+def replay_width(hp) -> int:
+    """Values per verify slot and recurrent layer that state_type 'replay' keeps: k (key_dim), v (value_dim),
+    gate and beta (one per value head)."""
+    return hp.key_dim + hp.value_dim + 2 * hp.ssm_n_v_heads
 
 
 def prefill_ubatch(n_tokens: int, n_max: int) -> int:

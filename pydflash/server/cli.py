@@ -5,6 +5,8 @@ import argparse
 import sys
 import tempfile
 
+from ..cli import _ctx_type, add_memory_options
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--target", help="target GGUF (e.g. Qwen3.5-27B-Q4_K_M.gguf)")
@@ -17,8 +19,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--budget", type=int, default=22, help="tree nodes (ddtree) or chain length (default 22)")
     parser.add_argument("--kv", default="f16", choices=["f16", "q8_0", "q4_0", "tq3_0"],
                         help="KV cache type (default f16; tq3_0 with --mode ar only)")
-    parser.add_argument("--max-ctx", type=int, help="KV cache positions (default 8192)")
+    parser.add_argument("--max-ctx", type=_ctx_type, default="auto",
+                        help="KV cache positions, or auto (default): the most that fit, up to the training context")
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (default: auto)")
+    add_memory_options(parser)
     parser.add_argument("--no-prefix-cache", action="store_true",
                         help="prefill every request from scratch (no reuse of an earlier prompt's state)")
     parser.add_argument("--api-key", help="require this key (Authorization: Bearer KEY, or x-api-key: KEY)")
@@ -52,7 +56,8 @@ def serve(args: argparse.Namespace) -> int:
             from ..engine import _has_tree_ops
             mode = "ddtree" if _has_tree_ops() else "chain"
         engine = load(target, draft, device=args.device, kv_type=args.kv, max_ctx=args.max_ctx, mode=mode,
-                      budget=args.budget, progress=True, prefix_cache=not args.no_prefix_cache)
+                      budget=args.budget, progress=True, prefix_cache=not args.no_prefix_cache,
+                      state_type=args.state_type, draft_type=args.draft_type)
         app = create_app(engine, alias=args.alias or ("pydflash-demo" if args.demo else None), api_key=args.api_key,
                          queue_size=args.queue_size, target_path=target)
         alias = app.state.server.alias

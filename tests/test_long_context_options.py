@@ -1,0 +1,341 @@
+"""The long-context memory options of `load`: the draft's matrices quantized to q8_0 at load (draft_type) and
+f16 verify node states (state_type), how the memory plan counts and picks them, and the CLI flags.
+
+Oracles: float64 numpy for the q8_0 blocks on the device, z-lab's PyTorch draft (float64, bf16 weights) for the
+quantized draft's logits, plain AR decoding for the speculative output, sums by hand for the plan.
+"""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+import pydflash
+from pydflash import cli, ggml, plan, testing
+from pydflash.models.dflash_draft import DFlashDraft, read_safetensors_header
+from pydflash.models.qwen35 import Qwen35Target
+from test_dflash_draft import LOGIT_TOL, Reference, _max_rel
+
+GiB = 1 << 30
+CAPTURE = (1, 2)
+N_GEN = 40
+# The q8_0 draft's logits against z-lab's float64 model on the bf16 weights. Q8_0 rounds each weight to a step of
+# its 32-value block's max / 127 (relative RMS error ~0.5% for Gaussian weights, 4-5x bf16's), and ggml quantizes
+# the activations entering a Q8_0 product to 8 bits per 32 values as well (bf16 products round them to bf16):
+# about 4x the bf16 path's error per product, so ~1e-2 of the largest logit expected where the bf16 path measures
+# 2.5e-3 (tests/test_dflash_draft.py); 3x margin.
+Q8_LOGIT_TOL = 3e-2
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    d = tmp_path_factory.mktemp("lc_options")
+    target = d / "target.gguf"
+    testing.write_qwen35_gguf(target, seed=5)
+    draft = d / "draft"
+    testing.write_dflash_draft(draft, target, target_layer_ids=list(CAPTURE), seed=6)
+    return str(target), str(draft)
+
+
+@pytest.fixture(scope="module")
+def target(pair):
+    return Qwen35Target(pair[0], "cpu", n_ctx=512, capture_layers=CAPTURE)
+
+
+def dequantize_q8_0(raw: np.ndarray, n_per_row: int) -> np.ndarray:
+    """float64 values of Q8_0 rows: per 32 values an f16 scale d, then 32 int8 q; value = d * q."""
+    blocks = np.ascontiguousarray(raw).reshape(-1, 34)
+    d = blocks[:, :2].copy().view(np.float16).astype(np.float64)
+    q = blocks[:, 2:].copy().view(np.int8).astype(np.float64)
+    return (d * q).reshape(-1, n_per_row)
+
+
+def test_q8_0_matrices_are_the_stored_values_quantized(pair, target):
+    """Every matrix is Q8_0 on the device, each value within half a quantization step d (the block's max |value| /
+    127) of the bf16 value, plus the scale's rounding to f16 (relative 2^-11) times |q| <= 127; the norms stay f32
+    and exact."""
+    draft = DFlashDraft(pair[1], target, weight_type="q8_0")
+    tensors, mm = read_safetensors_header(os.path.join(pair[1], "model.safetensors"))
+    matrices = 0
+    for name, info in tensors.items():
+        raw = np.asarray(mm[info.offset: info.offset + info.nbytes]).view(np.uint16)
+        stored = testing.bf16_to_f32(raw).astype(np.float64).reshape(-1, info.ne[0])
+        t = draft.weights[name]
+        if len(info.ne) == 1:
+            assert t.type == ggml.Type.F32 and np.array_equal(t.numpy().reshape(stored.shape), stored), name
+            continue
+        matrices += 1
+        assert t.type == ggml.Type.Q8_0, name
+        blocks = stored.reshape(-1, 32)
+        got = dequantize_q8_0(t.numpy(), info.ne[0]).reshape(-1, 32)
+        d = np.abs(blocks).max(axis=1, keepdims=True) / 127
+        err = np.abs(got - blocks)
+        assert (err <= d * (0.5 + 127 * 2 ** -11) + 1e-12).all(), name
+        assert np.median(err / d) < 0.3, name             # rounding to the nearest step: ~d/4 on average
+        assert err.max() > 0, name                       # quantized, not copied
+    assert matrices == 1 + 7 * draft.hp.n_layer          # fc, then q, k, v, o, gate, up, down per layer
+
+
+def test_q8_0_draft_logits_against_zlab(pair, target):
+    """The q8_0 draft's logits stay within Q8_LOGIT_TOL of z-lab's float64 model on the bf16 weights, and further
+    from it than the bf16 draft's (which the quantization must show)."""
+    rng = np.random.default_rng(7)
+    features = rng.standard_normal((37, len(CAPTURE), target.hp.n_embd)).astype(np.float32)
+    want = Reference(pair[1], pair[0]).logits(features, 0, 123)
+    errors = {}
+    for weight_type in (None, "q8_0"):
+        draft = DFlashDraft(pair[1], target, weight_type=weight_type)
+        draft.append_features(features)
+        errors[weight_type] = _max_rel(draft.logits(last_token=123), want)
+    print(f"max |logit error| / max |logit|: bf16 {errors[None]:.2e}, q8_0 {errors['q8_0']:.2e}")
+    assert errors[None] < LOGIT_TOL
+    assert errors[None] < errors["q8_0"] < Q8_LOGIT_TOL
+
+
+@pytest.fixture(scope="module")
+def reference(pair):
+    prompt = [int(t) for t in np.random.default_rng(8).integers(3, 400, 30)]
+    ar = pydflash.load(pair[0], device="cpu", max_ctx=512, tokenizer=False)
+    return prompt, ar.generate(prompt, max_tokens=N_GEN).tokens
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["chain", "ddtree"])
+def test_q8_0_draft_is_lossless(pair, reference, mode):
+    prompt, want = reference
+    engine = pydflash.load(*pair, device="cpu", max_ctx=512, tokenizer=False, mode=mode, draft_type="q8_0")
+    assert engine.decoder.draft.draft.weights["fc.weight"].type == ggml.Type.Q8_0
+    assert engine.target.memory_plan.draft_type == "q8_0"
+    assert engine.generate(prompt, max_tokens=N_GEN).tokens == want
+
+
+def test_load_state_type_reaches_the_verify(pair, reference):
+    """state_type='f16' makes f16 node-state stores (half of f32's bytes, as planned); its output is checked
+    against AR's margins in tests/test_engine.py (test_ddtree_f16_states)."""
+    prompt, _ = reference
+    f32 = pydflash.load(*pair, device="cpu", max_ctx=512, tokenizer=False, draft_type="stored", state_type="f32")
+    f16 = pydflash.load(*pair, device="cpu", max_ctx=512, tokenizer=False, draft_type="stored", state_type="f16")
+    assert {t.type for t in f16.target.slot_states.values()} == {ggml.Type.F16}
+    assert {t.type for t in f32.target.slot_states.values()} == {ggml.Type.F32}
+    states = [sum(t.nbytes for t in e.target.slot_states.values()) for e in (f32, f16)]
+    assert states[1] * 2 == states[0]
+    assert f16.target.memory_plan.parts["verify stores (23 slots, f16)"] < \
+        f32.target.memory_plan.parts["verify stores (23 slots, f32)"]
+    assert len(f16.generate(prompt, max_tokens=8).tokens) == 8
+    assert f16.last_stats["state_type"] == "f16"
+
+
+def test_load_refuses_bad_options(pair):
+    with pytest.raises(ValueError, match=r"state_type 'f16' concerns the speculative verify; mode 'ar'"):
+        pydflash.load(pair[0], device="cpu", max_ctx=256, tokenizer=False, state_type="f16")
+    with pytest.raises(ValueError, match=r"state_type = 'bf16': expected one of 'auto', 'f32', 'replay', 'f16'"):
+        pydflash.load(*pair, device="cpu", max_ctx=256, tokenizer=False, state_type="bf16")
+    with pytest.raises(ValueError, match=r"draft_type = 'q4_0': expected one of 'auto', 'stored', 'q8_0'"):
+        pydflash.load(*pair, device="cpu", max_ctx=256, tokenizer=False, draft_type="q4_0")
+
+
+def test_q8_0_draft_planned_as_allocated(pair):
+    engine = pydflash.load(*pair, device="cpu", max_ctx=512, tokenizer=False, draft_type="q8_0")
+    d, p = engine.decoder.draft.draft, engine.target.memory_plan
+    assert p.parts["draft weights"] <= d.weights.buffer.nbytes <= p.parts["draft weights"] + 64 * len(d.weights.t)
+    stored = pydflash.load(*pair, device="cpu", max_ctx=512, tokenizer=False, draft_type="stored")
+    assert stored.target.memory_plan.draft_type is None
+    assert p.parts["draft weights"] < 0.6 * stored.target.memory_plan.parts["draft weights"]
+
+
+# --- state_type 'replay': no node states stored, the commit re-runs the accepted path ---------------------------
+
+@pytest.fixture(scope="module")
+def engine_model(tmp_path_factory):
+    path = tmp_path_factory.mktemp("replay") / "tiny.gguf"
+    testing.write_qwen35_gguf(path, seed=11, recurrent_layers=(True, True, False, True))   # tests/test_engine.py's
+    return path
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode,budget", [("chain", 15), ("ddtree", 22)])
+def test_replay_state_equals_ar_bit_for_bit(engine_model, mode, budget):
+    """An oracle draft with second-rank errors (long accepted paths, off-chain commits): after every step the
+    recurrent states and conv windows equal plain decoding's exactly, and the output is AR's."""
+    from pydflash.engine import Decoder
+    from test_engine import N_GEN as ENGINE_N_GEN, ar_reference, cache_state, oracle
+    prompt = [int(t) for t in np.random.default_rng(5).integers(3, 400, size=24)]
+    target = Qwen35Target(engine_model, "cpu", n_ctx=512, n_ubatch=64)
+    ar = Qwen35Target(engine_model, "cpu", n_ctx=512, n_ubatch=64)
+    reference = ar_reference(ar, prompt)
+    ar.reset()
+    ar.prefill(prompt, return_logits=False)
+    committed, checked = list(prompt), []
+
+    def check(tokens):
+        committed.extend(tokens)
+        if len(committed) <= target.n_past:
+            return
+        for tok in committed[ar.n_past:target.n_past]:
+            ar.decode(tok)
+        want, got = cache_state(ar), cache_state(target)
+        for name in want:
+            if name.startswith(("ssm", "conv")):
+                assert np.array_equal(got[name], want[name]), name
+        checked.append(target.n_past)
+
+    decoder = Decoder(target, oracle(prompt, reference, target), mode=mode, budget=budget, state_type="replay")
+    assert sum(t.nbytes for t in target.slot_states.values()) == 3 * 4 * (budget + 2) * (
+        target.hp.key_dim + target.hp.value_dim + 2 * target.hp.ssm_n_v_heads)
+    out, stats = decoder.generate_ids(prompt, 100, on_tokens=check)
+    assert ENGINE_N_GEN >= 100 and out == reference[0][:100]
+    assert len(checked) > 8 and stats["acceptance_length"] > 4
+    if mode == "ddtree":
+        assert stats["off_chain_steps"] > 0
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("mode,budget", [("chain", 15), ("ddtree", 22)])
+def test_cuda_replay_lossless_and_state_near_f32(tmp_path, mode, budget):
+    """On CUDA: replayed states give AR's tokens (up to tests/test_engine.py's CUDA near-tie margin), and the
+    committed recurrent states stay within STATE_ATOL of the f32-store path's (the tree kernel and upstream's
+    chain kernel may round differently; a wrong slot or path moves them by O(0.1))."""
+    from pydflash.engine import Decoder
+    from test_engine import BLOCK, CUDA_MARGIN, CUDA_SHAPE, ERRORS, N_GEN as ENGINE_N_GEN, STATE_ATOL, ar_reference
+    path = tmp_path / "b.gguf"
+    testing.write_qwen35_gguf(path, **CUDA_SHAPE)
+    prompt = [int(t) for t in np.random.default_rng(5).integers(3, 400, size=24)]
+    ar = Qwen35Target(path, "cuda", n_ctx=512, n_ubatch=64)
+    ref, margins = ar_reference(ar, prompt)
+    states = {}
+    for state_type in ("f32", "replay"):
+        target = Qwen35Target(path, "cuda", n_ctx=512, n_ubatch=64)
+        draft = testing.OracleDraft(prompt + ref, target.hp.n_vocab, block_size=BLOCK, error_positions=ERRORS)
+        out, stats = Decoder(target, draft, mode=mode, budget=budget, state_type=state_type).generate_ids(
+            prompt, ENGINE_N_GEN)
+        for i, (a, b) in enumerate(zip(out, ref)):
+            if a != b:
+                assert margins[i] < CUDA_MARGIN, f"{state_type} token {i}: {a} != AR {b}, margin {margins[i]:.3g}"
+                break
+        assert len(out) == ENGINE_N_GEN and stats["acceptance_length"] > 4
+        states[state_type] = (out, {il: t.numpy() for il, t in target.cache.ssm.items()})
+    if states["f32"][0] == states["replay"][0]:      # the same tokens committed: the same states, up to rounding
+        for il, want in states["f32"][1].items():
+            np.testing.assert_allclose(states["replay"][1][il], want, rtol=0, atol=STATE_ATOL, err_msg=f"layer {il}")
+
+
+def test_replay_with_the_real_draft_is_lossless(pair, reference):
+    prompt, want = reference
+    engine = pydflash.load(*pair, device="cpu", max_ctx=512, tokenizer=False, state_type="replay")
+    assert engine.generate(prompt, max_tokens=N_GEN).tokens == want
+    p, t = engine.target.memory_plan, engine.target
+    stores = sum(x.nbytes for x in t.slot_states.values()) + sum(x.nbytes for x in t.slot_inputs.values())
+    planned = p.parts["verify stores (23 slots, replay)"]
+    assert planned <= stores <= planned + 64 * 2 * len(t.slot_states)
+
+
+# --- the 27B pair, from headers only --------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def pair_27b(tmp_path_factory):
+    d = tmp_path_factory.mktemp("lc_27b")
+    target = d / "q27-header.gguf"
+    testing.write_qwen35_gguf(target, testing.preset_27b(), data=False)
+    draft = d / "d27-header"     # z-lab's 27B draft shape, a sparse safetensors file
+    testing.write_dflash_draft(draft, target, n_layer=5, n_head=32, n_head_kv=8, head_dim=128, n_ff=17408,
+                               target_layer_ids=[1, 16, 31, 46, 61], data=False)
+    return str(target), str(draft)
+
+
+@pytest.mark.slow
+def test_27b_q8_0_draft_bytes_by_hand(pair_27b):
+    """q8_0 matrices hold 34 bytes per 32 values; the norms stay f32 (4 bytes a value)."""
+    E, F, L = 5120, 17408, 5
+    matrix_values = 5 * E * E + L * (E * 4096 + 2 * E * 1024 + 4096 * E + 3 * E * F)
+    norm_values = 2 * E + L * (2 * E + 2 * 128)
+    shape = plan.DraftShape.from_path(pair_27b[1], matrix_type="q8_0")
+    assert shape.weight_bytes == matrix_values // 32 * 34 + 4 * norm_values
+    assert plan.DraftShape.from_path(pair_27b[1]).weight_bytes == 2 * matrix_values + 4 * norm_values
+
+
+@pytest.mark.slow
+def test_27b_plan_picks_q8_0_draft_only_where_it_buys_context(pair_27b):
+    """24 GiB: the bf16 draft leaves ~32K positions of tq3_0, a q8_0 one ~115K, so auto takes q8_0; 48 GiB holds
+    the training context in f16 either way, so auto keeps the draft as stored."""
+    tight = plan.plan_for_load(*pair_27b, vram="24GiB")
+    stored = plan.plan_for_load(*pair_27b, vram="24GiB", draft_type=None)
+    assert tight.draft_type == "q8_0" and tight.kv_type == stored.kv_type == "tq3_0"
+    assert tight.n_ctx > 3 * stored.n_ctx and tight.total <= 24 * GiB
+    assert stored.parts["draft weights"] - tight.parts["draft weights"] > 1.4 * GiB
+    roomy = plan.plan_for_load(*pair_27b, vram="48GiB")
+    assert roomy.draft_type is None and (roomy.n_ctx, roomy.kv_type) == (262144, "f16")
+    # f16 node states on top: their store halves (the conv inputs stay f32) and the context grows again
+    f16 = plan.plan_for_load(*pair_27b, vram="24GiB", state_type="f16")
+    assert f16.draft_type == "q8_0" and f16.n_ctx > tight.n_ctx
+    assert f16.parts["verify stores (23 slots, f16)"] * 2 == tight.parts["verify stores (23 slots, f32)"] + 23 * 48 * (
+        2 * 16 * 128 + 48 * 128) * 4
+
+
+@pytest.mark.slow
+def test_27b_at_256k_in_24_gib(pair_27b):
+    """The full 262,144 positions in 24 GiB: refused with f32 states (the message gives the q8_0 draft's numbers,
+    the context that fits and what else would shrink), planned with f16 states and budget 7, not 8: one more
+    slot adds, in each of the 48 GDN layers, an f16 state (128 x 128 x 48 heads) and an f32 conv input (10240),
+    and its logits row (248320 f32) to the compute estimate."""
+    fitted = plan.plan_for_load(*pair_27b, vram="24GiB")
+    with pytest.raises(plan.PlanError, match=rf"max_ctx 262144 does not fit in 24.00 GiB: .* at most {fitted.n_ctx} "
+                                             r"positions fit .*matrices q8_0 and f32 verify states; a smaller budget "
+                                             r"and replayed states \(state_type='replay'\) shrink"):
+        plan.plan_for_load(*pair_27b, vram="24GiB", max_ctx=262144)
+    b7 = plan.plan_for_load(*pair_27b, vram="24GiB", max_ctx=262144, state_type="f16", budget=7)
+    assert (b7.draft_type, b7.kv_type, b7.total <= 24 * GiB) == ("q8_0", "tq3_0", True)
+    b8 = plan.plan_for_files(*pair_27b, max_ctx=262144, kv_type="tq3_0", state_type="f16", budget=8,
+                             draft_type="q8_0")
+    assert b8.total - b7.total == 48 * (128 * 128 * 48 * 2 + 10240 * 4) + 248320 * 4
+    assert b8.total > 24 * GiB
+
+
+@pytest.mark.slow
+def test_27b_256k_in_24_gib_exact_with_replayed_states(pair_27b):
+    """Both "auto" options at 24 GiB: replayed states and the q8_0 draft, the whole training context in tq3_0. The
+    replay store by hand: per GDN layer, 23 conv inputs (10240 f32) and 24 columns (23 slots and the zero one) of
+    k (16 x 128), v (48 x 128), gate and beta (48 each)."""
+    p = plan.plan_for_load(*pair_27b, vram="24GiB", state_type="auto")
+    assert (p.draft_type, p.state_type, p.n_ctx, p.kv_type) == ("q8_0", "replay", 262144, "tq3_0")
+    assert p.parts["verify stores (23 slots, replay)"] == 48 * (23 * 10240 + 24 * (2048 + 6144 + 96)) * 4
+    assert p.total <= 24 * GiB
+    # 48 GiB holds the training context in f16 with f32 states and the stored draft: auto keeps them
+    roomy = plan.plan_for_load(*pair_27b, vram="48GiB", state_type="auto")
+    assert (roomy.draft_type, roomy.state_type, roomy.n_ctx, roomy.kv_type) == (None, "f32", 262144, "f16")
+
+
+@pytest.mark.slow
+def test_plan_cli_prints_the_chosen_options(pair_27b, capsys):
+    assert cli.main(["plan", "--target", pair_27b[0], "--draft", pair_27b[1], "--vram", "24GiB"]) == 0
+    out = capsys.readouterr().out
+    assert "n_ctx 262144, kv_type tq3_0" in out and "draft matrices q8_0" in out and "slots, replay)" in out
+    assert cli.main(["plan", "--target", pair_27b[0], "--draft", pair_27b[1], "--vram", "24GiB",
+                     "--draft-type", "stored", "--state-type", "f32"]) == 0
+    out = capsys.readouterr().out
+    assert "draft matrices" not in out and "slots, f32)" in out
+
+
+# --- CLI ------------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("argv", [["run", "-m", "t.gguf", "--max-ctx", "lots"], ["run", "-m", "t.gguf", "-c", "-5"],
+                                  ["plan", "--target", "t.gguf", "--max-ctx", "0"],
+                                  ["serve", "--target", "t.gguf", "--max-ctx", "8k"]])
+def test_bad_max_ctx_says_what_is_accepted(argv, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        cli.build_parser().parse_args(argv)
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert "expected a positive number of positions or 'auto', got" in err and "invalid" not in err
+
+
+def test_memory_flags_parse():
+    parse = cli.build_parser().parse_args
+    for command in (["run", "-m", "t.gguf"], ["chat", "-m", "t.gguf"], ["plan", "--target", "t.gguf"],
+                    ["serve", "--target", "t.gguf"]):
+        args = parse(command + ["--state-type", "f16", "--draft-type", "q8_0"])
+        assert (args.state_type, args.draft_type) == ("f16", "q8_0")
+        default = parse(command)
+        assert (default.state_type, default.draft_type) == ("auto", "auto")
+    assert parse(["run", "-m", "t.gguf", "-c", "4096"]).max_ctx == 4096
+    assert parse(["serve", "--target", "t.gguf"]).max_ctx == "auto"
