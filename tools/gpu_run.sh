@@ -221,5 +221,11 @@ phase lc_llama_f16_128k 500 llama_tg -d 131072 -ctk f16 -ctv f16
 phase lc_llama_q8_0_128k 500 llama_tg -d 131072 -ctk q8_0 -ctv q8_0
 phase bench_server 400 python3 "$src/bench/server_overhead.py" "$data/q27.gguf" --draft "$data/d27" --device cuda \
     --n-gen 256 --reps 3 --prompt-tokens 2000
+# real GGUFs (issue 16), where this machine has them: REAL_MODELS="a.gguf b.gguf" beside llama-bench (tg128, pp512);
+# the real Qwen2.5-Coder-1.5B's CUDA greedy test takes its path from PYDFLASH_REAL_QWEN2_1_5B
+real_models() { [ -n "${REAL_MODELS:-}" ] || { echo "REAL_MODELS unset: skipped"; return 0; }; python3 "$src/bench/real_models.py" $REAL_MODELS --device cuda --llama-bench "$build/bin/llama-bench"; }
+export -f real_models
+phase bench_real_models 500 real_models
+phase tests_real_qwen2 300 pytest_cuda "$src/tests/test_real_models.py" -rs
 echo "all phases done" | tee -a "$logs/summary.md"
 finish 0
