@@ -14,7 +14,11 @@ from pydflash.testing import write_dflash_draft
 
 N_CTX = 1024
 N_GEN = 10
-# one prompt longer than the 512-position window (~530 tokens), prefilled in 256-token micro-batches
+# one prompt longer than the 512-position window (~530 tokens), prefilled in 256-token micro-batches by both us
+# and llama.cpp: ggml's CPU flash attention gives other results when a micro-batch starting at or past the window
+# splits differently (measured: 0.74 on a logit, in llama.cpp itself between n_batch 256 and 600), so the split
+# is held equal
+UBATCH = 256
 LONG_TEXT = " ".join(f"Item {i} is a {('red', 'blue', 'green')[i % 3]} box." for i in range(60))
 PROMPTS = ("The capital of France is", "def fibonacci(n):", LONG_TEXT)
 
@@ -52,8 +56,8 @@ def gemma3():
     return str(fetch("gemma3-270m"))
 
 
-def _llama_cpp_greedy(llm, ids, n_steps):
-    llm.reset()
+def _llama_cpp_greedy(path, ids, n_steps):
+    llm = _llama(path, n_ctx=N_CTX, n_batch=UBATCH)    # a fresh context per prompt: reset() keeps the KV cells
     llm.eval(ids)
     logits, tokens = [_last_logits(llm)], []
     for _ in range(n_steps):
@@ -69,13 +73,12 @@ def test_gemma3_270m_greedy_tokens_and_logits_match_llama_cpp(gemma3):
     target, tok = engine.target, engine.tokenizer
     assert type(target).__name__ == "Gemma3Target" and target.hp.n_layer == 18 and target.hp.n_swa == 512
     assert [il for il in range(18) if not target.hp.swa_layers[il]] == [5, 11, 17]
-    llm = _llama(gemma3, n_ctx=N_CTX, n_batch=N_CTX)
     for text in PROMPTS:
         ids = tok.tokenize(text, add_special=True)
-        assert ids[0] == 2 and ids == llm.tokenize(text.encode(), add_bos=True), text   # <bos> first, as llama.cpp
-        ref, ref_tokens = _llama_cpp_greedy(llm, ids, N_GEN)
+        assert ids[0] == 2, text                                   # <bos> first, as llama.cpp adds it
+        ref, ref_tokens = _llama_cpp_greedy(gemma3, ids, N_GEN)
         target.reset()
-        got = np.stack([target.prefill(ids, ubatch=256)] + [target.decode(t) for t in ref_tokens])
+        got = np.stack([target.prefill(ids, ubatch=UBATCH)] + [target.decode(t) for t in ref_tokens])
         # fed llama.cpp's tokens, our argmax picks each next one: so our greedy decoding yields the same tokens
         assert [int(x) for x in got[:-1].argmax(axis=1)] == ref_tokens, text
         # Q4_K/Q5_0/Q6_K/Q8_0 weights: activations quantised to 8 bits before each matmul (test_qwen35's bound
