@@ -15,9 +15,10 @@ from pydflash.testing import write_dflash_draft
 N_CTX = 1024
 N_GEN = 10
 # one prompt longer than the 512-position window (~530 tokens), prefilled in 256-token micro-batches by both us
-# and llama.cpp: ggml's CPU flash attention gives other results when a micro-batch starting at or past the window
-# splits differently (measured: 0.74 on a logit, in llama.cpp itself between n_batch 256 and 600), so the split
-# is held equal
+# and llama.cpp: ggml's CPU flash attention picks its kernel by micro-batch shape (tiled, one-chunk, split-KV for
+# one token over >= 512 cells), and they round differently (on a synthetic gemma3, 1.8e-3 vs 1.2e-2 from float64);
+# through 18 real layers that reaches 0.74 on a logit, in llama.cpp itself between n_batch 256 and 600. So the
+# split is held equal, and then the logits are bit-identical on this machine
 UBATCH = 256
 LONG_TEXT = " ".join(f"Item {i} is a {('red', 'blue', 'green')[i % 3]} box." for i in range(60))
 PROMPTS = ("The capital of France is", "def fibonacci(n):", LONG_TEXT)
