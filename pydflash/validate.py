@@ -226,7 +226,7 @@ def vocab_rows(gf, *, error=None) -> int:
 
 # --- tokenizer metadata ------------------------------------------------------------------------------------------
 
-TOKENIZER_MODELS = {"gpt2"}          # byte-level BPE: what the supported architectures use
+TOKENIZER_MODELS = {"gpt2", "llama"}   # byte-level BPE (llama, qwen) and SentencePiece (gemma3)
 MAX_TOKEN_BYTES = 1 << 16
 MAX_TEMPLATE_CHARS = 1 << 20
 _TOKEN_TYPE_SET = frozenset(range(0, 7))   # llama_token_type: UNDEFINED..BYTE
@@ -265,6 +265,11 @@ def check_tokenizer(gf, n_vocab: int, *, error=None) -> None:
         if not set(types) <= _TOKEN_TYPE_SET or any(type(v) is bool for v in set(types)):
             bad = next(i for i, v in enumerate(types) if type(v) is bool or v not in _TOKEN_TYPE_SET)
             raise error(f"{gf.path}: tokenizer.ggml.token_type[{bad}] = {_describe(types[bad])}: expected 0..6")
+    scores = gf.metadata.get("tokenizer.ggml.scores")   # SentencePiece: llama.cpp reads one per token, unchecked
+    if scores is not None and (not isinstance(scores, list) or len(scores) != n_vocab
+                               or not all(type(v) is float and math.isfinite(v) for v in scores)):
+        raise error(f"{gf.path}: tokenizer.ggml.scores: expected {n_vocab} finite numbers, got "
+                    f"{_len(scores)} entries")
     merges = gf.metadata.get("tokenizer.ggml.merges")
     if merges is not None:
         # llama.cpp splits each merge at its first space after the first character: a merge without one

@@ -11,9 +11,12 @@ import pydflash
 from pydflash.models import load_target, target_classes
 from pydflash.testing import OracleDraft, write_dflash_draft, write_llama_gguf
 
-# qwen2 with a tied LM head (as Qwen2.5's small models), qwen3 with a head size other than n_embd / n_head
+# qwen2 with a tied LM head (as Qwen2.5's small models), qwen3 with a head size other than n_embd / n_head,
+# gemma3 tied, with one global layer in six and a window of 8 positions (the 30-token prompt crosses it), its
+# global rope base other than the local 10000
 ARCHS = {"llama": dict(arch="llama"), "qwen2": dict(arch="qwen2", tie_embeddings=True, seed=1),
-         "qwen3": dict(arch="qwen3", head_dim=32, seed=2)}
+         "qwen3": dict(arch="qwen3", head_dim=32, seed=2),
+         "gemma3": dict(arch="gemma3", n_layer=6, tie_embeddings=True, rope_base=1e6, sliding_window=8, seed=3)}
 N_CTX = 256
 
 
@@ -59,6 +62,11 @@ def _prompt(n=30, seed=0):
 # qwen2 max 9.6e-3, median step 7.4e-3 (the file of one 64-wide head). Float64 is checked first: it is the oracle.
 F64_ATOL = {"cpu": 1e-2, "cuda": 2e-2}
 F32_ATOL = {"cpu": (2e-3, 1e-3), "cuda": (3e-2, 3e-2)}
+# gemma3's GELU reads a table at the f16 rounding of its input (ggml's GGML_GELU_FP16, in both CPU builds), so
+# every f32 summation-order difference that crosses an f16 step shows up, at every step instead of rarely:
+# measured max 2.8e-3, median 1.5e-3 per step against llama.cpp (both 5.7e-3 from float64); bound 5e-3, 2.5e-3.
+# CUDA: the triangle bound above.
+GELU_F32_ATOL = {"cpu": (5e-3, 2.5e-3), "cuda": (3e-2, 3e-2)}
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
@@ -73,7 +81,7 @@ def test_logits_match_llama_cpp_and_float64(request, arch, device):
     f64 = F64_ATOL[device]
     np.testing.assert_allclose(got[0], attention_ref.last_logits(path, prompt), rtol=0, atol=f64)
     np.testing.assert_allclose(got[-1], attention_ref.last_logits(path, prompt + tokens), rtol=0, atol=f64)
-    atol, median_atol = F32_ATOL[device]
+    atol, median_atol = (GELU_F32_ATOL if arch == "gemma3" else F32_ATOL)[device]
     assert_logits_close(got, ref, "F32", atol=atol, median_atol=median_atol)
 
 

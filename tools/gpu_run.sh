@@ -247,5 +247,11 @@ phase lcq_depth_q8_0_32k 60 lcq 60 python3 "$lc" depth "$data/q27.gguf" --draft 
 phase lcq_llama_tg_q8_0 50 lcq 50 llama_tgq -d 32768 -ctk q8_0 -ctv q8_0
 phase lcq_draft_quant 90 lcq 90 python3 "$src/bench/draft_quant.py" "$data/q27.gguf" --draft "$data/d27" \
     --device cuda --n-steps 32 --n-gen 32
+# real GGUFs (issue 16), where this machine has them: REAL_MODELS="a.gguf b.gguf" beside llama-bench (tg128, pp512);
+# the real Qwen2.5-Coder-1.5B's CUDA greedy test takes its path from PYDFLASH_REAL_QWEN2_1_5B
+real_models() { [ -n "${REAL_MODELS:-}" ] || { echo "REAL_MODELS unset: skipped"; return 0; }; python3 "$src/bench/real_models.py" $REAL_MODELS --device cuda --llama-bench "$build/bin/llama-bench"; }
+export -f real_models
+phase bench_real_models 500 real_models
+phase tests_real_qwen2 300 pytest_cuda "$src/tests/test_real_models.py" -rs
 echo "all phases done" | tee -a "$logs/summary.md"
 finish 0

@@ -7,11 +7,12 @@ from ..gguf_io import GGUFError, GGUFFile
 
 def target_classes() -> dict:
     """general.architecture -> the target class that loads it."""
+    from .gemma3 import Gemma3Target
     from .llama import LlamaTarget
     from .qwen2 import Qwen2Target
     from .qwen3 import Qwen3Target
     from .qwen35 import Qwen35Target
-    return {cls.ARCH: cls for cls in (Qwen35Target, LlamaTarget, Qwen2Target, Qwen3Target)}
+    return {cls.ARCH: cls for cls in (Qwen35Target, LlamaTarget, Qwen2Target, Qwen3Target, Gemma3Target)}
 
 
 def load_target(path, backend="auto", **options):

@@ -108,11 +108,12 @@ def rope(ctx: ggml.Context, x: ggml.Tensor, pos: ggml.Tensor, *, n_rot: int, mod
 
 
 def attention(ctx: ggml.Context, cache, il: int, q: ggml.Tensor, k: ggml.Tensor, v: ggml.Tensor, inputs,
-              scale: float | None = None) -> ggml.Tensor:
+              scale: float | None = None, mask: ggml.Tensor | None = None) -> ggml.Tensor:
     """Write this batch's K/V rows into the cache of layer il, then attend q over the first n_kv cells.
 
     q [hd, n_head, n], k and v [hd, n_head_kv, n] (roped already); inputs: the runtime's graph inputs
-    (kv_rows: the cells to write, kq_mask: f16 [n_kv, n], n_tokens, n_kv). Returns [hd * n_head, n]."""
+    (kv_rows: the cells to write, kq_mask: f16 [n_kv, n], n_tokens, n_kv). mask: another mask of that shape
+    (a sliding-window layer's `inputs.kq_mask_swa`); None: inputs.kq_mask. Returns [hd * n_head, n]."""
     hd, n_head, n_head_kv = q.ne[0], q.ne[1], k.ne[1]
     n, n_kv = inputs.n_tokens, inputs.n_kv
     if cache.k_rot is not None:   # quantised KV: rotate Q, K and V like llama.cpp before quantising
@@ -133,12 +134,13 @@ def attention(ctx: ggml.Context, cache, il: int, q: ggml.Tensor, k: ggml.Tensor,
     if bitexact_enabled() and cache.kv_type != ggml.Type.F16:
         raise ValueError(f"PYDFLASH_BITEXACT=1 needs an f16 KV cache (ggml_flash_attn_ordered reads f16), "
                          f"got kv_type {cache.kv_type.name.lower()}")
+    kq_mask = inputs.kq_mask if mask is None else mask
     if bitexact_enabled() and (inputs.tree or n == 1):   # a prefill is the same forward in both: ggml's kernel
         out = ggml.flash_attn_ordered(ctx, ctx.permute(q, 0, 2, 1, 3), ctx.permute(kt, 0, 2, 1, 3),
-                                      ctx.permute(vt, 0, 2, 1, 3), inputs.kq_mask, scale)
+                                      ctx.permute(vt, 0, 2, 1, 3), kq_mask, scale)
     else:
         out = ctx.flash_attn_ext(ctx.permute(q, 0, 2, 1, 3), ctx.permute(kt, 0, 2, 1, 3),
-                                 ctx.permute(vt, 0, 2, 1, 3), inputs.kq_mask, scale, 0.0, 0.0)
+                                 ctx.permute(vt, 0, 2, 1, 3), kq_mask, scale, 0.0, 0.0)
         out.accumulate_f32()
     out = ctx.reshape_2d(out.named(f"l{il}.attn"), hd * n_head, n)    # [hd n_head, n]
     if cache.v_rot is not None:

@@ -88,20 +88,25 @@ class GraphInputs:
 
     What a layer builder reads: n_tokens, n_kv (attended KV cells), tokens (i32 [n]), pos (i32
     [n * POS_PER_TOKEN]: rope positions), kv_rows (i64 [n]: the KV cells this forward writes), kq_mask (f16
-    [n_kv, n]: 0 where a token may attend a cell, -inf elsewhere), parent (tree verify of a model with recurrent
-    layers: i32 [n, 1], each slot's parent slot, -1 for the root), decode_parent (a one-token decode of such a
-    model in bit-exact mode: i32 [1, 1] = -1, the one-node tree its recurrent layers run the verify's tree ops
-    over), tree (a verify graph), side_effects (cache writes a layer adds; they become graph outputs so they are
-    computed). pos, kv_rows and kq_mask exist only when the model has attention layers."""
+    [n_kv, n]: 0 where a token may attend a cell, -inf elsewhere), kq_mask_swa (models with sliding-window
+    layers, `hp.swa_layers` true for some: kq_mask further limited to the cells of the last `hp.n_swa`
+    positions), parent (tree verify of a model with recurrent layers: i32 [n, 1], each slot's parent slot, -1 for
+    the root), decode_parent (a one-token decode of such a model in bit-exact mode: i32 [1, 1] = -1, the one-node
+    tree its recurrent layers run the verify's tree ops over), tree (a verify graph), side_effects (cache writes a
+    layer adds; they become graph outputs so they are computed). pos, kv_rows and kq_mask exist only when the
+    model has attention layers."""
 
     def __init__(self, n_tokens: int, n_kv: int, size: int, tree: bool):
         self.n_tokens, self.n_kv, self.tree = n_tokens, n_kv, tree
         self.ctx = ggml.Context(n_tensors=size, graph_size=size)
         self.graph = None
-        self.tokens = self.pos = self.kq_mask = self.kv_rows = self.parent = self.decode_parent = None
+        self.tokens = self.pos = self.kq_mask = self.kq_mask_swa = self.kv_rows = self.parent = None
+        self.decode_parent = None
         self.side_effects: list[ggml.Tensor] = []
         self.mask_host = None         # the host copy of the mask, kept and updated where it changes
         self.mask_past = 0            # the n_past mask_host was last written for
+        self.swa_host = None          # the same for kq_mask_swa
+        self.swa_past = 0
         self.logits = self.argmax = None
         self.sampler = None           # sampling.SamplerNodes when the target samples (enable_sampling)
 
@@ -133,6 +138,28 @@ class GraphInputs:
         mask[:, n_past:n_past + n][seen] = 0.0
         self.mask_past = n_past
         return mask
+
+
+    def window_mask(self, n_past: int, pos: np.ndarray, n_swa: int) -> np.ndarray:
+        """f16 [n_tokens, n_kv]: the mask causal_mask or tree_mask just wrote, and further -inf where a token at
+        position p meets a cell of position p' <= p - n_swa (llama.cpp's standard sliding window). pos: the
+        tokens' (slots') positions; cell c < n_past holds position c, cell n_past + i the row of token i.
+
+        Only columns that can differ from the last call are rewritten: every cell below (the smaller n_past)
+        - n_swa is outside the window of every token of both calls, and every cell from (the larger n_past) + n
+        on is masked in both."""
+        n, n_kv = self.n_tokens, self.n_kv
+        lo, hi = (0, n_kv) if self.swa_host is None else (max(0, min(self.swa_past, n_past) - n_swa),
+                                                          min(n_kv, max(self.swa_past, n_past) + n))
+        if self.swa_host is None:
+            self.swa_host = np.empty((n, n_kv), dtype=np.float16)
+        cell_pos = np.arange(lo, hi)
+        new = slice(max(lo, n_past), min(hi, n_past + n))      # columns holding this forward's rows
+        cell_pos[new.start - lo:new.stop - lo] = pos[new.start - n_past:new.stop - n_past]
+        inside = pos[:, None].astype(np.int64) - cell_pos[None, :] < n_swa
+        self.swa_host[:, lo:hi] = np.where(inside, self.mask_host[:, lo:hi], np.float16(-np.inf))
+        self.swa_past = n_past
+        return self.swa_host
 
 
 class _CommitGraph:
@@ -430,6 +457,8 @@ class TargetRuntime:
             g.pos.set(self.rope_positions((n_past + depths).astype(np.int32)), self.backend)
             g.kv_rows.set(np.arange(n_past, n_past + n, dtype=np.int64), self.backend)
             g.kq_mask.set(g.tree_mask(n_past, _ancestors(parents)), self.backend)
+            if g.kq_mask_swa is not None:
+                g.kq_mask_swa.set(g.window_mask(n_past, n_past + depths, self.hp.n_swa), self.backend)
         self._set_sampler(g)
         self.sample_inputs = None
         self.backend.compute(g.graph)
@@ -514,6 +543,8 @@ class TargetRuntime:
             g.pos.set(self.rope_positions(pos), self.backend)
             g.kv_rows.set(pos.astype(np.int64), self.backend)
             g.kq_mask.set(g.causal_mask(n_past), self.backend)
+            if g.kq_mask_swa is not None:
+                g.kq_mask_swa.set(g.window_mask(n_past, pos, self.hp.n_swa), self.backend)
         self._set_sampler(g)
         self.backend.compute(g.graph)
         self.cache.n_past = n_past + n
@@ -532,6 +563,8 @@ class TargetRuntime:
             g.pos = ctx.new_tensor(ggml.Type.I32, (self.POS_PER_TOKEN * n,), name="inp.pos").mark_input()
             g.kv_rows = ctx.new_tensor(ggml.Type.I64, (n,), name="inp.kv_rows").mark_input()
             g.kq_mask = ctx.new_tensor(ggml.Type.F16, (n_kv, n), name="inp.kq_mask").mark_input()
+            if any(getattr(hp, "swa_layers", ())):   # a model with sliding-window layers: their mask too
+                g.kq_mask_swa = ctx.new_tensor(ggml.Type.F16, (n_kv, n), name="inp.kq_mask_swa").mark_input()
         if tree and any(hp.recurrent):
             g.parent = ctx.new_tensor(ggml.Type.I32, (n, 1), name="inp.parent").mark_input()
         elif n == 1 and any(hp.recurrent) and layers.bitexact_enabled():
