@@ -189,7 +189,7 @@ def test_top_p_keeps_tied_groups_whole(backend, rng):
         _assert_matches_reference(got, logits[None], settings)
 
 
-# --- the CUDA op at the real vocabulary: rows split over several blocks ---
+# --- the real vocabulary: on CUDA, rows split over several blocks ---
 
 QWEN_VOCAB = 248320
 
@@ -207,6 +207,7 @@ def _big_inputs(rng, n_rows, n_vocab):
 
 
 BIG_SETTINGS = {
+    "t1": SamplingParams(temperature=1.0),
     "all": SamplingParams(temperature=1.0, top_k=40, top_p=0.95, min_p=0.05, repeat_penalty=1.1,
                           presence_penalty=0.2, frequency_penalty=0.1),
     "top_p0.9": SamplingParams(temperature=0.7, top_p=0.9),
@@ -214,12 +215,10 @@ BIG_SETTINGS = {
 }
 
 
-@pytest.mark.cuda
 @pytest.mark.slow
-@pytest.mark.parametrize("n_vocab", [QWEN_VOCAB, 400_000])     # row slices in shared memory; in global scratch
+@pytest.mark.parametrize("n_vocab", [QWEN_VOCAB, 400_000])     # CUDA: row slices in shared memory; in global scratch
 @pytest.mark.parametrize("name", list(BIG_SETTINGS))
-def test_cuda_full_vocabulary_equals_reference(rng, n_vocab, name):
-    backend = ggml.Backend("cuda")
+def test_full_vocabulary_equals_reference(backend, rng, n_vocab, name):
     settings = BIG_SETTINGS[name]
     n_rows = 23 if n_vocab == QWEN_VOCAB else 3
     logits, hist = _big_inputs(rng, n_rows, n_vocab)
@@ -227,12 +226,10 @@ def test_cuda_full_vocabulary_equals_reference(rng, n_vocab, name):
     _assert_matches_reference(got, logits, settings, hist)
 
 
-@pytest.mark.cuda
 @pytest.mark.slow
-def test_cuda_full_vocabulary_draws_are_the_inverse_cdf_and_repeat(rng):
+def test_full_vocabulary_draws_are_the_inverse_cdf_and_repeat(backend, rng):
     """23 rows x 248,320 with every filter and penalty: the token drawn for u is the reference's inverse CDF at u,
     and the same inputs give the same tokens run after run."""
-    backend = ggml.Backend("cuda")
     settings = BIG_SETTINGS["all"]
     logits, hist = _big_inputs(rng, 23, QWEN_VOCAB)
     rand = rng.random(23, dtype=np.float32)
@@ -243,6 +240,25 @@ def test_cuda_full_vocabulary_draws_are_the_inverse_cdf_and_repeat(rng):
             assert got[r] == int(np.searchsorted(cdf, rand[r], side="right")), f"row {r}"
     for _ in range(5):
         assert _draws(backend, logits, hist, settings, rand).tolist() == got.tolist()
+
+
+@pytest.mark.cuda
+@pytest.mark.slow
+@pytest.mark.parametrize("blocks", ["1", "16"])
+def test_cuda_other_blocks_per_row_pass_the_op_tests(blocks):
+    """The one-block-per-row kernel (GPUs before Hopper) and 16-block clusters (PYDFLASH_SAMPLE_BLOCKS=16) pass this
+    file's CUDA op tests too. The choice is made once per process, so they run in a child process."""
+    import os
+    import subprocess
+    import sys
+    tests = "reference or inverse or ties or boundary or tied or full_vocabulary"
+    run = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-m", "cuda", __file__,
+         "-k", f"cuda and not blocks_per_row and ({tests})"],
+        env={**os.environ, "PYDFLASH_SAMPLE_BLOCKS": blocks}, capture_output=True, text=True,
+        cwd=os.path.dirname(__file__))
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
+    assert " passed" in run.stdout
 
 
 def test_op_wrappers_check_shapes():

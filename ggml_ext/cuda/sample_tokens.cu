@@ -16,7 +16,8 @@
 #define SAMPLE_THREADS  512
 #define SAMPLE_WARPS    (SAMPLE_THREADS / 32)
 #define SAMPLE_CLUSTER  8                   // blocks per row on Hopper+ (the portable cluster size)
-#define SAMPLE_SMEM_MAX (160 * 1024)        // the largest row slice kept in shared memory, bytes
+#define SAMPLE_SMEM_MAX (160 * 1024)        // the largest row slice kept in shared memory, bytes (96 KiB for 16
+                                            // blocks per row, so that a 16-block cluster finds room in a GPC)
 
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= GGML_CUDA_CC_HOPPER && !defined(GGML_USE_HIP)
 #define SAMPLE_HAS_CLUSTERS 1
@@ -55,62 +56,85 @@ static __device__ __forceinline__ T sample_warp_reduce(T v, Op op) {
     return v;
 }
 
-// Shared scratch of the row reductions. Slots and results are double-buffered (`parity`, the same in every
-// thread, flips at each reduction): a block rewrites slot[p] only two reductions later, after a row barrier that
-// every block passes only once done reading slot[p].
+#define SAMPLE_TRIES 3      // thresholds tried per pass of a search: two bits of the key decided per pass
+
+// Shared scratch of the row reductions (up to SAMPLE_TRIES values at once). Slots and results are double-buffered
+// (`parity`, the same in every thread, flips at each reduction): a block rewrites slot[p] only two reductions
+// later, after a row barrier that every block passes only once done reading slot[p].
 struct sample_reduce_smem {
-    unsigned long long warp[SAMPLE_WARPS];
-    unsigned long long slot[2];
-    unsigned long long result[2];
+    unsigned long long warp[SAMPLE_TRIES][SAMPLE_WARPS];
+    unsigned long long slot[2][SAMPLE_TRIES];
+    unsigned long long result[2][SAMPLE_TRIES];
 };
 
-// op over every thread's v of the row's C blocks (identity: op's neutral value); the same value in every thread.
-template <int C, typename T, typename Op>
-static __device__ T sample_row_reduce(T v, T identity, Op op, sample_reduce_smem & s, int & parity) {
-    static_assert(sizeof(T) <= sizeof(unsigned long long), "reduction type too large");
+// v[j] <- op over every thread's v[j] of the row's C blocks (identity: op's neutral value), the same value in
+// every thread of the row.
+template <int C, int N, typename T, typename Op>
+static __device__ void sample_row_reduce(T (&v)[N], T identity, Op op, sample_reduce_smem & s, int & parity) {
+    static_assert(sizeof(T) <= sizeof(unsigned long long) && N <= SAMPLE_TRIES, "reduction too large");
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
     const int p = parity;
     parity ^= 1;
-    T * warp_part = reinterpret_cast<T *>(s.warp);
-    T * slot = reinterpret_cast<T *>(&s.slot[p]);
-    T * result = reinterpret_cast<T *>(&s.result[p]);
-
-    v = sample_warp_reduce(v, op);
-    __syncthreads();          // warp_part is read by the previous reduction
+#pragma unroll
+    for (int j = 0; j < N; ++j) {
+        v[j] = sample_warp_reduce(v[j], op);
+    }
+    __syncthreads();          // the warp partials are read by the previous reduction
     if (lane == 0) {
-        warp_part[warp] = v;
+#pragma unroll
+        for (int j = 0; j < N; ++j) {
+            reinterpret_cast<T *>(s.warp[j])[warp] = v[j];
+        }
     }
     __syncthreads();
     if (warp == 0) {
-        v = sample_warp_reduce(lane < SAMPLE_WARPS ? warp_part[lane] : identity, op);
-        if (lane == 0) {
-            *slot = v;
+#pragma unroll
+        for (int j = 0; j < N; ++j) {
+            const T w = sample_warp_reduce(lane < SAMPLE_WARPS ? reinterpret_cast<T *>(s.warp[j])[lane] : identity, op);
+            if (lane == 0) {
+                *reinterpret_cast<T *>(&s.slot[p][j]) = w;
+            }
         }
     }
     sample_row_sync<C>();
     if (warp == 0) {
-        v = sample_warp_reduce(lane < C ? sample_peer<C>(slot, lane) : identity, op);
-        if (lane == 0) {
-            *result = v;
+#pragma unroll
+        for (int j = 0; j < N; ++j) {
+            T * slot = reinterpret_cast<T *>(&s.slot[p][j]);
+            const T w = sample_warp_reduce(lane < C ? sample_peer<C>(slot, lane) : identity, op);
+            if (lane == 0) {
+                *reinterpret_cast<T *>(&s.result[p][j]) = w;
+            }
         }
     }
     __syncthreads();
-    return *result;
+#pragma unroll
+    for (int j = 0; j < N; ++j) {
+        v[j] = *reinterpret_cast<T *>(&s.result[p][j]);
+    }
 }
 
-template <int C, typename T>
-static __device__ T sample_row_sum(T v, sample_reduce_smem & s, int & parity) {
-    return sample_row_reduce<C>(v, (T) 0, [](T a, T b) { return a + b; }, s, parity);
+template <int C, typename T, typename Op>
+static __device__ T sample_row_reduce1(T v, T identity, Op op, sample_reduce_smem & s, int & parity) {
+    T a[1] = { v };
+    sample_row_reduce<C>(a, identity, op, s, parity);
+    return a[0];
 }
 
-template <int C>
-static __device__ int sample_row_min(int v, sample_reduce_smem & s, int & parity) {
-    return sample_row_reduce<C>(v, INT_MAX, [](int a, int b) { return min(a, b); }, s, parity);
+template <int C, int N, typename T>
+static __device__ void sample_row_sum(T (&v)[N], sample_reduce_smem & s, int & parity) {
+    sample_row_reduce<C>(v, (T) 0, [](T a, T b) { return a + b; }, s, parity);
 }
 
-template <int C>
-static __device__ int sample_row_max(int v, sample_reduce_smem & s, int & parity) {
-    return sample_row_reduce<C>(v, INT_MIN, [](int a, int b) { return max(a, b); }, s, parity);
+// One pass of a threshold search: the candidates for the next two bits of T below bit b (one bit at b == 0), in
+// increasing order. Returns how many of them are valid.
+static __device__ __forceinline__ int sample_tries(uint32_t T, int b, uint32_t (&c)[SAMPLE_TRIES]) {
+    const int shift = b > 0 ? b - 1 : 0;
+#pragma unroll
+    for (int j = 0; j < SAMPLE_TRIES; ++j) {
+        c[j] = T | ((uint32_t) (j + 1) << shift);
+    }
+    return b > 0 ? SAMPLE_TRIES : 1;
 }
 
 // Grid (C, n_rows): block blockIdx.x (its rank in the row's cluster) takes row slice [c0, c1).
@@ -166,9 +190,9 @@ sample_kernel(const char * logits, size_t logits_nb1, const int32_t * hist, int 
         top = max(top, ((unsigned long long) key << 32) | (UINT32_MAX - (uint32_t) (c0 + i)));
         lo = min(lo, key);
     }
-    top = sample_row_reduce<C>(top, 0ull, [](unsigned long long a, unsigned long long b) { return max(a, b); },
-                               red, parity);
-    lo = sample_row_reduce<C>(lo, UINT32_MAX, [](uint32_t a, uint32_t b) { return min(a, b); }, red, parity);
+    top = sample_row_reduce1<C>(top, 0ull, [](unsigned long long a, unsigned long long b) { return max(a, b); },
+                                red, parity);
+    lo = sample_row_reduce1<C>(lo, UINT32_MAX, [](uint32_t a, uint32_t b) { return min(a, b); }, red, parity);
     const uint32_t hi = (uint32_t) (top >> 32);
     const int best = (int) (UINT32_MAX - (uint32_t) top);
     const float m = ggml_ext_sample_unkey(hi);
@@ -191,34 +215,58 @@ sample_kernel(const char * logits, size_t logits_nb1, const int32_t * hist, int 
     const int k = (int) par[GGML_EXT_SAMPLE_TOP_K];
     if (k > 0 && k < n) {
         uint32_t T;
-        for (int b = ggml_ext_sample_search_start(lo, hi, &T); b >= 0; --b) {
-            const uint32_t c = T | (1u << b);
-            int count = 0;
+        for (int b = ggml_ext_sample_search_start(lo, hi, &T); b >= 0; b -= 2) {
+            uint32_t c[SAMPLE_TRIES];
+            const int n_tries = sample_tries(T, b, c);
+            int count[SAMPLE_TRIES] = {};
             for (int i = tid; i < len; i += SAMPLE_THREADS) {
-                count += ggml_ext_sample_key(x[i]) >= c;
+                const uint32_t key = ggml_ext_sample_key(x[i]);
+#pragma unroll
+                for (int j = 0; j < SAMPLE_TRIES; ++j) {
+                    count[j] += key >= c[j];
+                }
             }
-            if (sample_row_sum<C>(count, red, parity) >= k) {
-                T = c;
+            sample_row_sum<C>(count, red, parity);
+            // the counts fall as the candidates rise: T takes the last of the passing ones, which come first
+            bool pass = true;
+#pragma unroll
+            for (int j = 0; j < SAMPLE_TRIES; ++j) {
+                pass = pass && j < n_tries && count[j] >= k;
+                T = pass ? c[j] : T;
             }
         }
         floor_key = T;
     }
     const float top_p = par[GGML_EXT_SAMPLE_TOP_P];
     if (top_p < 1.0f) {
-        float mass = 0.0f;
+        float kept[1] = { 0.0f };
         for (int i = tid; i < len; i += SAMPLE_THREADS) {
-            mass += ggml_ext_sample_key(x[i]) >= floor_key ? expf(x[i] - m) : 0.0f;
+            kept[0] += ggml_ext_sample_key(x[i]) >= floor_key ? expf(x[i] - m) : 0.0f;
         }
-        const float want = top_p * sample_row_sum<C>(mass, red, parity);
+        sample_row_sum<C>(kept, red, parity);
+        const float want = top_p * kept[0];
         uint32_t T;
-        for (int b = ggml_ext_sample_search_start(max(floor_key, lo), hi, &T); b >= 0; --b) {
-            const uint32_t c = max(T | (1u << b), floor_key);
-            mass = 0.0f;
+        for (int b = ggml_ext_sample_search_start(max(floor_key, lo), hi, &T); b >= 0; b -= 2) {
+            uint32_t c[SAMPLE_TRIES];
+            const int n_tries = sample_tries(T, b, c);
+            float mass[SAMPLE_TRIES] = {};
             for (int i = tid; i < len; i += SAMPLE_THREADS) {
-                mass += ggml_ext_sample_key(x[i]) >= c ? expf(x[i] - m) : 0.0f;
+                const uint32_t key = ggml_ext_sample_key(x[i]);
+                if (key >= max(c[0], floor_key)) {      // the rest add nothing: no exp for them
+                    const float e = expf(x[i] - m);
+#pragma unroll
+                    for (int j = 0; j < SAMPLE_TRIES; ++j) {
+                        mass[j] += key >= max(c[j], floor_key) ? e : 0.0f;
+                    }
+                }
             }
-            if (sample_row_sum<C>(mass, red, parity) >= want) {
-                T |= 1u << b;
+            sample_row_sum<C>(mass, red, parity);
+            // the masses fall as the candidates rise: T takes the last of the passing ones, which come first
+            bool pass = true;
+#pragma unroll
+            for (int j = 0; j < SAMPLE_TRIES; ++j) {
+                pass = pass && j < n_tries && mass[j] >= want;
+                T = pass ? c[j] : T;
             }
         }
         floor_key = max(T, floor_key);
@@ -265,12 +313,12 @@ sample_kernel(const char * logits, size_t logits_nb1, const int32_t * hist, int 
     const int p_slot = parity;
     parity ^= 1;
     if (tid == 0) {
-        *reinterpret_cast<float *>(&red.slot[p_slot]) = block_total;
+        *reinterpret_cast<float *>(&red.slot[p_slot][0]) = block_total;
     }
     sample_row_sync<C>();
     float offset = 0.0f, total = 0.0f;
     for (int r = 0; r < C; ++r) {
-        const float t = sample_peer<C>(reinterpret_cast<float *>(&red.slot[p_slot]), r);
+        const float t = sample_peer<C>(reinterpret_cast<float *>(&red.slot[p_slot][0]), r);
         offset += r < rank ? t : 0.0f;
         total += t;
     }
@@ -287,9 +335,11 @@ sample_kernel(const char * logits, size_t logits_nb1, const int32_t * hist, int 
     // with weight (the row's largest logit always has weight, so there is one)
     const float target = rand[row] * total;
     const int me = rank * SAMPLE_THREADS + tid;
-    int winner = sample_row_min<C>(s > 0.0f && target < incl ? me : INT_MAX, red, parity);
+    int winner = sample_row_reduce1<C>(s > 0.0f && target < incl ? me : INT_MAX, INT_MAX,
+                                       [](int a, int b) { return min(a, b); }, red, parity);
     if (winner == INT_MAX) {
-        winner = sample_row_max<C>(s > 0.0f ? me : -1, red, parity);
+        winner = sample_row_reduce1<C>(s > 0.0f ? me : -1, INT_MIN, [](int a, int b) { return max(a, b); }, red,
+                                       parity);
     }
     if (me == winner) {
         float cum = incl - s;
@@ -309,6 +359,88 @@ sample_kernel(const char * logits, size_t logits_nb1, const int32_t * hist, int 
     sample_row_sync<C>();
 }
 
+struct sample_args {
+    const char * logits; size_t logits_nb1; const int32_t * hist; int n_hist; const float * par; const float * rand;
+    float * scratch; bool slice_in_smem; int n; int slice; int32_t * tokens; char * probs; size_t probs_nb1;
+};
+
+template <int C>
+static cudaError_t sample_launch(const sample_args & a, int n_rows, size_t smem, cudaStream_t stream) {
+    cudaLaunchConfig_t cfg = {};
+    cudaLaunchAttribute attr[1];
+    attr[0].id = cudaLaunchAttributeClusterDimension;
+    attr[0].val.clusterDim.x = C;
+    attr[0].val.clusterDim.y = 1;
+    attr[0].val.clusterDim.z = 1;
+    cfg.gridDim = dim3(C, n_rows);
+    cfg.blockDim = dim3(SAMPLE_THREADS);
+    cfg.dynamicSmemBytes = smem;
+    cfg.stream = stream;
+    cfg.attrs = attr;
+    cfg.numAttrs = C > 1 ? 1 : 0;
+    return cudaLaunchKernelEx(&cfg, sample_kernel<C>, a.logits, a.logits_nb1, a.hist, a.n_hist, a.par, a.rand,
+                              a.scratch, a.slice_in_smem, a.n, a.slice, a.tokens, a.probs, a.probs_nb1);
+}
+
+// Whether clusters of C blocks of sample_kernel<C> with this shared memory can run on the current device.
+template <int C>
+static bool sample_cluster_fits(size_t smem_limit) {
+    if (C > 8 && cudaFuncSetAttribute(sample_kernel<C>, cudaFuncAttributeNonPortableClusterSizeAllowed, 1) !=
+                     cudaSuccess) {
+        (void) cudaGetLastError();
+        return false;
+    }
+    if (cudaFuncSetAttribute(sample_kernel<C>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int) smem_limit) !=
+            cudaSuccess) {
+        (void) cudaGetLastError();
+        return false;
+    }
+    cudaLaunchConfig_t cfg = {};
+    cudaLaunchAttribute attr[1];
+    attr[0].id = cudaLaunchAttributeClusterDimension;
+    attr[0].val.clusterDim.x = C;
+    attr[0].val.clusterDim.y = 1;
+    attr[0].val.clusterDim.z = 1;
+    cfg.gridDim = dim3(C, 1);
+    cfg.blockDim = dim3(SAMPLE_THREADS);
+    cfg.dynamicSmemBytes = smem_limit;
+    cfg.attrs = attr;
+    cfg.numAttrs = 1;
+    int n_clusters = 0;
+    if (cudaOccupancyMaxActiveClusters(&n_clusters, sample_kernel<C>, &cfg) != cudaSuccess) {
+        (void) cudaGetLastError();
+        return false;
+    }
+    return n_clusters > 0;
+}
+
+static size_t sample_smem_limit(int n_blocks, size_t smpbo) {
+    return std::min(n_blocks > 8 ? (size_t) 96 * 1024 : (size_t) SAMPLE_SMEM_MAX, smpbo - 4096);
+}
+
+// Blocks per row on this device: SAMPLE_CLUSTER on Hopper and newer, 1 before. PYDFLASH_SAMPLE_BLOCKS=1, 8 or 16
+// chooses (for measurements; 16 is a non-portable cluster size); a size the device cannot run falls back to 1.
+static int sample_blocks_per_row(int device, int cc, size_t smpbo) {
+    static int chosen[GGML_CUDA_MAX_DEVICES] = {};
+    if (chosen[device] == 0) {
+        int want = GGML_CUDA_CC_IS_NVIDIA(cc) && cc >= GGML_CUDA_CC_HOPPER ? SAMPLE_CLUSTER : 1;
+        if (const char * env = getenv("PYDFLASH_SAMPLE_BLOCKS")) {
+            want = atoi(env);
+        }
+        const bool clusters = GGML_CUDA_CC_IS_NVIDIA(cc) && cc >= GGML_CUDA_CC_HOPPER;
+        if (want == 16 && clusters && sample_cluster_fits<16>(sample_smem_limit(16, smpbo))) {
+            chosen[device] = 16;
+        } else if (want >= 8 && clusters && sample_cluster_fits<8>(sample_smem_limit(8, smpbo))) {
+            chosen[device] = 8;
+        } else {
+            chosen[device] = 1;
+            CUDA_CHECK(cudaFuncSetAttribute(sample_kernel<1>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                            (int) sample_smem_limit(1, smpbo)));
+        }
+    }
+    return chosen[device];
+}
+
 void ggml_ext_cuda_sample_tokens(ggml_backend_cuda_context & ctx, ggml_tensor * dst) {
     const ggml_tensor * logits = dst->src[0];
     const ggml_tensor * hist   = dst->src[1];
@@ -319,12 +451,9 @@ void ggml_ext_cuda_sample_tokens(ggml_backend_cuda_context & ctx, ggml_tensor * 
     const int n      = (int) logits->ne[0];
     const int n_rows = (int) logits->ne[1];
     const int cc = ggml_cuda_info().devices[ctx.device].cc;
-    const size_t smem_limit = std::min((size_t) SAMPLE_SMEM_MAX, ggml_cuda_info().devices[ctx.device].smpbo - 4096);
-#if !defined(GGML_USE_HIP)
-    const int n_blocks = GGML_CUDA_CC_IS_NVIDIA(cc) && cc >= GGML_CUDA_CC_HOPPER ? SAMPLE_CLUSTER : 1;
-#else
-    const int n_blocks = 1;
-#endif
+    const size_t smpbo = ggml_cuda_info().devices[ctx.device].smpbo;
+    const int n_blocks = sample_blocks_per_row(ctx.device, cc, smpbo);
+    const size_t smem_limit = sample_smem_limit(n_blocks, smpbo);
     const int slice = (n + n_blocks - 1) / n_blocks;
     const bool slice_in_smem = (size_t) slice * sizeof(float) <= smem_limit;
     const size_t smem = slice_in_smem ? (size_t) slice * sizeof(float) : 0;
@@ -333,33 +462,23 @@ void ggml_ext_cuda_sample_tokens(ggml_backend_cuda_context & ctx, ggml_tensor * 
         scratch.alloc((size_t) n * n_rows);
     }
 
-    const char * l = (const char *) logits->data;
-    const int32_t * h = (const int32_t *) hist->data;
-    const float * prm = (const float *) par->data;
-    const float * u = want_probs ? nullptr : (const float *) rand->data;
-    int32_t * tok = want_probs ? nullptr : (int32_t *) dst->data;
-    char * pr = want_probs ? (char *) dst->data : nullptr;
-    const size_t pr_nb1 = want_probs ? dst->nb[1] : 0;
-    if (n_blocks > 1) {
-        CUDA_SET_SHARED_MEMORY_LIMIT(sample_kernel<SAMPLE_CLUSTER>, smem_limit);
-        cudaLaunchConfig_t cfg = {};
-        cudaLaunchAttribute attr[1];
-        attr[0].id = cudaLaunchAttributeClusterDimension;
-        attr[0].val.clusterDim.x = SAMPLE_CLUSTER;
-        attr[0].val.clusterDim.y = 1;
-        attr[0].val.clusterDim.z = 1;
-        cfg.gridDim = dim3(SAMPLE_CLUSTER, n_rows);
-        cfg.blockDim = dim3(SAMPLE_THREADS);
-        cfg.dynamicSmemBytes = smem;
-        cfg.stream = ctx.stream();
-        cfg.attrs = attr;
-        cfg.numAttrs = 1;
-        CUDA_CHECK(cudaLaunchKernelEx(&cfg, sample_kernel<SAMPLE_CLUSTER>, l, logits->nb[1], h, (int) hist->ne[0], prm,
-                                      u, scratch.get(), slice_in_smem, n, slice, tok, pr, pr_nb1));
-    } else {
-        CUDA_SET_SHARED_MEMORY_LIMIT(sample_kernel<1>, smem_limit);
-        ggml_cuda_kernel_launch(sample_kernel<1>,
-            ggml_cuda_kernel_launch_params(dim3(1, n_rows), dim3(SAMPLE_THREADS), smem, ctx.stream()),
-            l, logits->nb[1], h, (int) hist->ne[0], prm, u, scratch.get(), slice_in_smem, n, slice, tok, pr, pr_nb1);
+    sample_args a;
+    a.logits = (const char *) logits->data;
+    a.logits_nb1 = logits->nb[1];
+    a.hist = (const int32_t *) hist->data;
+    a.n_hist = (int) hist->ne[0];
+    a.par = (const float *) par->data;
+    a.rand = want_probs ? nullptr : (const float *) rand->data;
+    a.scratch = scratch.get();
+    a.slice_in_smem = slice_in_smem;
+    a.n = n;
+    a.slice = slice;
+    a.tokens = want_probs ? nullptr : (int32_t *) dst->data;
+    a.probs = want_probs ? (char *) dst->data : nullptr;
+    a.probs_nb1 = want_probs ? dst->nb[1] : 0;
+    switch (n_blocks) {
+        case 16: CUDA_CHECK(sample_launch<16>(a, n_rows, smem, ctx.stream())); break;
+        case 8:  CUDA_CHECK(sample_launch<8>(a, n_rows, smem, ctx.stream())); break;
+        default: CUDA_CHECK(sample_launch<1>(a, n_rows, smem, ctx.stream())); break;
     }
 }
