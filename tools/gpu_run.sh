@@ -221,5 +221,10 @@ phase lc_llama_f16_128k 500 llama_tg -d 131072 -ctk f16 -ctv f16
 phase lc_llama_q8_0_128k 500 llama_tg -d 131072 -ctk q8_0 -ctv q8_0
 phase bench_server 400 python3 "$src/bench/server_overhead.py" "$data/q27.gguf" --draft "$data/d27" --device cuda \
     --n-gen 256 --reps 3 --prompt-tokens 2000
+# the sampler op alone (issue 13) with 8 (Hopper default), 16 and 1 (pre-Hopper kernel) blocks per row; its CUDA tests
+sampling_op() { for b in 8 16 1; do PYDFLASH_SAMPLE_BLOCKS=$b python3 "$src/bench/sampling_step.py" --op-only --device cuda --reps 20 || return 1; done; }
+export -f sampling_op
+phase bench_sampling_op 120 sampling_op
+phase tests_sampling 400 pytest_cuda "$src/tests/test_sampling.py"
 echo "all phases done" | tee -a "$logs/summary.md"
 finish 0
