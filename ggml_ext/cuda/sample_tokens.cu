@@ -56,7 +56,7 @@ static __device__ __forceinline__ T sample_warp_reduce(T v, Op op) {
     return v;
 }
 
-#define SAMPLE_TRIES 3      // thresholds tried per pass of a search: two bits of the key decided per pass
+#define SAMPLE_TRIES GGML_EXT_SAMPLE_TRIES   // thresholds tried per pass of a search (sample-common.h)
 
 // Shared scratch of the row reductions (up to SAMPLE_TRIES values at once). Slots and results are double-buffered
 // (`parity`, the same in every thread, flips at each reduction): a block rewrites slot[p] only two reductions
@@ -124,17 +124,6 @@ static __device__ T sample_row_reduce1(T v, T identity, Op op, sample_reduce_sme
 template <int C, int N, typename T>
 static __device__ void sample_row_sum(T (&v)[N], sample_reduce_smem & s, int & parity) {
     sample_row_reduce<C>(v, (T) 0, [](T a, T b) { return a + b; }, s, parity);
-}
-
-// One pass of a threshold search: the candidates for the next two bits of T below bit b (one bit at b == 0), in
-// increasing order. Returns how many of them are valid.
-static __device__ __forceinline__ int sample_tries(uint32_t T, int b, uint32_t (&c)[SAMPLE_TRIES]) {
-    const int shift = b > 0 ? b - 1 : 0;
-#pragma unroll
-    for (int j = 0; j < SAMPLE_TRIES; ++j) {
-        c[j] = T | ((uint32_t) (j + 1) << shift);
-    }
-    return b > 0 ? SAMPLE_TRIES : 1;
 }
 
 // Grid (C, n_rows): block blockIdx.x (its rank in the row's cluster) takes row slice [c0, c1).
@@ -217,7 +206,7 @@ sample_kernel(const char * logits, size_t logits_nb1, const int32_t * hist, int 
         uint32_t T;
         for (int b = ggml_ext_sample_search_start(lo, hi, &T); b >= 0; b -= 2) {
             uint32_t c[SAMPLE_TRIES];
-            const int n_tries = sample_tries(T, b, c);
+            const int n_tries = ggml_ext_sample_tries(T, b, c);
             int count[SAMPLE_TRIES] = {};
             for (int i = tid; i < len; i += SAMPLE_THREADS) {
                 const uint32_t key = ggml_ext_sample_key(x[i]);
@@ -248,7 +237,7 @@ sample_kernel(const char * logits, size_t logits_nb1, const int32_t * hist, int 
         uint32_t T;
         for (int b = ggml_ext_sample_search_start(max(floor_key, lo), hi, &T); b >= 0; b -= 2) {
             uint32_t c[SAMPLE_TRIES];
-            const int n_tries = sample_tries(T, b, c);
+            const int n_tries = ggml_ext_sample_tries(T, b, c);
             float mass[SAMPLE_TRIES] = {};
             for (int i = tid; i < len; i += SAMPLE_THREADS) {
                 const uint32_t key = ggml_ext_sample_key(x[i]);

@@ -41,6 +41,18 @@ GGML_EXT_SAMPLE_HD int ggml_ext_sample_search_start(uint32_t lo, uint32_t hi, ui
     return b;
 }
 
+// A pass of a threshold search decides two bits of T, b and b - 1 (only bit 0 at b == 0), by testing the three
+// candidates T | j << (b - 1), j = 1..3 (increasing: the test passes for a leading run of them, T becomes the last
+// of that run). Writes them to c[0..2]; returns how many are real (1 at b == 0).
+#define GGML_EXT_SAMPLE_TRIES 3
+GGML_EXT_SAMPLE_HD int ggml_ext_sample_tries(uint32_t T, int b, uint32_t * c) {
+    const int shift = b > 0 ? b - 1 : 0;
+    for (int j = 0; j < GGML_EXT_SAMPLE_TRIES; ++j) {
+        c[j] = T | ((uint32_t) (j + 1) << shift);
+    }
+    return b > 0 ? GGML_EXT_SAMPLE_TRIES : 1;
+}
+
 // The logit of a token seen `count` times in the history, after the penalties (llama.cpp's rule).
 GGML_EXT_SAMPLE_HD float ggml_ext_sample_penalise(float logit, int count, float repeat, float presence,
                                                    float frequency) {
