@@ -2,8 +2,8 @@
 // thresholds bit by bit on the float keys, from the highest bit the row's smallest and largest keys do not share),
 // with the row split over the blocks of a thread-block cluster on Hopper and newer (SAMPLE_CLUSTER blocks per row,
 // so 23 verify rows keep ~180 SMs' worth of blocks busy instead of 23), one block per row before. Each block keeps
-// its slice of the row in shared memory (global scratch when the slice does not fit) and penalises the history
-// tokens that fall in it. Every pass ends in a row reduction: block partials are combined through distributed
+// its slice of the row in shared memory, as float keys (global scratch when the slice does not fit), and penalises
+// the history tokens that fall in it. Every pass ends in a row reduction: block partials are combined through distributed
 // shared memory in a fixed order, so every block of the row sees the same value and a seed gives the same token
 // on the same device. Sums are f32 here (f64 on the CPU): a draw within rounding of a boundary may differ.
 
@@ -128,16 +128,16 @@ static __device__ void sample_row_sum(T (&v)[N], sample_reduce_smem & s, int & p
 
 // Grid (C, n_rows): block blockIdx.x (its rank in the row's cluster) takes row slice [c0, c1).
 template <int C>
-static __global__ void __launch_bounds__(SAMPLE_THREADS)
+static __global__ void __launch_bounds__(SAMPLE_THREADS, C > 8 ? 3 : 1)   // 16 per row: 3 blocks per SM
 sample_kernel(const char * logits, size_t logits_nb1, const int32_t * hist, int n_hist, const float * par,
-              const float * rand, float * scratch, bool slice_in_smem, int n, int slice, int32_t * tokens,
+              const float * rand, uint32_t * scratch, bool slice_in_smem, int n, int slice, int32_t * tokens,
               char * probs, size_t probs_nb1) {
 #if !SAMPLE_HAS_CLUSTERS
     if constexpr (C > 1) {
         __trap();          // the host launches clusters only where the device has them
     }
 #endif
-    extern __shared__ float smem_slice[];
+    extern __shared__ uint32_t smem_slice[];
     __shared__ sample_reduce_smem red;
     __shared__ float scan[SAMPLE_WARPS];
 
@@ -146,12 +146,12 @@ sample_kernel(const char * logits, size_t logits_nb1, const int32_t * hist, int 
     const int len = min(n, c0 + slice) - c0;
     const float * l = (const float *) (logits + row * logits_nb1) + c0;
     const int32_t * h = hist + (size_t) row * n_hist;
-    float * x = slice_in_smem ? smem_slice : scratch + (size_t) row * n + c0;
+    uint32_t * x = slice_in_smem ? smem_slice : scratch + (size_t) row * n + c0;    // the keys of the slice
     int parity = 0;
 
     ggml_cuda_pdl_sync();
     for (int i = tid; i < len; i += SAMPLE_THREADS) {
-        x[i] = l[i];
+        x[i] = ggml_ext_sample_key(l[i]);
     }
     __syncthreads();
     const float repeat = par[GGML_EXT_SAMPLE_REPEAT_PENALTY];
@@ -164,7 +164,8 @@ sample_kernel(const char * logits, size_t logits_nb1, const int32_t * hist, int 
             if (tok >= c0 && tok < c0 + len) {
                 const int count = ggml_ext_sample_count(h, n_hist, j, n);
                 if (count > 0) {
-                    x[tok - c0] = ggml_ext_sample_penalise(x[tok - c0], count, repeat, presence, frequency);
+                    const float v = ggml_ext_sample_unkey(x[tok - c0]);
+                    x[tok - c0] = ggml_ext_sample_key(ggml_ext_sample_penalise(v, count, repeat, presence, frequency));
                 }
             }
         }
@@ -175,7 +176,7 @@ sample_kernel(const char * logits, size_t logits_nb1, const int32_t * hist, int 
     unsigned long long top = 0;
     uint32_t lo = UINT32_MAX;
     for (int i = tid; i < len; i += SAMPLE_THREADS) {
-        const uint32_t key = ggml_ext_sample_key(x[i]);
+        const uint32_t key = x[i];
         top = max(top, ((unsigned long long) key << 32) | (UINT32_MAX - (uint32_t) (c0 + i)));
         lo = min(lo, key);
     }
@@ -209,10 +210,12 @@ sample_kernel(const char * logits, size_t logits_nb1, const int32_t * hist, int 
             const int n_tries = ggml_ext_sample_tries(T, b, c);
             int count[SAMPLE_TRIES] = {};
             for (int i = tid; i < len; i += SAMPLE_THREADS) {
-                const uint32_t key = ggml_ext_sample_key(x[i]);
+                const uint32_t key = x[i];
+                if (key >= c[0]) {                      // most keys are below every candidate after a few passes
 #pragma unroll
-                for (int j = 0; j < SAMPLE_TRIES; ++j) {
-                    count[j] += key >= c[j];
+                    for (int j = 0; j < SAMPLE_TRIES; ++j) {
+                        count[j] += key >= c[j];
+                    }
                 }
             }
             sample_row_sum<C>(count, red, parity);
@@ -230,7 +233,7 @@ sample_kernel(const char * logits, size_t logits_nb1, const int32_t * hist, int 
     if (top_p < 1.0f) {
         float kept[1] = { 0.0f };
         for (int i = tid; i < len; i += SAMPLE_THREADS) {
-            kept[0] += ggml_ext_sample_key(x[i]) >= floor_key ? expf(x[i] - m) : 0.0f;
+            kept[0] += x[i] >= floor_key ? expf(ggml_ext_sample_unkey(x[i]) - m) : 0.0f;
         }
         sample_row_sum<C>(kept, red, parity);
         const float want = top_p * kept[0];
@@ -240,9 +243,9 @@ sample_kernel(const char * logits, size_t logits_nb1, const int32_t * hist, int 
             const int n_tries = ggml_ext_sample_tries(T, b, c);
             float mass[SAMPLE_TRIES] = {};
             for (int i = tid; i < len; i += SAMPLE_THREADS) {
-                const uint32_t key = ggml_ext_sample_key(x[i]);
+                const uint32_t key = x[i];
                 if (key >= max(c[0], floor_key)) {      // the rest add nothing: no exp for them
-                    const float e = expf(x[i] - m);
+                    const float e = expf(ggml_ext_sample_unkey(key) - m);
 #pragma unroll
                     for (int j = 0; j < SAMPLE_TRIES; ++j) {
                         mass[j] += key >= max(c[j], floor_key) ? e : 0.0f;
@@ -269,8 +272,11 @@ sample_kernel(const char * logits, size_t logits_nb1, const int32_t * hist, int 
     const int i0 = min(len, tid * piece);
     const int i1 = min(len, i0 + piece);
     auto weight = [&](int i) {
-        const bool kept = ggml_ext_sample_key(x[i]) >= floor_key && (min_p <= 0.0f || expf(x[i] - m) >= min_p);
-        return kept ? expf((x[i] - m) * inv_t) : 0.0f;
+        if (x[i] < floor_key) {
+            return 0.0f;
+        }
+        const float v = ggml_ext_sample_unkey(x[i]) - m;
+        return min_p <= 0.0f || expf(v) >= min_p ? expf(v * inv_t) : 0.0f;
     };
     float s = 0.0f;
     for (int i = i0; i < i1; ++i) {
@@ -350,7 +356,7 @@ sample_kernel(const char * logits, size_t logits_nb1, const int32_t * hist, int 
 
 struct sample_args {
     const char * logits; size_t logits_nb1; const int32_t * hist; int n_hist; const float * par; const float * rand;
-    float * scratch; bool slice_in_smem; int n; int slice; int32_t * tokens; char * probs; size_t probs_nb1;
+    uint32_t * scratch; bool slice_in_smem; int n; int slice; int32_t * tokens; char * probs; size_t probs_nb1;
 };
 
 template <int C>
@@ -446,7 +452,7 @@ void ggml_ext_cuda_sample_tokens(ggml_backend_cuda_context & ctx, ggml_tensor * 
     const int slice = (n + n_blocks - 1) / n_blocks;
     const bool slice_in_smem = (size_t) slice * sizeof(float) <= smem_limit;
     const size_t smem = slice_in_smem ? (size_t) slice * sizeof(float) : 0;
-    ggml_cuda_pool_alloc<float> scratch(ctx.pool());
+    ggml_cuda_pool_alloc<uint32_t> scratch(ctx.pool());
     if (!slice_in_smem) {
         scratch.alloc((size_t) n * n_rows);
     }
