@@ -172,19 +172,19 @@ sample_kernel(const char * logits, size_t logits_nb1, const int32_t * hist, int 
         __syncthreads();
     }
 
-    // the largest key with its lowest index (packed: key high, inverted index low), and the smallest key
-    unsigned long long top = 0;
-    uint32_t lo = UINT32_MAX;
+    // in one reduction: the largest key with its lowest index (packed: key high, inverted index low), and the
+    // smallest key (inverted, so that both are maxima)
+    unsigned long long ext[2] = { 0ull, 0ull };
     for (int i = tid; i < len; i += SAMPLE_THREADS) {
         const uint32_t key = x[i];
-        top = max(top, ((unsigned long long) key << 32) | (UINT32_MAX - (uint32_t) (c0 + i)));
-        lo = min(lo, key);
+        ext[0] = max(ext[0], ((unsigned long long) key << 32) | (UINT32_MAX - (uint32_t) (c0 + i)));
+        ext[1] = max(ext[1], (unsigned long long) (UINT32_MAX - key));
     }
-    top = sample_row_reduce1<C>(top, 0ull, [](unsigned long long a, unsigned long long b) { return max(a, b); },
-                                red, parity);
-    lo = sample_row_reduce1<C>(lo, UINT32_MAX, [](uint32_t a, uint32_t b) { return min(a, b); }, red, parity);
-    const uint32_t hi = (uint32_t) (top >> 32);
-    const int best = (int) (UINT32_MAX - (uint32_t) top);
+    sample_row_reduce<C>(ext, 0ull, [](unsigned long long a, unsigned long long b) { return max(a, b); }, red,
+                         parity);
+    const uint32_t hi = (uint32_t) (ext[0] >> 32);
+    const uint32_t lo = UINT32_MAX - (uint32_t) ext[1];
+    const int best = (int) (UINT32_MAX - (uint32_t) ext[0]);
     const float m = ggml_ext_sample_unkey(hi);
 
     float * p = probs ? (float *) (probs + row * probs_nb1) + c0 : nullptr;
