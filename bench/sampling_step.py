@@ -1,6 +1,7 @@
 """What sampling costs: step time with the on-device sampler against greedy, and acceptance length at T=0.7/1.0.
 
     python bench/sampling_step.py TARGET.gguf [--draft DRAFT_DIR] --device cuda [--budget 22] [--n-gen 64]
+    python bench/sampling_step.py --op-only [--n-vocab 248320] --device cuda     (part 1 alone, no model)
 
 On one target GGUF (e.g. the synthetic 27B-shaped Q4_K_M from `python -m pydflash.testing write-qwen35 OUT.gguf
 --preset 27b`):
@@ -9,8 +10,10 @@ On one target GGUF (e.g. the synthetic 27B-shaped Q4_K_M from `python -m pydflas
      setting: the same graph plus the sampler and its few hundred bytes of inputs.
   3. Full ddtree generations (the DFlash draft with --draft, else the oracle double that replays AR's greedy
      output): acceptance length and time per step, greedy against T=0.7 and T=1.0.
-Prints markdown. Settings: greedy, T=0.7, T=1.0, and T=1.0 with top-k 40, top-p 0.95, min-p 0.05 and the three
-penalties (every pass of the op on).
+Prints markdown. Settings: greedy, T=0.7, T=1.0, T=1.0 with top-k 40, top-p 0.95, min-p 0.05 and the three
+penalties (every pass of the op on), and the op's other costly cases: top-p alone (its threshold search is not
+narrowed by a top-k) and temperature 0 with penalties. The op-alone table also times the argmax that greedy
+graphs end in, over the same logits.
 """
 from __future__ import annotations
 
@@ -36,6 +39,8 @@ SETTINGS = {
     "T=1.0 all filters + penalties": SamplingParams(temperature=1.0, top_k=40, top_p=0.95, min_p=0.05,
                                                     repeat_penalty=1.1, presence_penalty=0.2,
                                                     frequency_penalty=0.1, seed=1),
+    "T=1.0 top-p 0.95": SamplingParams(temperature=1.0, top_p=0.95, seed=1),
+    "T=0 + penalties": SamplingParams(temperature=0.0, repeat_penalty=1.1, presence_penalty=0.2, seed=1),
 }
 
 
@@ -50,8 +55,10 @@ def _median_ms(fn, reps: int) -> float:
 
 
 def bench_op(backend, n_vocab: int, n_rows: int, reps: int, rng) -> dict:
-    """ms of one sample_tokens graph over [n_vocab, n_rows] logits (inputs already on the device)."""
+    """ms of one sample_tokens graph over [n_vocab, n_rows] logits (inputs already on the device), per setting,
+    and ("argmax") of the argmax graph over the same logits."""
     from pydflash import ggml
+    values = (rng.standard_normal((n_rows, n_vocab)) * 3).astype(np.float32)
     ctx = ggml.Context(n_tensors=8, graph_size=8)
     logits = ctx.new_tensor(ggml.Type.F32, (n_vocab, n_rows)).mark_input()
     hist = ctx.new_tensor(ggml.Type.I32, (PENALTY_LAST_N, n_rows)).mark_input()
@@ -59,18 +66,37 @@ def bench_op(backend, n_vocab: int, n_rows: int, reps: int, rng) -> dict:
     rand = ctx.new_tensor(ggml.Type.F32, (n_rows,)).mark_input()
     graph = ctx.graph(ggml.sample_tokens(ctx, logits, hist, params, rand))
     ggml.Allocator(backend).allocate(graph)
-    logits.set((rng.standard_normal((n_rows, n_vocab)) * 3).astype(np.float32))
+    logits.set(values)
     hist.set(rng.integers(0, n_vocab, (n_rows, PENALTY_LAST_N)).astype(np.int32))
     rand.set(rng.random(n_rows, dtype=np.float32))
     out = {}
     for name, s in SETTINGS.items():
-        params.set(s.vector() if name != "greedy" else SamplingParams(temperature=0.0, repeat_penalty=1.0).vector())
+        params.set(s.vector())
 
         def run():
             backend.compute(graph)
             graph.outputs[0].numpy()
         out[name] = _median_ms(run, reps)
+
+    actx = ggml.Context(n_tensors=4, graph_size=4)
+    alogits = actx.new_tensor(ggml.Type.F32, (n_vocab, n_rows)).mark_input()
+    agraph = actx.graph(actx.argmax(alogits))
+    ggml.Allocator(backend).allocate(agraph)
+    alogits.set(values)
+
+    def run_argmax():
+        backend.compute(agraph)
+        agraph.outputs[0].numpy()
+    out["argmax"] = _median_ms(run_argmax, reps)
     return out
+
+
+def print_op_table(op: dict, n_vocab: int, n_rows: int) -> None:
+    print(f"| setting | sampler op alone ({n_rows} rows x {n_vocab}) ms |")
+    print("|---|---|")
+    print(f"| argmax (the greedy graphs' output) | {op['argmax']:.3f} |")
+    for s in SETTINGS:
+        print(f"| {s} | {op[s]:.3f} |")
 
 
 def bench_forwards(target, prompt, budget: int, reps: int, rng) -> dict:
@@ -125,7 +151,9 @@ def bench_generate(target, draft, prompt, n_gen: int, budget: int) -> dict:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("target")
+    p.add_argument("target", nargs="?", help="target GGUF (not with --op-only)")
+    p.add_argument("--op-only", action="store_true", help="time the sampler op alone (part 1), no model")
+    p.add_argument("--n-vocab", type=int, default=248320, help="vocabulary of --op-only (Qwen3.5's by default)")
     p.add_argument("--draft", help="DFlash draft directory (else the oracle double replaying AR's greedy output)")
     p.add_argument("--device", default="auto")
     p.add_argument("--budget", type=int, default=22)
@@ -133,6 +161,16 @@ def main(argv=None) -> int:
     p.add_argument("--n-prompt", type=int, default=64)
     p.add_argument("--reps", type=int, default=10)
     args = p.parse_args(argv)
+    rng = np.random.default_rng(0)
+    if args.op_only:
+        from pydflash import ggml
+        backend = ggml.Backend(args.device)
+        print(f"\n### Sampler op alone, {backend.name}\n")
+        print_op_table(bench_op(backend, args.n_vocab, args.budget + 1, args.reps, rng), args.n_vocab,
+                       args.budget + 1)
+        return 0
+    if args.target is None:
+        p.error("a target GGUF is needed (or --op-only)")
 
     from pydflash.api import _load_draft, draft_layer_ids
     from pydflash.engine import Decoder
@@ -143,21 +181,20 @@ def main(argv=None) -> int:
     n_ctx = -(-(args.n_prompt + 2 * args.n_gen + 64) // 256) * 256
     target = load_target(args.target, args.device, n_ctx=n_ctx, n_ubatch=512, capture_layers=capture,
                          progress=True)
-    rng = np.random.default_rng(0)
     prompt = [int(t) for t in rng.integers(1, min(target.hp.n_vocab, 30000), args.n_prompt)]
     name = os.path.basename(args.target)
     print(f"\n### Sampling on {name}, {target.backend.name}, budget {args.budget}\n")
 
     op = bench_op(target.backend, target.hp.n_vocab, args.budget + 1, args.reps, rng)
+    print_op_table(op, target.hp.n_vocab, args.budget + 1)
     fw = bench_forwards(target, prompt, args.budget, args.reps, rng)
-    print(f"| setting | sampler op alone ({args.budget + 1} rows x {target.hp.n_vocab}) ms | verify ms | "
-          f"verify vs greedy | AR step ms | AR step vs greedy |")
-    print("|---|---|---|---|---|---|")
+    print()
+    print("| setting | verify ms | verify vs greedy | AR step ms | AR step vs greedy |")
+    print("|---|---|---|---|---|")
     g_verify, g_step = fw["greedy"]
     for s in SETTINGS:
         v, st = fw[s]
-        op_ms = "(argmax)" if s == "greedy" else f"{op[s]:.3f}"
-        print(f"| {s} | {op_ms} | {v:.2f} | {100 * (v / g_verify - 1):+.1f}% | {st:.2f} | "
+        print(f"| {s} | {v:.2f} | {100 * (v / g_verify - 1):+.1f}% | {st:.2f} | "
               f"{100 * (st / g_step - 1):+.1f}% |")
 
     if args.draft:

@@ -112,6 +112,155 @@ def test_draw_is_the_inverse_cdf_of_the_reference(backend, rng, name):
             assert got[j] == int(np.searchsorted(cdf, rand[j], side="right")), f"row {r}, u {rand[j]}"
 
 
+def _probs(backend, logits, settings, hist=None):
+    """ggml_sample_probs over logits f32 [n_rows, n_vocab] (no history unless given)."""
+    logits = np.atleast_2d(np.asarray(logits, np.float32))
+    if hist is None:
+        hist = np.full((logits.shape[0], PENALTY_LAST_N), -1, np.int32)
+    got = run_graph(backend, lambda ctx, t: ggml.sample_probs(ctx, t["logits"], t["hist"], t["params"]),
+                    {"logits": logits, "hist": hist, "params": settings.vector()})
+    return got.reshape(logits.shape)
+
+
+def _draws(backend, logits, hist, settings, rand):
+    return run_graph(backend, lambda ctx, t: ggml.sample_tokens(ctx, t["logits"], t["hist"], t["params"], t["rand"]),
+                     {"logits": logits, "hist": hist, "params": settings.vector(), "rand": rand})
+
+
+def _assert_matches_reference(got, logits, settings, hist=None):
+    for r in range(logits.shape[0]):
+        ref = reference_probs(logits[r], settings, () if hist is None else hist[r])
+        assert ((got[r] > 0) == (ref > 0)).all(), f"row {r}: the kept tokens differ"
+        np.testing.assert_allclose(got[r], ref, rtol=2e-5, atol=1e-7)
+
+
+def test_ties_at_the_top_k_boundary_are_kept_together(backend, rng):
+    logits = (rng.standard_normal(N_VOCAB) * 2).astype(np.float32)
+    order = np.argsort(-logits)
+    logits[order[3:8]] = logits[order[3]]         # the 4th..8th largest tie; top-k 5 cuts through them
+    settings = SamplingParams(temperature=1.0, top_k=5)
+    got = _probs(backend, logits, settings)
+    assert int((got[0] > 0).sum()) == 8
+    _assert_matches_reference(got, logits[None], settings)
+
+
+def test_argmax_ties_take_the_lowest_id(backend, rng):
+    """Temperature 0: equal largest logits far apart in the row (in different blocks of a split row) give the
+    lowest id; penalising that id moves the draw to the next one."""
+    logits = (rng.standard_normal((2, N_VOCAB)) - 5).astype(np.float32)
+    logits[:, [7, 151, 250]] = 3.0
+    hist = np.full((2, PENALTY_LAST_N), -1, np.int32)
+    hist[1, -1] = 7
+    settings = SamplingParams(temperature=0.0, repeat_penalty=2.0)
+    got = _draws(backend, logits, hist, settings, np.zeros(2, np.float32))
+    assert got.tolist() == [7, 151]
+
+
+@pytest.mark.parametrize("side", ["below", "above"])
+def test_top_p_just_below_and_above_each_boundary(backend, rng, side):
+    """top_p a hair (1e-4 relative) below the mass of the j most likely tokens keeps exactly j tokens, a hair
+    above keeps j + 1, for the first boundaries of a row."""
+    logits = (rng.standard_normal(N_VOCAB) * 2).astype(np.float32)
+    p = np.exp(logits.astype(np.float64) - logits.max())
+    cum = np.cumsum(np.sort(p)[::-1]) / p.sum()
+    checked = 0
+    for j in range(1, 12):
+        if cum[j] - cum[j - 1] < 1e-3:        # the next token too unlikely to sit clear of the boundary
+            continue
+        top_p = cum[j - 1] * (1 - 1e-4 if side == "below" else 1 + 1e-4)
+        settings = SamplingParams(temperature=0.9, top_p=float(top_p))
+        got = _probs(backend, logits, settings)
+        assert int((got[0] > 0).sum()) == (j if side == "below" else j + 1), f"boundary {j}"
+        _assert_matches_reference(got, logits[None], settings)
+        checked += 1
+    assert checked >= 6
+
+
+def test_top_p_keeps_tied_groups_whole(backend, rng):
+    """Logits in groups of 4 equal values: wherever top_p cuts a group, the whole group is kept."""
+    logits = (rng.standard_normal(N_VOCAB) - 12).astype(np.float32)
+    levels = np.repeat(-0.4 * np.arange(10), 4).astype(np.float32)
+    logits[rng.permutation(N_VOCAB)[:levels.size]] = levels
+    for top_p in (0.05, 0.2, 0.33, 0.5, 0.61, 0.8, 0.9):
+        settings = SamplingParams(temperature=1.0, top_p=top_p)
+        got = _probs(backend, logits, settings)
+        kept = int((got[0] > 0).sum())
+        assert kept % 4 == 0 and kept >= 4, f"top_p {top_p}: {kept} kept"
+        _assert_matches_reference(got, logits[None], settings)
+
+
+# --- the real vocabulary: on CUDA, rows split over several blocks ---
+
+QWEN_VOCAB = 248320
+
+
+def _big_inputs(rng, n_rows, n_vocab):
+    """Logits like the benchmark's (normal, std 3) with a few boosted tokens (so top-p alone keeps few and the
+    reference stays fast), histories of likely tokens with repeats."""
+    logits = (rng.standard_normal((n_rows, n_vocab)) * 3).astype(np.float32)
+    hist = np.empty((n_rows, PENALTY_LAST_N), np.int32)
+    for r in range(n_rows):
+        boosted = rng.choice(n_vocab, 24, replace=False)
+        logits[r, boosted] += rng.uniform(18, 26, boosted.size).astype(np.float32)
+        hist[r] = rng.choice(np.concatenate([boosted[:12], rng.integers(0, n_vocab, 12)]), PENALTY_LAST_N)
+    return logits, hist
+
+
+BIG_SETTINGS = {
+    "t1": SamplingParams(temperature=1.0),
+    "all": SamplingParams(temperature=1.0, top_k=40, top_p=0.95, min_p=0.05, repeat_penalty=1.1,
+                          presence_penalty=0.2, frequency_penalty=0.1),
+    "top_p0.9": SamplingParams(temperature=0.7, top_p=0.9),
+    "top_k1000-penalties": SamplingParams(temperature=1.3, top_k=1000, repeat_penalty=1.5, presence_penalty=0.5),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("n_vocab", [QWEN_VOCAB, 400_000])     # CUDA: row slices in shared memory; in global scratch
+@pytest.mark.parametrize("name", list(BIG_SETTINGS))
+def test_full_vocabulary_equals_reference(backend, rng, n_vocab, name):
+    settings = BIG_SETTINGS[name]
+    n_rows = 23 if n_vocab == QWEN_VOCAB else 3
+    logits, hist = _big_inputs(rng, n_rows, n_vocab)
+    got = _probs(backend, logits, settings, hist)
+    _assert_matches_reference(got, logits, settings, hist)
+
+
+@pytest.mark.slow
+def test_full_vocabulary_draws_are_the_inverse_cdf_and_repeat(backend, rng):
+    """23 rows x 248,320 with every filter and penalty: the token drawn for u is the reference's inverse CDF at u,
+    and the same inputs give the same tokens run after run."""
+    settings = BIG_SETTINGS["all"]
+    logits, hist = _big_inputs(rng, 23, QWEN_VOCAB)
+    rand = rng.random(23, dtype=np.float32)
+    got = _draws(backend, logits, hist, settings, rand)
+    for r in range(23):
+        cdf = np.cumsum(reference_probs(logits[r], settings, hist[r]))
+        if np.min(np.abs(cdf - rand[r])) > 1e-5:
+            assert got[r] == int(np.searchsorted(cdf, rand[r], side="right")), f"row {r}"
+    for _ in range(5):
+        assert _draws(backend, logits, hist, settings, rand).tolist() == got.tolist()
+
+
+@pytest.mark.cuda
+@pytest.mark.slow
+@pytest.mark.parametrize("blocks", ["1", "16"])
+def test_cuda_other_blocks_per_row_pass_the_op_tests(blocks):
+    """The one-block-per-row kernel (GPUs before Hopper) and 16-block clusters (PYDFLASH_SAMPLE_BLOCKS=16) pass this
+    file's CUDA op tests too. The choice is made once per process, so they run in a child process."""
+    import os
+    import subprocess
+    import sys
+    tests = "reference or inverse or ties or boundary or tied or full_vocabulary"
+    run = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-m", "cuda", __file__,
+         "-k", f"cuda and not blocks_per_row and ({tests})"],
+        env={**os.environ, "PYDFLASH_SAMPLE_BLOCKS": blocks}, capture_output=True, text=True,
+        cwd=os.path.dirname(__file__))
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
+    assert " passed" in run.stdout
+
+
 def test_op_wrappers_check_shapes():
     ctx = ggml.Context(n_tensors=8)
     logits = ctx.new_tensor(ggml.Type.F32, (10, 3))

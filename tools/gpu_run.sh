@@ -253,5 +253,10 @@ real_models() { [ -n "${REAL_MODELS:-}" ] || { echo "REAL_MODELS unset: skipped"
 export -f real_models
 phase bench_real_models 500 real_models
 phase tests_real_qwen2 300 pytest_cuda "$src/tests/test_real_models.py" -rs
+# the sampler op alone (issue 13) with 8 (Hopper default), 16 and 1 (pre-Hopper kernel) blocks per row; its CUDA tests
+sampling_op() { for b in 8 16 1; do PYDFLASH_SAMPLE_BLOCKS=$b python3 "$src/bench/sampling_step.py" --op-only --device cuda --reps 20 || return 1; done; }
+export -f sampling_op
+phase bench_sampling_op 120 sampling_op
+phase tests_sampling 400 pytest_cuda "$src/tests/test_sampling.py"
 echo "all phases done" | tee -a "$logs/summary.md"
 finish 0

@@ -1,6 +1,7 @@
 // ggml_sample_tokens / ggml_sample_probs on the CPU: threads split the rows; each thread penalises its row in a
-// scratch copy, finds the top-k and top-p thresholds bit by bit on the float keys (the top-p passes over a second
-// scratch row of exp(x - max), computed once), then draws (sums in double).
+// scratch copy, finds the top-k and top-p thresholds on the float keys two bits per pass (from the highest bit
+// that the row's smallest and largest keys do not share; the top-p passes over a second scratch row of
+// exp(x - max), computed once), then draws (sums in double). The CUDA kernel runs the same searches.
 
 #include "ggml-ext-cpu.h"
 #include "ggml-cpu-impl.h"
@@ -16,31 +17,25 @@ size_t ggml_ext_cpu_sample_tokens_work_size(const struct ggml_tensor * node, int
     return (size_t) ((2 * node->src[0]->ne[0] + GGML_EXT_LINE_F32) * n_tasks) * sizeof(float);
 }
 
-// The largest key T with count(key >= T) >= k: the key of the k-th largest logit.
-static uint32_t top_k_key(const float * x, int64_t n, int64_t k) {
-    uint32_t T = 0;
-    for (int b = 31; b >= 0; --b) {
-        const uint32_t c = T | (1u << b);
-        int64_t count = 0;
+// The largest key T with count(key >= T) >= k: the key of the k-th largest logit (lo, hi: the row's smallest and
+// largest keys).
+static uint32_t top_k_key(const float * x, int64_t n, int64_t k, uint32_t lo, uint32_t hi) {
+    uint32_t T;
+    for (int b = ggml_ext_sample_search_start(lo, hi, &T); b >= 0; b -= 2) {
+        uint32_t c[GGML_EXT_SAMPLE_TRIES];
+        const int n_tries = ggml_ext_sample_tries(T, b, c);
+        int64_t count[GGML_EXT_SAMPLE_TRIES] = { 0 };
         for (int64_t i = 0; i < n; ++i) {
-            count += ggml_ext_sample_key(x[i]) >= c;
+            const uint32_t key = ggml_ext_sample_key(x[i]);
+            for (int j = 0; j < GGML_EXT_SAMPLE_TRIES; ++j) {
+                count[j] += key >= c[j];
+            }
         }
-        if (count >= k) {
-            T = c;
+        for (int j = 0; j < n_tries && count[j] >= k; ++j) {
+            T = c[j];
         }
     }
     return T;
-}
-
-// Mass of the tokens whose key is >= T (e: exp(x - max) per token).
-static double mass_from(const float * x, const float * e, int64_t n, uint32_t T) {
-    double sum = 0.0;
-    for (int64_t i = 0; i < n; ++i) {
-        if (ggml_ext_sample_key(x[i]) >= T) {
-            sum += e[i];
-        }
-    }
-    return sum;
 }
 
 static void sample_row(const float * logits, const int32_t * hist, int n_hist, const float * par, float u,
@@ -58,11 +53,15 @@ static void sample_row(const float * logits, const int32_t * hist, int n_hist, c
         }
     }
     int64_t best = 0;
+    uint32_t lo = ggml_ext_sample_key(x[0]);
     for (int64_t i = 1; i < n; ++i) {
         if (x[i] > x[best]) {
             best = i;
         }
+        const uint32_t key = ggml_ext_sample_key(x[i]);
+        lo = key < lo ? key : lo;
     }
+    const uint32_t hi = ggml_ext_sample_key(x[best]);
     const float m = x[best];
     const float temperature = par[GGML_EXT_SAMPLE_TEMPERATURE];
     if (!(temperature > 0.0f)) {
@@ -77,19 +76,36 @@ static void sample_row(const float * logits, const int32_t * hist, int n_hist, c
     uint32_t floor_key = 0;
     const int64_t k = (int64_t) par[GGML_EXT_SAMPLE_TOP_K];
     if (k > 0 && k < n) {
-        floor_key = top_k_key(x, n, k);
+        floor_key = top_k_key(x, n, k, lo, hi);
     }
     const float top_p = par[GGML_EXT_SAMPLE_TOP_P];
     if (top_p < 1.0f) {
         for (int64_t i = 0; i < n; ++i) {
             e[i] = (float) exp((double) x[i] - m);
         }
-        const double want = (double) top_p * mass_from(x, e, n, floor_key);
-        uint32_t T = 0;
-        for (int b = 31; b >= 0; --b) {
-            const uint32_t c = T | (1u << b);
-            if (mass_from(x, e, n, c > floor_key ? c : floor_key) >= want) {
-                T = c;
+        double kept = 0.0;
+        for (int64_t i = 0; i < n; ++i) {
+            kept += ggml_ext_sample_key(x[i]) >= floor_key ? e[i] : 0.0;
+        }
+        const double want = (double) top_p * kept;
+        // the test holds up to the top-k floor (and the smallest key), and fails above the largest (no mass there)
+        uint32_t T;
+        for (int b = ggml_ext_sample_search_start(floor_key > lo ? floor_key : lo, hi, &T); b >= 0; b -= 2) {
+            uint32_t c[GGML_EXT_SAMPLE_TRIES];
+            const int n_tries = ggml_ext_sample_tries(T, b, c);
+            uint32_t from[GGML_EXT_SAMPLE_TRIES];     // the mass tested is that of the kept tokens at or above c
+            double mass[GGML_EXT_SAMPLE_TRIES] = { 0.0 };
+            for (int j = 0; j < GGML_EXT_SAMPLE_TRIES; ++j) {
+                from[j] = c[j] > floor_key ? c[j] : floor_key;
+            }
+            for (int64_t i = 0; i < n; ++i) {
+                const uint32_t key = ggml_ext_sample_key(x[i]);
+                for (int j = 0; j < GGML_EXT_SAMPLE_TRIES; ++j) {
+                    mass[j] += key >= from[j] ? e[i] : 0.0;
+                }
+            }
+            for (int j = 0; j < n_tries && mass[j] >= want; ++j) {
+                T = c[j];
             }
         }
         floor_key = T > floor_key ? T : floor_key;
