@@ -209,11 +209,12 @@ def test_cuda_replay_lossless_and_state_near_f32(tmp_path, mode, budget):
         draft = testing.OracleDraft(prompt + ref, target.hp.n_vocab, block_size=BLOCK, error_positions=ERRORS)
         out, stats = Decoder(target, draft, mode=mode, budget=budget, state_type=state_type).generate_ids(
             prompt, ENGINE_N_GEN)
-        for i, (a, b) in enumerate(zip(out, ref)):
-            if a != b:
-                assert margins[i] < CUDA_MARGIN, f"{state_type} token {i}: {a} != AR {b}, margin {margins[i]:.3g}"
-                break
-        assert len(out) == ENGINE_N_GEN and stats["acceptance_length"] > 4
+        first = next((i for i, (a, b) in enumerate(zip(out, ref)) if a != b), None)
+        print(f"{mode} {state_type}: acceptance length {stats['acceptance_length']:.2f}, first token unlike AR: {first}")
+        if first is not None:
+            assert margins[first] < CUDA_MARGIN, f"{state_type} token {first}: {out[first]} != AR {ref[first]}, " \
+                                                 f"margin {margins[first]:.3g}"
+        assert len(out) == ENGINE_N_GEN and stats["acceptance_length"] > 4, state_type
         states[state_type] = (out, {il: t.numpy() for il, t in target.cache.ssm.items()})
     if states["f32"][0] == states["replay"][0]:      # the same tokens committed: the same states, up to rounding
         for il, want in states["f32"][1].items():
