@@ -194,14 +194,15 @@ static __global__ void qmm_quantize_x(const float * __restrict__ x, int8_t * __r
     }
 }
 
-// Row tiles per warp when the caller leaves the choice to the kernel: more for more column tiles (each activation
-// fragment then serves more MMAs), but halved while the grid would leave SMs without a CUDA block.
-static int qmm_auto_row_tiles(int nt, int M, int n_sm) {
-    int rt = nt == 1 ? 1 : nt == 2 ? 2 : 4;
-    while (rt > 1 && (M + QMM_MMA_ROWS * rt - 1) / (QMM_MMA_ROWS * rt) < n_sm) {
-        rt /= 2;
+// Row tiles per warp when the caller leaves the choice to the kernel, from the H100 sweep of every forced choice
+// (`bench/qmatmul.py --sweep`, docs/benchmarks.md): one up to 16 columns (up to 24 for Q6_K, whose super-blocks
+// already fill a warp's registers), two above; four for short matrices (<= 6144 rows) from 9 columns on. Any
+// choice gives the same bits.
+static int qmm_auto_row_tiles(ggml_type type, int nt, int M) {
+    if (nt >= 2 && M <= 6144) {
+        return 4;
     }
-    return rt;
+    return nt <= (type == GGML_TYPE_Q6_K ? 3 : 2) ? 1 : 2;
 }
 
 template <ggml_type type>
@@ -222,7 +223,7 @@ static void qmatmul_mma(ggml_backend_cuda_context & ctx, const ggml_tensor * w, 
     const qmm_args p = {(const char *) w->data, yq, yds, (float *) dst->data, (int) (K / ggml_blck_size(w->type)),
                         K, M, N, npad, (int) (dst->nb[1] / sizeof(float))};
     const int forced = dst->op_params[0];   // row_tiles (ggml_qmatmul): 0 = choose here
-    const int rt = forced > 0 ? forced : qmm_auto_row_tiles(nt, M, ggml_cuda_info().devices[ctx.device].nsm);
+    const int rt = forced > 0 ? forced : qmm_auto_row_tiles(type, nt, M);
     qmm_mma_run<type>(p, nt, rt, stream);
 }
 
