@@ -270,6 +270,14 @@ def check_tokenizer(gf, n_vocab: int, *, error=None) -> None:
                                or not all(type(v) is float and math.isfinite(v) for v in scores)):
         raise error(f"{gf.path}: tokenizer.ggml.scores: expected {n_vocab} finite numbers, got "
                     f"{_len(scores)} entries")
+    if gf.metadata.get("tokenizer.ggml.model") == "llama":
+        # SentencePiece: llama.cpp's tokenizer spells a piece it cannot merge byte by byte, through "<0xXX>" (or
+        # the byte itself) -- a byte with neither aborts the process in the middle of tokenizing
+        present = set(tokens)
+        missing = [b for b in range(256) if f"<0x{b:02X}>" not in present and not (b < 128 and chr(b) in present)]
+        if missing:
+            raise error(f"{gf.path}: SentencePiece vocabulary without byte-fallback tokens: no '<0x{missing[0]:02X}>' "
+                        f"(and {len(missing) - 1} more bytes); llama.cpp needs one per byte")
     merges = gf.metadata.get("tokenizer.ggml.merges")
     if merges is not None:
         # llama.cpp splits each merge at its first space after the first character: a merge without one

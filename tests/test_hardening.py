@@ -55,6 +55,8 @@ def set_kv(key, vtype, value):
     (set_kv("qwen35.rope.dimension_sections", 9, (5, [-1, 9, 0])), r"dimension_sections\[0\] = -1"),
     (set_kv("qwen35.embedding_length", 8, "64"), r"embedding_length = '64': expected an integer"),
     (set_kv("tokenizer.ggml.model", 8, "no_vocab"), r"tokenizer.ggml.model = 'no_vocab' is not supported"),
+    # a byte-level BPE vocabulary relabelled SentencePiece: llama.cpp would abort inside tokenization
+    (set_kv("tokenizer.ggml.model", 8, "llama"), r"SentencePiece vocabulary without byte-fallback tokens: no '<0x"),
 ])
 def test_bad_header_values_are_refused_by_name(tiny, tmp_path, edit, message):
     path = mutated(tiny, tmp_path, edit)
