@@ -222,5 +222,8 @@ phase lc_llama_f16_128k 500 llama_tg -d 131072 -ctk f16 -ctv f16
 phase lc_llama_q8_0_128k 500 llama_tg -d 131072 -ctk q8_0 -ctv q8_0
 phase bench_server 400 python3 "$src/bench/server_overhead.py" "$data/q27.gguf" --draft "$data/d27" --device cuda \
     --n-gen 256 --reps 3 --prompt-tokens 2000
+phase tq3attn_tests 200 pytest_cuda "$src/tests/test_tq3.py" -k "flash_attention or cuda_attention"
+phase tq3attn_bench 500 python3 "$src/bench/tq3_attention.py" --device cuda --n-q 1 23 \
+    --ctx 2048 8192 32768 131072 262144
 echo "all phases done" | tee -a "$logs/summary.md"
 finish 0
