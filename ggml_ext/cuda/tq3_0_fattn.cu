@@ -251,30 +251,51 @@ static __device__ __forceinline__ uint32_t tq3_0_fa_pack(const float lo, const f
     return *(const uint32_t *) &h;
 }
 
-// Dequantise keys [k0, k0 + 16) of one head (rows nb1 bytes apart) into tile[key][0..D) as f16; keys at or past
-// k_end become zeros. NT threads share the work, one 14-byte sub-block (32 values) per thread and step.
-template <int D, int LD, int NT>
-static __device__ __forceinline__ void tq3_0_fa_dequant_tile(const char * base, const int64_t nb1, const int k0,
-                                                             const int k_end, half (*tile)[LD], const float * lev,
-                                                             const int t) {
-    constexpr int SPR = D / TQ3_0_QK; // sub-blocks per row
+// The raw sub-blocks of keys [k0, k0 + 16) of one head (rows nb1 bytes apart) that thread t of NT loads: one
+// 14-byte sub-block (32 values) per step, read as 7 halfwords (a sub-block is only 2-byte aligned). Keys at or
+// past k_end read as zeros (scale 0: they dequantise to zeros). Loading and decoding are apart so that a tile's
+// loads can be in flight while the previous one is computed.
+template <int D, int NT>
+struct tq3_0_fa_raw {
+    static constexpr int SPR   = D / TQ3_0_QK;                    // sub-blocks per row
+    static constexpr int UNITS = TQ3_0_FA_KT * SPR;               // sub-blocks per tile
+    static constexpr int UPT   = (UNITS + NT - 1) / NT;           // per thread
+    uint16_t h[UPT][7];
+
+    __device__ __forceinline__ void load(const char * base, const int64_t nb1, const int k0, const int k_end, const int t) {
 #pragma unroll
-    for (int u = t; u < TQ3_0_FA_KT*SPR; u += NT) {
-        const int key = u / SPR;
-        const int sb  = u % SPR;
-        uint32_t out[TQ3_0_QK/2];
-        if (k0 + key < k_end) {
-            // a sub-block is only 2-byte aligned (14 bytes): read it as 7 halfwords
-            const uint16_t * w = (const uint16_t *) (base + (int64_t) (k0 + key)*nb1 + sb*sizeof(block_tq3_0));
-            uint16_t h[7];
+        for (int i = 0; i < UPT; ++i) {
+            const int u = t + i*NT;
+            const int key = u / SPR;
+            if (u < UNITS && k0 + key < k_end) {
+                const uint16_t * w = (const uint16_t *) (base + (int64_t) (k0 + key)*nb1 + (u % SPR)*sizeof(block_tq3_0));
 #pragma unroll
-            for (int i = 0; i < 7; ++i) {
-                h[i] = __ldg(w + i);
+                for (int j = 0; j < 7; ++j) {
+                    h[i][j] = __ldg(w + j);
+                }
+            } else {
+#pragma unroll
+                for (int j = 0; j < 7; ++j) {
+                    h[i][j] = 0;
+                }
             }
-            const float    d   = __half2float(__ushort_as_half(h[0]));
-            const uint32_t qs0 = h[1] | (uint32_t) h[2] << 16; // qs[0..3]
-            const uint32_t qs1 = h[3] | (uint32_t) h[4] << 16; // qs[4..7]
-            const uint32_t qh  = h[5] | (uint32_t) h[6] << 16; // bit j: high bit of value j
+        }
+    }
+
+    // dequantise into tile[key][0..D) as f16
+    template <int LD>
+    __device__ __forceinline__ void store(half (*tile)[LD], const float * lev, const int t) const {
+#pragma unroll
+        for (int i = 0; i < UPT; ++i) {
+            const int u = t + i*NT;
+            if (u >= UNITS) {
+                continue;
+            }
+            const float    d   = __half2float(__ushort_as_half(h[i][0]));
+            const uint32_t qs0 = h[i][1] | (uint32_t) h[i][2] << 16; // qs[0..3]
+            const uint32_t qs1 = h[i][3] | (uint32_t) h[i][4] << 16; // qs[4..7]
+            const uint32_t qh  = h[i][5] | (uint32_t) h[i][6] << 16; // bit j: high bit of value j
+            uint32_t out[TQ3_0_QK/2];
 #pragma unroll
             for (int j = 0; j < TQ3_0_QK; j += 2) {
                 float v[2];
@@ -287,19 +308,14 @@ static __device__ __forceinline__ void tq3_0_fa_dequant_tile(const char * base, 
                 }
                 out[j/2] = tq3_0_fa_pack(v[0], v[1]);
             }
-        } else {
+            uint4 * dst = (uint4 *) &tile[u / SPR][(u % SPR)*TQ3_0_QK];
 #pragma unroll
-            for (int i = 0; i < TQ3_0_QK/2; ++i) {
-                out[i] = 0;
+            for (int j = 0; j < TQ3_0_QK/8; ++j) {
+                dst[j] = make_uint4(out[4*j], out[4*j + 1], out[4*j + 2], out[4*j + 3]);
             }
         }
-        uint4 * dst = (uint4 *) &tile[key][sb*TQ3_0_QK];
-#pragma unroll
-        for (int i = 0; i < TQ3_0_QK/8; ++i) {
-            dst[i] = make_uint4(out[4*i], out[4*i + 1], out[4*i + 2], out[4*i + 3]);
-        }
     }
-}
+};
 
 template <int WR>
 static __device__ __forceinline__ void tq3_0_fa_group_sync(const int kg) {
@@ -383,9 +399,27 @@ k_tq3_0_fattn_mma(const tq3_0_fattn_params p) {
     half (*buf)[LD] = sKV[kg];
     const int gt = rg*WARP_SIZE + lane; // thread index within the key group
 
+    // loads of the next tile are issued as soon as the current one is in shared memory, where registers allow
+    // (one or two sub-blocks per thread for K and for V); otherwise V's loads are issued before Q.K
+    using raw_t = tq3_0_fa_raw<D, WR*WARP_SIZE>;
+    constexpr bool PREFETCH = raw_t::UPT <= 2;
+    raw_t rk, rv;
+    if (PREFETCH) {
+        rk.load(kbase, p.nbk1, k_begin + kg*KT, k_end, gt);
+        rv.load(vbase, p.nbv1, k_begin + kg*KT, k_end, gt);
+    }
+
     for (int it = kg; it < n_key_tiles; it += WK) { // the same trip count for every warp of a group
         const int k0 = k_begin + it*KT;
-        tq3_0_fa_dequant_tile<D, LD, WR*WARP_SIZE>(kbase, p.nbk1, k0, k_end, buf, sLev, gt);
+        if (!PREFETCH) {
+            rk.load(kbase, p.nbk1, k0, k_end, gt);
+        }
+        rk.template store<LD>(buf, sLev, gt);
+        if (PREFETCH) {
+            rk.load(kbase, p.nbk1, k0 + WK*KT, k_end, gt); // past the slice: zeros, never stored
+        } else {
+            rv.load(vbase, p.nbv1, k0, k_end, gt);
+        }
         tq3_0_fa_group_sync<WR>(kg);
 
         // S = Q K^T: 16 rows x 16 keys as two n-tiles of 8 keys
@@ -400,7 +434,10 @@ k_tq3_0_fattn_mma(const tq3_0_fattn_params p) {
             tq3_0_fa_mma(S[1], a, b[2], b[3]);
         }
         tq3_0_fa_group_sync<WR>(kg); // every warp of the group is done with K before V overwrites it
-        tq3_0_fa_dequant_tile<D, LD, WR*WARP_SIZE>(vbase, p.nbv1, k0, k_end, buf, sLev, gt);
+        rv.template store<LD>(buf, sLev, gt);
+        if (PREFETCH) {
+            rv.load(vbase, p.nbv1, k0 + WK*KT, k_end, gt);
+        }
 
         // softcap, mask, keys past the slice; online softmax in log2 units
         float mx[2] = {-INFINITY, -INFINITY};
