@@ -246,9 +246,12 @@ static __device__ __forceinline__ void tq3_0_fa_ldmatrix_trans(uint32_t r[4], co
 #endif
 }
 
-static __device__ __forceinline__ uint32_t tq3_0_fa_pack(const float lo, const float hi) {
-    const half2 h = __floats2half2_rn(lo, hi); // lo in the low 16 bits: the lower column of an mma fragment
+static __device__ __forceinline__ uint32_t tq3_0_fa_h2u(const half2 h) {
     return *(const uint32_t *) &h;
+}
+
+static __device__ __forceinline__ uint32_t tq3_0_fa_pack(const float lo, const float hi) {
+    return tq3_0_fa_h2u(__floats2half2_rn(lo, hi)); // lo in the low 16 bits: the lower column of an mma fragment
 }
 
 // The raw sub-blocks of keys [k0, k0 + 16) of one head (rows nb1 bytes apart) that thread t of NT loads: one
@@ -282,31 +285,33 @@ struct tq3_0_fa_raw {
         }
     }
 
-    // dequantise into tile[key][0..D) as f16
+    // dequantise into tile[key][0..D) as f16. The 3-bit indices of 4 values are built at once, one per byte;
+    // each pair of values then looks up both levels in one step (pair_lev[i | i' << 3] = (level i, level i'), f16)
+    // and is scaled by d in f16.
     template <int LD>
-    __device__ __forceinline__ void store(half (*tile)[LD], const float * lev, const int t) const {
+    __device__ __forceinline__ void store(half (*tile)[LD], const half2 * pair_lev, const int t) const {
 #pragma unroll
         for (int i = 0; i < UPT; ++i) {
             const int u = t + i*NT;
             if (u >= UNITS) {
                 continue;
             }
-            const float    d   = __half2float(__ushort_as_half(h[i][0]));
+            const half2    d2  = __half2half2(__ushort_as_half(h[i][0]));
             const uint32_t qs0 = h[i][1] | (uint32_t) h[i][2] << 16; // qs[0..3]
             const uint32_t qs1 = h[i][3] | (uint32_t) h[i][4] << 16; // qs[4..7]
             const uint32_t qh  = h[i][5] | (uint32_t) h[i][6] << 16; // bit j: high bit of value j
             uint32_t out[TQ3_0_QK/2];
 #pragma unroll
-            for (int j = 0; j < TQ3_0_QK; j += 2) {
-                float v[2];
-#pragma unroll
-                for (int e = 0; e < 2; ++e) {
-                    const int jj = j + e;
-                    // qs[jj % 8] >> 2*(jj / 8), with qs[jj % 8] the byte jj % 4 of qs0 or qs1
-                    const uint32_t lo = ((jj % 8 < 4 ? qs0 : qs1) >> (8*(jj % 4) + 2*(jj / 8))) & 3;
-                    v[e] = d * lev[lo | (((qh >> jj) & 1) << 2)];
-                }
-                out[j/2] = tq3_0_fa_pack(v[0], v[1]);
+            for (int c = 0; c < 4; ++c) { // values 8c .. 8c + 7: low bits at bits 2c, 2c+1 of qs[0..7]
+                const uint32_t hb = qh >> 8*c;
+                // bit r of a nibble to bit 2 of byte r: the four shifted copies (2 + 7r) do not overlap
+                const uint32_t ia = ((qs0 >> 2*c) & 0x03030303u) | (((hb & 0xFu) * 0x00810204u) & 0x04040404u);
+                const uint32_t ib = ((qs1 >> 2*c) & 0x03030303u) | ((((hb >> 4) & 0xFu) * 0x00810204u) & 0x04040404u);
+                // bytes (r, r+1) of ia/ib -> r | (r+1) << 3: the upper byte shifted right by 5
+                out[4*c + 0] = tq3_0_fa_h2u(__hmul2(d2, pair_lev[(ia | ia >> 5) & 63]));
+                out[4*c + 1] = tq3_0_fa_h2u(__hmul2(d2, pair_lev[((ia >> 16) | (ia >> 21)) & 63]));
+                out[4*c + 2] = tq3_0_fa_h2u(__hmul2(d2, pair_lev[(ib | ib >> 5) & 63]));
+                out[4*c + 3] = tq3_0_fa_h2u(__hmul2(d2, pair_lev[((ib >> 16) | (ib >> 21)) & 63]));
             }
             uint4 * dst = (uint4 *) &tile[u / SPR][(u % SPR)*TQ3_0_QK];
 #pragma unroll
@@ -338,7 +343,7 @@ k_tq3_0_fattn_mma(const tq3_0_fattn_params p) {
 
     __shared__ __align__(16) half sQ[RB][LD];
     __shared__ __align__(16) half sKV[WK][KT][LD];
-    __shared__ float sLev[8];
+    __shared__ half2 sPairLev[64]; // (level i & 7, level i >> 3)
 
     const int lane = threadIdx.x % WARP_SIZE;
     const int warp = threadIdx.x / WARP_SIZE;
@@ -354,8 +359,8 @@ k_tq3_0_fattn_mma(const tq3_0_fattn_params p) {
     const int group = p.n_head / p.n_head_kv;
     const int n_rows = group * p.n_q;
 
-    if (threadIdx.x < 8) {
-        sLev[threadIdx.x] = tq3_0_fa_levels[threadIdx.x];
+    if (threadIdx.x < 64) {
+        sPairLev[threadIdx.x] = __floats2half2_rn(tq3_0_fa_levels[threadIdx.x % 8], tq3_0_fa_levels[threadIdx.x / 8]);
     }
     // query rows of this block, scaled, as f16: row r -> head hk*group + r % group, token r / group; rows past
     // n_rows are zeros (their scores are finite and never written out)
@@ -414,7 +419,7 @@ k_tq3_0_fattn_mma(const tq3_0_fattn_params p) {
         if (!PREFETCH) {
             rk.load(kbase, p.nbk1, k0, k_end, gt);
         }
-        rk.template store<LD>(buf, sLev, gt);
+        rk.template store<LD>(buf, sPairLev, gt);
         if (PREFETCH) {
             rk.load(kbase, p.nbk1, k0 + WK*KT, k_end, gt); // past the slice: zeros, never stored
         } else {
@@ -434,7 +439,7 @@ k_tq3_0_fattn_mma(const tq3_0_fattn_params p) {
             tq3_0_fa_mma(S[1], a, b[2], b[3]);
         }
         tq3_0_fa_group_sync<WR>(kg); // every warp of the group is done with K before V overwrites it
-        rv.template store<LD>(buf, sLev, gt);
+        rv.template store<LD>(buf, sPairLev, gt);
         if (PREFETCH) {
             rv.load(vbase, p.nbv1, k0 + WK*KT, k_end, gt);
         }
