@@ -485,10 +485,12 @@ k_tq3_0_fattn_mma(const tq3_0_fattn_params p) {
                 L[h] = (n == 0 ? L[h]*alpha[h] : L[h]) + __low2float(ph) + __high2float(ph); // sum what V is weighed by
             }
         }
+        if (__any_sync(0xffffffff, alpha[0] != 1.0f || alpha[1] != 1.0f)) { // deep in the context the max rarely moves
 #pragma unroll
-        for (int n = 0; n < D/8; ++n) {
-            O[n][0] *= alpha[0]; O[n][1] *= alpha[0];
-            O[n][2] *= alpha[1]; O[n][3] *= alpha[1];
+            for (int n = 0; n < D/8; ++n) {
+                O[n][0] *= alpha[0]; O[n][1] *= alpha[0];
+                O[n][2] *= alpha[1]; O[n][3] *= alpha[1];
+            }
         }
         tq3_0_fa_group_sync<WR>(kg); // V is in the buffer
 
