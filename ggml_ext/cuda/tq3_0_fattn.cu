@@ -558,9 +558,11 @@ static __global__ void k_tq3_0_fattn_merge(const float * __restrict__ partial, f
     }
 }
 
-// Tensor cores (Ampere and newer) on the current device.
+// Tensor cores (Ampere and newer) on the current device, unless PYDFLASH_TQ3_FA_SCALAR=1 asks for the scalar
+// kernel (to compare the two on one machine).
 static bool tq3_0_fa_use_mma() {
-    return ampere_mma_available(ggml_cuda_info().devices[ggml_cuda_get_device()].cc);
+    static const bool scalar = getenv("PYDFLASH_TQ3_FA_SCALAR") != nullptr && atoi(getenv("PYDFLASH_TQ3_FA_SCALAR")) != 0;
+    return !scalar && ampere_mma_available(ggml_cuda_info().devices[ggml_cuda_get_device()].cc);
 }
 
 // Launch the tensor-core kernel with WR warps over the rows: slices of the keys fill the GPU once.
