@@ -427,16 +427,30 @@ k_tq3_0_fattn_mma(const tq3_0_fattn_params p) {
         }
         tq3_0_fa_group_sync<WR>(kg);
 
-        // S = Q K^T: 16 rows x 16 keys as two n-tiles of 8 keys
-        float S[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
+        // S = Q K^T: 16 rows x 16 keys as two n-tiles of 8 keys; even and odd k-steps accumulate apart (4
+        // independent mma chains instead of 2: the chain's latency is what a tile waits on)
+        float S[2][4], S2[2][4];
+#pragma unroll
+        for (int n = 0; n < 2; ++n) {
+            S[n][0] = S[n][1] = S[n][2] = S[n][3] = 0.0f;
+            S2[n][0] = S2[n][1] = S2[n][2] = S2[n][3] = 0.0f;
+        }
 #pragma unroll
         for (int kb = 0; kb < D; kb += 16) {
             uint32_t a[4], b[4];
             tq3_0_fa_ldmatrix(a, &sQ[rg*16 + lane % 16][kb + (lane / 16)*8]);
             // matrices: keys 0-7 at kb, keys 0-7 at kb+8, keys 8-15 at kb, keys 8-15 at kb+8
             tq3_0_fa_ldmatrix(b, &buf[lane % 8 + (lane / 16)*8][kb + ((lane / 8) % 2)*8]);
-            tq3_0_fa_mma(S[0], a, b[0], b[1]);
-            tq3_0_fa_mma(S[1], a, b[2], b[3]);
+            float (*acc)[4] = (kb / 16) % 2 ? S2 : S;
+            tq3_0_fa_mma(acc[0], a, b[0], b[1]);
+            tq3_0_fa_mma(acc[1], a, b[2], b[3]);
+        }
+#pragma unroll
+        for (int n = 0; n < 2; ++n) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                S[n][e] += S2[n][e];
+            }
         }
         tq3_0_fa_group_sync<WR>(kg); // every warp of the group is done with K before V overwrites it
         rv.template store<LD>(buf, sPairLev, gt);
