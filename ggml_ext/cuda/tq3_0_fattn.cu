@@ -1,11 +1,14 @@
-// Decode flash attention over a TQ3_0 K/V cache, reading the 3.5-bit blocks directly (no f16 copy of the cache).
+// Flash attention over a TQ3_0 K/V cache for decode and tree verify, reading the 3.5-bit blocks directly (no f16
+// copy of the cache).
 //
 // The query arrives rotated (pydflash/tq3.py), so scores are plain dot products with the dequantised rotated
 // keys, and the output stays rotated until the graph un-rotates it. Work split ("flash decoding"): a CUDA block
-// takes one KV head, up to NC query rows that share it (the GQA heads times the query tokens) and one slice of
-// the keys; its 4 warps take every 4th key of the slice, each lane dequantising the D/32 values j = lane + 32 b.
-// Each block leaves (max, sum, unnormalised output) per row; a second kernel merges the slices.
-// Larger batches (prefill) go to upstream's kernels, which read TQ3_0 through the f16 converters.
+// takes one KV head, some of the query rows that share it (the GQA heads times the query tokens) and one slice
+// of the keys, and leaves (max, sum, unnormalised output) per row; a second kernel merges the slices.
+// Two kernels: on Ampere and newer, a tensor-core kernel (k_tq3_0_fattn_mma, up to 256 rows per KV head); before,
+// a scalar one (k_tq3_0_fattn_decode, up to 32 rows): its 4 warps take every 4th key of the slice, each lane
+// dequantising the D/32 values j = lane + 32 b. Larger batches (prefill) go to upstream's kernels, which read
+// TQ3_0 through the f16 converters.
 
 #include "ggml-ext-cuda.cuh"
 #include "ggml-ext.h"
