@@ -3,6 +3,7 @@
 
     python bench/qmatmul.py --device cuda                 # a markdown table on stdout
     python bench/qmatmul.py --device cuda --shapes ffn_up --cols 1,16
+    python bench/qmatmul.py --device cuda --sweep      # every row-tile count per (shape, N): picks the heuristic
 
 Each op runs in a graph of `copies` instances, each over its own copy of the weight (together over 400 MB, so
 the weights come from DRAM, not from the 50 MB L2), computed `--warmup` times then `--reps` times; the median
@@ -10,6 +11,10 @@ per instance in microseconds. GB/s counts the weight bytes read once (activation
 weights are one quantised 256-row block of random values tiled over the matrix (quantising 5 GB would take
 minutes; the kernels' speed does not depend on the values). Also prints, per shape, the time at N over the
 time at N=1 (the issue's targets: <= 1.3 at 16-24 columns, <= 1.6 at 48).
+
+`--row-tiles R` forces the kernel's 16-row tiles per warp (ggml.qmatmul's row_tiles; 0, the default, lets it
+choose). `--sweep` times ggml_qmatmul at its own choice and at every forced count, per shape and N, and marks the
+fastest: the data for the choice the kernel makes (qmm_auto_row_tiles in ggml_ext/cuda/qmatmul.cu).
 """
 from __future__ import annotations
 
@@ -43,12 +48,13 @@ def weight_bytes(K: int, M: int, wtype: ggml.Type) -> np.ndarray:
     return np.tile(block.reshape(256, -1), (reps, 1))[:M]
 
 
-def time_op(backend, op: str, K: int, M: int, wtype, n: int, w_data: np.ndarray, warmup: int, reps: int) -> float:
+def time_op(backend, op: str, K: int, M: int, wtype, n: int, w_data: np.ndarray, warmup: int, reps: int,
+            row_tiles: int = 0) -> float:
     copies = max(1, min(32, int(POOL_BYTES // w_data.nbytes) + 1))
     ctx = ggml.Context(n_tensors=3 * copies + 4, graph_size=4 * copies + 8)
     x = ctx.new_tensor(np.float32, (K, n), name="x").mark_input()
     ws = [ctx.new_tensor(wtype, (K, M), name=f"w{i}").mark_input() for i in range(copies)]
-    outs = [ggml.qmatmul(ctx, w, x) if op == "qmatmul" else ctx.mul_mat(w, x) for w in ws]
+    outs = [ggml.qmatmul(ctx, w, x, row_tiles) if op == "qmatmul" else ctx.mul_mat(w, x) for w in ws]
     graph = ctx.graph(outs)
     alloc = ggml.Allocator(backend)
     alloc.allocate(graph)
@@ -74,9 +80,15 @@ def main() -> None:
     ap.add_argument("--cols", default=",".join(map(str, COLS)))
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--row-tiles", type=int, default=0, choices=ggml.QMATMUL_ROW_TILES,
+                    help="force qmatmul's row tiles per warp (0: the kernel chooses)")
+    ap.add_argument("--sweep", action="store_true", help="time every row-tile count per (shape, N)")
     args = ap.parse_args()
     backend = ggml.Backend(args.device)
     cols = [int(c) for c in args.cols.split(",")]
+    if args.sweep:
+        sweep(backend, args.shapes.split(","), cols, args.warmup, args.reps)
+        return
     print(f"device: {backend.name}; us per matmul (median of {args.reps}); GB/s of weight bytes\n")
     print("| shape | type | N | qmatmul us | GB/s | mul_mat us | GB/s | qmatmul / mul_mat | qmatmul N / N=1 |")
     print("|---|---|---|---|---|---|---|---|---|")
@@ -86,12 +98,29 @@ def main() -> None:
         gb = w_data.nbytes / 1e9
         t1 = None
         for n in cols:
-            tq = time_op(backend, "qmatmul", K, M, wtype, n, w_data, args.warmup, args.reps)
+            tq = time_op(backend, "qmatmul", K, M, wtype, n, w_data, args.warmup, args.reps, args.row_tiles)
             tm = time_op(backend, "mul_mat", K, M, wtype, n, w_data, args.warmup, args.reps)
             t1 = tq if n == 1 else t1
             rel = f"{tq / t1:.2f}" if t1 else "-"
             print(f"| {name} {M}x{K} | {wtype.name} | {n} | {tq:.1f} | {gb / tq * 1e6:.0f} | {tm:.1f} | "
                   f"{gb / tm * 1e6:.0f} | {tq / tm:.2f} | {rel} |", flush=True)
+
+
+def sweep(backend, shapes: list[str], cols: list[int], warmup: int, reps: int) -> None:
+    forced = [rt for rt in ggml.QMATMUL_ROW_TILES if rt]
+    print(f"device: {backend.name}; qmatmul us per matmul (median of {reps}) at the kernel's own row-tile choice "
+          f"and at each forced count; * marks the fastest\n")
+    print("| shape | type | N | auto | " + " | ".join(f"rt={rt}" for rt in forced) + " | best / auto |")
+    print("|---|---|---|---|" + "---|" * len(forced) + "---|")
+    for name in shapes:
+        K, M, wtype = SHAPES[name]
+        w_data = weight_bytes(K, M, wtype)
+        for n in cols:
+            auto = time_op(backend, "qmatmul", K, M, wtype, n, w_data, warmup, reps)
+            times = [time_op(backend, "qmatmul", K, M, wtype, n, w_data, warmup, reps, rt) for rt in forced]
+            best = min(times)
+            cells = " | ".join(f"{t:.1f}{'*' if t == best else ''}" for t in times)
+            print(f"| {name} {M}x{K} | {wtype.name} | {n} | {auto:.1f} | {cells} | {best / auto:.2f} |", flush=True)
 
 
 if __name__ == "__main__":

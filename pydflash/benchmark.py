@@ -8,9 +8,13 @@ see docs/benchmarks.md, so the count of differing outputs is reported rather tha
 
 Prompt format: `auto` feeds HumanEval prompts raw (code completion, as they are written) and wraps the math
 questions in the chat template as a user turn; `chat` and `raw` force one format for all.
+llama.cpp peers (`--llama-bin DIR`, pydflash/llama_peers.py): llama.cpp's greedy AR (llama-simple) and, with
+`--llama-draft GGUF`, its classic draft-model speculative decoding (llama-speculative-simple) decode the same
+prompt tokens for n_gen tokens; their tok/s, acceptance rate and whether llama.cpp's AR text equals pydflash's
+AR text are added per prompt and per dataset.
 Outputs: a markdown table (stdout and bench.md), bench.json (settings, per-prompt and per-dataset numbers) and,
-when matplotlib is installed (`pip install pydflash[plot]`), bench.png: speed-up per dataset and the
-acceptance-length histogram.
+when matplotlib is installed (`pip install pydflash[plot]`), bench.png: decode tok/s per dataset (pydflash AR and
+speculative, and the llama.cpp peers when run) and the acceptance-length histogram.
 """
 from __future__ import annotations
 
@@ -43,6 +47,15 @@ class PromptRun:
     spec_committed: int
     identical: bool
     histogram: list            # index = tokens committed in one step
+    # llama.cpp peers (None when not run): tokens and seconds as their own timers count them
+    llama_ar_decoded: int | None = None
+    llama_ar_s: float | None = None
+    llama_ar_equal: bool | None = None       # llama.cpp's AR text == pydflash's AR text
+    llama_spec_decoded: int | None = None
+    llama_spec_s: float | None = None
+    llama_drafted: int | None = None
+    llama_accepted: int | None = None
+    llama_spec_equal: bool | None = None     # llama.cpp's speculative text starts with pydflash's AR text
 
     @property
     def ar_tok_s(self) -> float:       # the first new token comes out of the prefill, not the decode
@@ -51,6 +64,43 @@ class PromptRun:
     @property
     def spec_tok_s(self) -> float:
         return (self.spec_tokens - 1) / self.spec_decode_s if self.spec_decode_s > 0 else 0.0
+
+    @property
+    def llama_ar_tok_s(self) -> float | None:
+        return None if self.llama_ar_s is None else _rate(self.llama_ar_decoded, self.llama_ar_s)
+
+    @property
+    def llama_spec_tok_s(self) -> float | None:
+        return None if self.llama_spec_s is None else _rate(self.llama_spec_decoded, self.llama_spec_s)
+
+    def add_peers(self, result: dict, ar_text: bytes) -> None:
+        """Record llama_peers.LlamaPeers.run's result; ar_text: pydflash's AR output as the peers print it."""
+        ar, spec = result["ar"], result["spec"]
+        self.llama_ar_decoded, self.llama_ar_s, self.llama_ar_equal = ar.decoded, ar.decode_s, ar.text == ar_text
+        if spec is not None:
+            self.llama_spec_decoded, self.llama_spec_s = spec.decoded, spec.decode_s
+            self.llama_drafted, self.llama_accepted = spec.drafted, spec.accepted
+            self.llama_spec_equal = spec.text.startswith(ar_text)    # its last step may pass n_gen
+
+
+def _rate(n, seconds) -> float:
+    return n / seconds if seconds > 0 else 0.0
+
+
+def _peer_summary(runs: list[PromptRun]) -> dict:
+    """The llama.cpp columns of a dataset (empty when no peer ran): totals over totals, like pydflash's."""
+    out = {}
+    ar = [r for r in runs if r.llama_ar_s is not None]
+    if ar:
+        out["llama_ar_tok_s"] = _rate(sum(r.llama_ar_decoded for r in ar), sum(r.llama_ar_s for r in ar))
+        out["llama_ar_equal_outputs"] = sum(bool(r.llama_ar_equal) for r in ar)
+    spec = [r for r in runs if r.llama_spec_s is not None]
+    if spec:
+        out["llama_spec_tok_s"] = _rate(sum(r.llama_spec_decoded for r in spec), sum(r.llama_spec_s for r in spec))
+        drafted = sum(r.llama_drafted for r in spec)
+        out["llama_accept_rate"] = sum(r.llama_accepted for r in spec) / drafted if drafted else 0.0
+        out["llama_spec_equal_outputs"] = sum(bool(r.llama_spec_equal) for r in spec)
+    return out
 
 
 def summarize(runs: list[PromptRun]) -> dict:
@@ -78,13 +128,15 @@ def summarize(runs: list[PromptRun]) -> dict:
         "prefill_tok_s": prompt_tokens / prefill_s if prefill_s > 0 else 0.0,
         "identical_outputs": sum(r.identical for r in runs),
         "acceptance_histogram": hist.tolist(),
+        **_peer_summary(runs),
     }
 
 
 def run_bench(engine, datasets=BENCHMARKS, *, n_prompts: int = 20, n_gen: int = 256, seed: int = 0,
-              prompt_format: str = "auto", max_prompt_tokens: int | None = None, progress: bool = True
-              ) -> tuple[list[PromptRun], dict]:
-    """Decode `n_prompts` of each dataset with AR and with `engine` (a speculative pydflash Engine).
+              prompt_format: str = "auto", max_prompt_tokens: int | None = None, progress: bool = True,
+              peers=None) -> tuple[list[PromptRun], dict]:
+    """Decode `n_prompts` of each dataset with AR and with `engine` (a speculative pydflash Engine), and with
+    the llama.cpp `peers` (a llama_peers.LlamaPeers on the same target file) when given.
 
     Returns the per-prompt runs and {dataset: summary}. Prompts whose tokens (plus n_gen and the verify
     slots) would not fit the engine's context are skipped with a note, never truncated silently."""
@@ -92,6 +144,7 @@ def run_bench(engine, datasets=BENCHMARKS, *, n_prompts: int = 20, n_gen: int = 
 
     from .api import Engine
     from .engine import Decoder
+    from .llama_peers import generated_bytes
 
     if engine.mode == "ar":
         raise ValueError("pydflash bench compares AR with a speculative mode: load the engine with a draft")
@@ -122,21 +175,42 @@ def run_bench(engine, datasets=BENCHMARKS, *, n_prompts: int = 20, n_gen: int = 
                 ar_decode_s=ref.stats["decode_s"], ar_prefill_s=ref.stats["prefill_s"],
                 spec_decode_s=s["decode_s"], spec_steps=s["steps"], spec_committed=sum(s["committed_per_step"]),
                 identical=out.tokens == ref.tokens, histogram=list(s["acceptance_histogram"])))
+            if peers is not None:
+                result = peers.run(engine.tokenizer, p.text, chat, ids, n_gen)
+                runs[-1].add_peers(result, generated_bytes(engine.tokenizer, ref.tokens))
     summary = {name: summarize([r for r in runs if r.dataset == name]) for name in datasets}
     return runs, summary
 
 
+# llama.cpp columns: (summary key, header, format); a column shows when any dataset has its key
+PEER_COLUMNS = (("llama_ar_tok_s", "llama.cpp AR tok/s", "{:.1f}"),
+                ("llama_spec_tok_s", "llama.cpp speculative tok/s", "{:.1f}"),
+                ("llama_accept_rate", "llama.cpp acceptance rate", "{:.1%}"))
+
+
 def markdown(summary: dict, settings: dict) -> str:
+    peers = [c for c in PEER_COLUMNS if any(c[0] in s for s in summary.values())]
+    equal = any("llama_ar_equal_outputs" in s for s in summary.values())
+    head = (["dataset", "prompts", "AR tok/s", "speculative tok/s", "speed-up", "acceptance length",
+             "prefill tok/s", "outputs equal to AR"] + [c[1] for c in peers] +
+            (["llama.cpp AR text equal"] if equal else []))
+    peer_note = ""
+    if "llama" in settings:
+        lc = settings["llama"]
+        peer_note = (f" llama.cpp peers: {lc['ar']} (AR)" + (f", {lc['spec']} with draft `{lc['draft']}`, drafts "
+                     f"of up to {lc['draft_max']} tokens" if lc.get("draft") else "") + ", greedy.")
     lines = [f"Target `{settings['target']}`, draft `{settings['draft']}`, mode {settings['mode']} (budget "
              f"{settings['budget']}), device {settings['device']}, n_gen {settings['n_gen']}, prompt format "
-             f"{settings['prompt_format']}, seed {settings['seed']}.", "",
-             "| dataset | prompts | AR tok/s | speculative tok/s | speed-up | acceptance length | prefill tok/s "
-             "| outputs equal to AR |",
-             "|---|---|---|---|---|---|---|---|"]
+             f"{settings['prompt_format']}, seed {settings['seed']}.{peer_note}", "",
+             "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for name, s in summary.items():
-        lines.append(f"| {name} | {s['prompts']} | {s['ar_tok_s']:.1f} | {s['spec_tok_s']:.1f} | "
-                     f"{s['speedup']:.2f}x | {s['acceptance_length']:.2f} | {s['prefill_tok_s']:.1f} | "
-                     f"{s['identical_outputs']}/{s['prompts']} |")
+        cells = [name, str(s["prompts"]), f"{s['ar_tok_s']:.1f}", f"{s['spec_tok_s']:.1f}", f"{s['speedup']:.2f}x",
+                 f"{s['acceptance_length']:.2f}", f"{s['prefill_tok_s']:.1f}",
+                 f"{s['identical_outputs']}/{s['prompts']}"]
+        cells += [fmt.format(s[key]) if key in s else "-" for key, _, fmt in peers]
+        if equal:
+            cells.append(f"{s['llama_ar_equal_outputs']}/{s['prompts']}" if "llama_ar_equal_outputs" in s else "-")
+        lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -150,10 +224,18 @@ def plot(summary: dict, path: str) -> bool:
         return False
     names = list(summary)
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
-    left.bar(names, [summary[n]["speedup"] for n in names], color="#3b7dd8")
-    left.axhline(1.0, color="grey", linewidth=1)
-    left.set_ylabel("decode speed-up over AR")
-    left.set_title("speculative / AR tok/s")
+    bars = [("ar_tok_s", "pydflash AR"), ("spec_tok_s", "pydflash speculative"), ("llama_ar_tok_s", "llama.cpp AR"),
+            ("llama_spec_tok_s", "llama.cpp speculative")]
+    bars = [(k, label) for k, label in bars if any(k in summary[n] for n in names)]
+    x, width = np.arange(len(names)), 0.8 / len(bars)
+    for i, (key, label) in enumerate(bars):          # decode tok/s side by side per dataset
+        left.bar(x + (i - (len(bars) - 1) / 2) * width, [summary[n].get(key, 0.0) for n in names], width,
+                 label=label)
+    left.set_xticks(x, names)
+    left.set_ylabel("decode tok/s")
+    left.set_title("decode speed (speed-up over pydflash AR: " +
+                   ", ".join(f"{summary[n]['speedup']:.2f}x" for n in names) + ")", fontsize=9)
+    left.legend(fontsize=8)
     for i, n in enumerate(names):
         hist = np.asarray(summary[n]["acceptance_histogram"], np.float64)
         if hist.sum() > 0:
@@ -176,7 +258,8 @@ def write_report(out_dir: str, runs: list[PromptRun], summary: dict, settings: d
     with open(paths["md"], "w", encoding="utf-8") as f:
         f.write(markdown(summary, settings))
     record = {"settings": settings, "datasets": summary,
-              "prompts": [dict(asdict(r), ar_tok_s=r.ar_tok_s, spec_tok_s=r.spec_tok_s) for r in runs]}
+              "prompts": [dict(asdict(r), ar_tok_s=r.ar_tok_s, spec_tok_s=r.spec_tok_s, llama_ar_tok_s=r.llama_ar_tok_s,
+                               llama_spec_tok_s=r.llama_spec_tok_s) for r in runs]}
     with open(paths["json"], "w", encoding="utf-8") as f:
         json.dump(record, f, indent=1)
     png = os.path.join(out_dir, "bench.png")
@@ -185,8 +268,34 @@ def write_report(out_dir: str, runs: list[PromptRun], summary: dict, settings: d
     return paths
 
 
-def settings_of(engine, *, target: str, draft: str, device: str, n_gen: int, seed: int, prompt_format: str) -> dict:
-    return {"target": os.path.basename(str(target)), "draft": os.path.basename(str(draft).rstrip("/")),
+def merge_reports(dirs, out_dir: str) -> dict:
+    """Join the bench.json of separate runs (one dataset each, same settings otherwise) into one report under
+    out_dir; returns write_report's paths."""
+    from dataclasses import fields
+
+    names = {f.name for f in fields(PromptRun)}
+    runs, settings = [], None
+    for d in dirs:
+        with open(os.path.join(d, "bench.json"), encoding="utf-8") as f:
+            record = json.load(f)
+        settings = settings or record["settings"]
+        runs += [PromptRun(**{k: v for k, v in p.items() if k in names}) for p in record["prompts"]]
+    if settings is None:
+        raise ValueError("merge_reports: no report folder given")
+    order = list(dict.fromkeys(r.dataset for r in runs))
+    summary = {name: summarize([r for r in runs if r.dataset == name]) for name in order}
+    return write_report(out_dir, runs, summary, settings)
+
+
+def settings_of(engine, *, target: str, draft: str, device: str, n_gen: int, seed: int, prompt_format: str,
+                peers=None) -> dict:
+    settings = {"target": os.path.basename(str(target)), "draft": os.path.basename(str(draft).rstrip("/")),
             "mode": engine.mode, "budget": engine.decoder.budget, "device": device, "n_gen": n_gen, "seed": seed,
             "prompt_format": prompt_format, "host": platform.node(), "python": platform.python_version(),
             "date": time.strftime("%Y-%m-%d")}
+    if peers is not None:
+        from .llama_peers import AR_PROGRAM, SPEC_PROGRAM
+        settings["llama"] = {"bin": peers.bin_dir, "ar": AR_PROGRAM, "spec": SPEC_PROGRAM if peers.draft else None,
+                             "draft": os.path.basename(peers.draft) if peers.draft else None,
+                             "draft_max": peers.draft_max}
+    return settings

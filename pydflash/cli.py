@@ -314,12 +314,24 @@ def cmd_bench(args: argparse.Namespace) -> int:
             return 2
         else:
             _check_run_args(args)
+        peers = None
+        if args.llama_bin:            # checked before the model loads: missing programs, a foreign draft vocabulary
+            from .llama_peers import LlamaPeers, PeerError
+            try:
+                peers = LlamaPeers(args.llama_bin, target, args.llama_draft, args.llama_draft_max)
+            except PeerError as e:
+                print(f"pydflash bench: {e}", file=sys.stderr)
+                return 2
+        elif args.llama_draft:
+            print("pydflash bench: --llama-draft needs --llama-bin (the folder of the llama.cpp programs)",
+                  file=sys.stderr)
+            return 2
         engine = load(target, draft, device=args.device, max_ctx=args.max_ctx, mode=args.mode, budget=args.budget,
                       progress=True)
         runs, summary = benchmark.run_bench(engine, datasets, n_prompts=args.n_prompts, n_gen=args.n_gen,
-                                            seed=args.seed, prompt_format=args.format)
+                                            seed=args.seed, prompt_format=args.format, peers=peers)
         settings = benchmark.settings_of(engine, target=target, draft=draft, device=args.device, n_gen=args.n_gen,
-                                         seed=args.seed, prompt_format=args.format)
+                                         seed=args.seed, prompt_format=args.format, peers=peers)
         paths = benchmark.write_report(args.out, runs, summary, settings)
     print(benchmark.markdown(summary, settings))
     print("wrote " + ", ".join(paths.values()), file=sys.stderr)
@@ -421,6 +433,12 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--seed", type=int, default=0)
     bench.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (default: auto)")
     bench.add_argument("--out", default="pydflash-bench", help="folder for bench.md/json/png")
+    bench.add_argument("--llama-bin", help="folder of llama.cpp's llama-simple and llama-speculative-simple "
+                       "(tools/build_llama_bench.sh): adds llama.cpp AR (and speculative) columns")
+    bench.add_argument("--llama-draft", help="draft GGUF for llama.cpp's speculative decoding (same vocabulary "
+                       "as the target)")
+    bench.add_argument("--llama-draft-max", type=int, default=16,
+                       help="llama.cpp's most draft tokens per step (--spec-draft-n-max; default 16)")
     bench.set_defaults(func=cmd_bench)
 
     train = sub.add_parser("train-draft", help="train a DFlash draft on a GGUF target's own outputs (needs torch)")

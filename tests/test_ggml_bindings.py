@@ -119,3 +119,24 @@ def test_ext_wrapper_rejects_bad_input_before_ggml():
     with pytest.raises(ValueError, match="earlier node"):
         ggml.ext.check_parents(np.array([-1, 0, 2]))
     np.testing.assert_array_equal(ggml.ext.check_parents([-1, 0, 0, 1]), [[-1, 0, 0, 1]])
+
+
+def test_set_queued_on_the_backend_stream_lands_before_its_next_compute(backend, rng):
+    """The decode loop queues its inputs on the computing backend's stream (no synchronisation per input);
+    a graph computed right after must see them, also when the host array is overwritten at once."""
+    ctx = ggml.Context(n_tensors=8, graph_size=8)
+    a = ctx.new_tensor(np.float32, (64,), name="a").mark_input()
+    out = ctx.scale(a, 2.0).named("out")
+    graph = ctx.graph([out])
+    alloc = ggml.Allocator(backend)
+    alloc.allocate(graph)
+    host = np.empty(64, np.float32)
+    for _ in range(3):
+        values = rng.standard_normal(64).astype(np.float32)
+        host[:] = values
+        a.set(host, backend)
+        host[:] = np.nan                 # the copy was staged before set returned
+        backend.compute(graph)
+        np.testing.assert_array_equal(out.numpy(), 2.0 * values)
+    with pytest.raises(ValueError, match="256 bytes"):
+        a.set(np.zeros(65, np.float32), backend)

@@ -1,6 +1,6 @@
 """ggml_qmatmul (our quantised W * X for 1..48 columns) against float64 numpy on the weights as gguf-py decodes
 them, on the CPU and (with `-m cuda`) on CUDA, where every column must also come out bit-identical whatever the
-number of columns around it.
+number of columns around it and whatever number of row tiles the kernel runs.
 
 Bounds: the CPU kernel dequantises to f32 and sums in float (far below 1e-5 relative error). CUDA quantises
 each column of x to 8 bits per 32 values first, as ggml's own vector kernel does; the reference applies the same
@@ -24,6 +24,12 @@ COLS = [1, 2, 3, 8, 16, 23, 24, 33, 48]
 # K: 5 super-blocks (not a multiple of the 8 blocks a CUDA block takes per step); M odd
 SHAPES = {ggml.Type.Q8_0: (800, 45), ggml.Type.Q4_K: (1280, 45), ggml.Type.Q5_K: (1280, 37),
           ggml.Type.Q6_K: (1280, 41)}
+# For the row-tile cases: more 256-value units of K than the 8 warps of a CUDA block (so warps take several, the
+# Q8_0 row ending in a 3-block unit), an odd number of Q6_K super-blocks (rows alternate 4- and 2-byte
+# alignment), and M spanning several CUDA blocks at every row-tile count, the last one partial.
+SHAPES_TALL = {ggml.Type.Q8_0: (2656, 301), ggml.Type.Q4_K: (2816, 301), ggml.Type.Q5_K: (2816, 269),
+               ggml.Type.Q6_K: (2816, 285)}
+ROW_TILES = [1, 2, 4]
 
 
 def as_q8(x: np.ndarray) -> np.ndarray:
@@ -38,11 +44,11 @@ class QMatmul:
     def __init__(self, backend: ggml.Backend, wtype: ggml.Type, w_data: np.ndarray, K: int, M: int):
         self.backend, self.wtype, self.w_data, self.K, self.M = backend, wtype, w_data, K, M
 
-    def run(self, x: np.ndarray) -> np.ndarray:
+    def run(self, x: np.ndarray, row_tiles: int = 0) -> np.ndarray:
         ctx = ggml.Context(n_tensors=4, graph_size=4)
         w = ctx.new_tensor(self.wtype, (self.K, self.M), name="w").mark_input()
         xt = ctx.new_tensor(np.float32, (self.K, x.shape[0]), name="x").mark_input()
-        graph = ctx.graph(ggml.qmatmul(ctx, w, xt))
+        graph = ctx.graph(ggml.qmatmul(ctx, w, xt, row_tiles=row_tiles))
         ggml.Allocator(self.backend).allocate(graph)
         w.set(self.w_data)
         xt.set(np.ascontiguousarray(x, dtype=np.float32))
@@ -50,8 +56,8 @@ class QMatmul:
         return graph.outputs[0].numpy().reshape(x.shape[0], self.M)  # numpy() drops a trailing 1
 
 
-def make(backend, rng, wtype):
-    K, M = SHAPES[wtype]
+def make(backend, rng, wtype, shapes=SHAPES):
+    K, M = shapes[wtype]
     w = rng.standard_normal((M, K)).astype(np.float32)
     w_data = ggml.quantize(wtype, w)  # ggml's quantiser; the reference decodes with gguf-py's own code
     w_ref = dequantize(w_data, GGMLQuantizationType(int(wtype))).astype(np.float64)
@@ -83,12 +89,30 @@ def test_qmatmul_column_bit_identical_alone_or_among_n(rng, wtype):
     op, _ = make(backend, rng, wtype)
     x = rng.standard_normal((48, op.K)).astype(np.float32)
     full = op.run(x)
-    for n in COLS:
+    for n in range(1, 48):
         first_n = op.run(x[:n])
         assert np.array_equal(first_n, full[:n]), f"{wtype.name}: the first {n} of 48 columns differ when N={n}"
     for j in (0, 7, 8, 22, 23, 47):
         alone = op.run(x[j:j + 1])
         assert np.array_equal(alone[0], full[j]), f"{wtype.name}: column {j} alone differs from it among 48"
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("wtype", TYPES, ids=[t.name for t in TYPES])
+def test_qmatmul_row_tiles_change_no_bit(rng, wtype):
+    """Every forced row-tile count gives the bits of the kernel's own choice, at every column-tile count, on a
+    shape where each count has several CUDA blocks; the results also match the float64 reference."""
+    backend = ggml.Backend("cuda")
+    op, w_ref = make(backend, rng, wtype, SHAPES_TALL)
+    x = rng.standard_normal((48, op.K)).astype(np.float32)
+    auto = op.run(x)
+    err = rel_err(auto, as_q8(x) @ w_ref.T)
+    assert err < 1e-3, f"{wtype.name} M={op.M} K={op.K}: relative error {err:.2e} against q8-rounded x"
+    for rt in ROW_TILES:
+        assert np.array_equal(op.run(x, row_tiles=rt), auto), f"{wtype.name}: row_tiles={rt} changed the result"
+        for n in (1, 9, 16, 23, 33):
+            got = op.run(x[:n], row_tiles=rt)
+            assert np.array_equal(got, auto[:n]), f"{wtype.name}: row_tiles={rt}, N={n} changed the result"
 
 
 def test_qmatmul_rejects_bad_input():
@@ -98,5 +122,7 @@ def test_qmatmul_rejects_bad_input():
         ggml.qmatmul(ctx, w, ctx.new_tensor(np.float32, (256, 49)))
     with pytest.raises(ValueError, match="must have ne"):
         ggml.qmatmul(ctx, w, ctx.new_tensor(np.float32, (512, 3)))
+    with pytest.raises(ValueError, match="row_tiles must be one of"):
+        ggml.qmatmul(ctx, w, ctx.new_tensor(np.float32, (256, 3)), row_tiles=3)
     with pytest.raises(TypeError, match="Q4_K/Q5_K/Q6_K/Q8_0"):
         ggml.qmatmul(ctx, ctx.new_tensor(ggml.Type.F16, (256, 4)), ctx.new_tensor(np.float32, (256, 3)))

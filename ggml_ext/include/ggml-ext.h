@@ -10,7 +10,7 @@ extern "C" {
 #endif
 
 // Bumped whenever an op's signature or semantics change; the Python bindings check it at load.
-#define GGML_EXT_ABI_VERSION 5
+#define GGML_EXT_ABI_VERSION 6
 
 // The number of ops in ggml-ext-ops.def.
 enum {
@@ -153,10 +153,14 @@ GGML_API struct ggml_tensor * ggml_gated_delta_net_tree_persist(
 
 GGML_API bool ggml_qmatmul_supported(enum ggml_type type);
 
+// row_tiles (CUDA only; the CPU kernel ignores it): how many 16-row tiles of w each warp multiplies with every
+// activation fragment it loads: 0 lets the kernel choose from M, N and the GPU; 1, 2 or 4 forces it (a knob for
+// benchmarks: the result's bits do not depend on it).
 GGML_API struct ggml_tensor * ggml_qmatmul(
         struct ggml_context * ctx,
         struct ggml_tensor  * w,
-        struct ggml_tensor  * x);
+        struct ggml_tensor  * x,
+        int                   row_tiles);
 // --- Sampling: filter each row of logits and draw one token (docs/sampling.md) ----------------------------------
 //   logits f32 [n_vocab, n_rows]  rows contiguous (nb[0] = 4)
 //   hist   i32 [n_hist, n_rows]   each row's most recent tokens for the penalties (-1: no token), contiguous

@@ -139,14 +139,17 @@ bool ggml_qmatmul_supported(enum ggml_type type) {
 struct ggml_tensor * ggml_qmatmul(
         struct ggml_context * ctx,
         struct ggml_tensor  * w,
-        struct ggml_tensor  * x) {
+        struct ggml_tensor  * x,
+        int                   row_tiles) {
     GGML_ASSERT(ggml_qmatmul_supported(w->type) && ggml_is_contiguous(w) && ggml_is_matrix(w));
     GGML_ASSERT(x->type == GGML_TYPE_F32 && ggml_is_matrix(x) && x->nb[0] == sizeof(float));
     GGML_ASSERT(x->ne[0] == w->ne[0]);
     GGML_ASSERT(x->ne[1] >= 1 && x->ne[1] <= GGML_EXT_QMATMUL_MAX_COLS);
+    GGML_ASSERT(row_tiles == 0 || row_tiles == 1 || row_tiles == 2 || row_tiles == 4);
 
     struct ggml_tensor * result = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, w->ne[1], x->ne[1]);
     result->op     = GGML_OP_QMATMUL;
+    result->op_params[0] = row_tiles;
     result->src[0] = w;
     result->src[1] = x;
     return result;

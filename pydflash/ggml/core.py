@@ -295,8 +295,13 @@ class Tensor:
             raise ValueError(f"tensor {self.name or '?'} ({self.type.name} {self.ne}) holds {self.nbytes} bytes, "
                              f"got {nbytes}")
 
-    def set(self, data) -> None:
-        """Copy host data in: an array of the tensor's own numpy dtype, or raw bytes of a quantised type."""
+    def set(self, data, backend: "Backend | None" = None) -> None:
+        """Copy host data in: an array of the tensor's own numpy dtype, or raw bytes of a quantised type.
+
+        With `backend` (the one that computes the graphs reading this tensor) the copy is queued on its stream
+        instead of waited for: ordered before that backend's next compute, and no synchronisation per input in
+        the decode loop. `data` may be reused on return: CUDA stages pageable host memory before returning, and
+        a backend without asynchronous copies copies synchronously."""
         arr = np.ascontiguousarray(data)
         expected = _NUMPY_OF_TYPE.get(self.type)
         if expected is not None and arr.dtype != expected:
@@ -304,7 +309,10 @@ class Tensor:
         if expected is None and arr.dtype != np.uint8:
             raise TypeError(f"tensor {self.name or '?'} is {self.type.name}: pass its raw blocks as uint8")
         self._check_io(arr.nbytes, "set")
-        lib.ggml_backend_tensor_set(self._ptr, ffi.from_buffer(arr), 0, arr.nbytes)
+        if backend is None:
+            lib.ggml_backend_tensor_set(self._ptr, ffi.from_buffer(arr), 0, arr.nbytes)
+        else:
+            lib.ggml_backend_tensor_set_async(backend._ptr, self._ptr, ffi.from_buffer(arr), 0, arr.nbytes)
 
     def set_bytes(self, data, offset: int = 0) -> None:
         """Copy raw bytes into the tensor's memory at a byte offset (chunked uploads, partial row writes)."""

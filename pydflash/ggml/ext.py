@@ -142,12 +142,19 @@ def gated_delta_net_tree_persist(ctx: Context, q: Tensor, k: Tensor, v: Tensor, 
 # Weight types ggml_qmatmul takes, and its column limit (ggml-ext.h: GGML_EXT_QMATMUL_MAX_COLS).
 QMATMUL_TYPES = (Type.Q4_K, Type.Q5_K, Type.Q6_K, Type.Q8_0)
 QMATMUL_MAX_COLS = 48
+# Values of qmatmul's row_tiles (ggml-ext.h): 0 = the kernel chooses.
+QMATMUL_ROW_TILES = (0, 1, 2, 4)
 
 
-def qmatmul(ctx: Context, w: Tensor, x: Tensor) -> Tensor:
+def qmatmul(ctx: Context, w: Tensor, x: Tensor, row_tiles: int = 0) -> Tensor:
     """W * X for a quantised weight w [K, M] (Q4_K, Q5_K, Q6_K or Q8_0, contiguous) and f32 x [K, N] with
     1 <= N <= 48 columns -> f32 [M, N], the product `ctx.mul_mat(w, x)` computes. On CUDA column j of the result
-    is bit-identical whatever N is (ggml-ext.h says how); the CPU kernel is a float reference."""
+    is bit-identical whatever N is (ggml-ext.h says how); the CPU kernel is a float reference.
+
+    row_tiles: on CUDA, how many 16-row tiles of w each warp multiplies with each activation fragment it loads
+    (0: the kernel chooses; 1, 2, 4 force it, for benchmarks). It changes the speed, never the result."""
+    if row_tiles not in QMATMUL_ROW_TILES:
+        raise ValueError(f"qmatmul row_tiles must be one of {QMATMUL_ROW_TILES}, got {row_tiles}")
     if w.type not in QMATMUL_TYPES:
         raise TypeError(f"qmatmul weight must be {'/'.join(t.name for t in QMATMUL_TYPES)}, got {w.type.name}")
     K, M = w.ne[0], w.ne[1]
@@ -159,7 +166,7 @@ def qmatmul(ctx: Context, w: Tensor, x: Tensor) -> Tensor:
     _expect_rows(x, "qmatmul x")
     if not 1 <= n <= QMATMUL_MAX_COLS:
         raise ValueError(f"qmatmul takes 1 to {QMATMUL_MAX_COLS} columns of x, got {n}")
-    return Tensor(lib.ggml_qmatmul(ctx._ptr, w._ptr, x._ptr), ctx)
+    return Tensor(lib.ggml_qmatmul(ctx._ptr, w._ptr, x._ptr, row_tiles), ctx)
 SAMPLE_N_PARAMS = 8   # GGML_EXT_SAMPLE_N_PARAMS: the length of the params tensor of sample_tokens/sample_probs
 
 

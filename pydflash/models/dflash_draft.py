@@ -759,14 +759,14 @@ class DFlashDraft:
         src = self.target.captured
         g = self._graph(("append_dev", rows.size), lambda: self._build_append(rows.size, src))
         self._activate(g)
-        g.inputs["src_rows"].set(rows.astype(np.int32))
+        g.inputs["src_rows"].set(rows.astype(np.int32), self.backend)
         self._run_append(g, first, rows.size)
 
     def _run_append(self, g: _Graph, first: int, m: int) -> None:
         positions = np.arange(first, first + m, dtype=np.int64)
         self._activate(g)
-        g.inputs["pos"].set(positions.astype(np.int32))
-        g.inputs["rows"].set(self.cache.rows_for(positions))
+        g.inputs["pos"].set(positions.astype(np.int32), self.backend)
+        g.inputs["rows"].set(self.cache.rows_for(positions), self.backend)
         self.backend.compute(g.graph)
         self.cache.commit(positions)
 
@@ -780,11 +780,11 @@ class DFlashDraft:
         self._activate(g)
         tokens = np.full(B, self.hp.mask_token_id, dtype=np.int32)
         tokens[0] = last_token
-        g.inputs["tokens"].set(tokens)
-        g.inputs["pos"].set((self.cache.n_ctx + np.arange(B)).astype(np.int32))
-        g.inputs["block_rows"].set(np.arange(B, dtype=np.int64))
+        g.inputs["tokens"].set(tokens, self.backend)
+        g.inputs["pos"].set((self.cache.n_ctx + np.arange(B)).astype(np.int32), self.backend)
+        g.inputs["block_rows"].set(np.arange(B, dtype=np.int64), self.backend)
         for (causal, window), t in g.masks.items():
-            t.set(self.cache.mask(n_attn, causal, window))
+            t.set(self.cache.mask(n_attn, causal, window), self.backend)
         self.backend.compute(g.graph)
         return g
 

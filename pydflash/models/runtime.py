@@ -402,13 +402,13 @@ class TargetRuntime:
             raise ValueError(f"context overflow: verify of {n} slots at position {n_past} exceeds n_ctx {self.n_ctx}")
         n_kv = -(-(n_past + n) // KV_BUCKET) * KV_BUCKET
         g = self._graph(("verify", n, n_kv), n, n_kv, tree=True)
-        g.tokens.set(tokens)
+        g.tokens.set(tokens, self.backend)
         if g.parent is not None:
-            g.parent.set(parents.reshape(1, n))
+            g.parent.set(parents.reshape(1, n), self.backend)
         if g.pos is not None:
-            g.pos.set(self.rope_positions((n_past + depths).astype(np.int32)))
-            g.kv_rows.set(np.arange(n_past, n_past + n, dtype=np.int64))
-            g.kq_mask.set(g.tree_mask(n_past, _ancestors(parents)))
+            g.pos.set(self.rope_positions((n_past + depths).astype(np.int32)), self.backend)
+            g.kv_rows.set(np.arange(n_past, n_past + n, dtype=np.int64), self.backend)
+            g.kq_mask.set(g.tree_mask(n_past, _ancestors(parents)), self.backend)
         self._set_sampler(g)
         self.sample_inputs = None
         self.backend.compute(g.graph)
@@ -433,16 +433,16 @@ class TargetRuntime:
         if cg.state_slot is not None:
             d = self.hp.ssm_d_conv - 1
             column = path[-1] if self.tree_state_op is not None else n - 1 - path[-1]   # snapshots: newest first
-            cg.state_slot.set(np.array([column], np.int32))
+            cg.state_slot.set(np.array([column], np.int32), self.backend)
             cols = (list(range(d)) + [d + s for s in path])[-d:]
-            cg.conv_cols.set(np.array(cols, np.int32))
+            cg.conv_cols.set(np.array(cols, np.int32), self.backend)
         if cg.kv_src is not None:
             src = np.full(n, n_past + n - 1, np.int32)        # padding: the last verify cell onto itself
             dst = np.full(n, n_past + n - 1, np.int64)
             src[:len(path)] = n_past + np.asarray(path)
             dst[:len(path)] = n_past + np.arange(len(path))
-            cg.kv_src.set(src)
-            cg.kv_dst.set(dst)
+            cg.kv_src.set(src, self.backend)
+            cg.kv_dst.set(dst, self.backend)
         if cg.graph is not None:
             self.backend.compute(cg.graph)
         self.cache.n_past = n_past + len(path)
@@ -483,11 +483,11 @@ class TargetRuntime:
         n_kv = -(-(n_past + n) // KV_BUCKET) * KV_BUCKET          # attended cells: a multiple of the bucket
         g = self._graph((n, n_kv), n, n_kv, tree=False)
         pos = np.arange(n_past, n_past + n, dtype=np.int32)
-        g.tokens.set(tokens)
+        g.tokens.set(tokens, self.backend)
         if g.pos is not None:
-            g.pos.set(self.rope_positions(pos))
-            g.kv_rows.set(pos.astype(np.int64))
-            g.kq_mask.set(g.causal_mask(n_past))
+            g.pos.set(self.rope_positions(pos), self.backend)
+            g.kv_rows.set(pos.astype(np.int64), self.backend)
+            g.kq_mask.set(g.causal_mask(n_past), self.backend)
         self._set_sampler(g)
         self.backend.compute(g.graph)
         self.cache.n_past = n_past + n

@@ -1,0 +1,6 @@
+// ggml_qmatmul's tensor-core kernel for Q8_0 weights (qmatmul_mma.cuh), in a file of its own so that the build
+// compiles the four weight types in parallel.
+
+#include "qmatmul_mma.cuh"
+
+template void qmm_mma_run<GGML_TYPE_Q8_0>(const qmm_args & p, int nt, int rt, cudaStream_t stream);
