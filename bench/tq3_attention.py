@@ -1,13 +1,14 @@
 #!/usr/bin/env python3
-"""Decode attention timings for TQ3_0, Q4_0, Q8_0 and F16 K/V caches at the 27B attention shape.
+"""Attention timings over TQ3_0 and F16 (optionally Q4_0, Q8_0) K/V caches at the 27B attention shape.
 
-One query token, 24 query heads, 4 KV heads, head size 256 (Qwen3.5-27B). Each timed graph holds one
-flash-attention op per attention layer (16, each over its own cache, so nothing is served from the L2 cache
-of a previous layer); TQ3_0 includes its query rotation and output un-rotation (pydflash.tq3.flash_attn).
-Caches are filled on the device from random f32 rows. Prints a markdown table of the median time per layer
-after warm-up, plus the cache sizes of the 27B shape at 128K and 256K tokens.
+24 query heads, 4 KV heads, head size 256 (Qwen3.5-27B); 1 query token (decode) and 23 (a DDTree verify of
+22 nodes plus the root) by default. Each timed graph holds one flash-attention op per attention layer (16,
+each over its own cache, so nothing is served from the L2 cache of a previous layer); TQ3_0 includes its
+query rotation and output un-rotation (pydflash.tq3.flash_attn). Caches are filled on the device from random
+f32 rows. Prints, per query-token count, a markdown table of the median time per layer after warm-up and the
+ratio TQ3_0 / F16, plus the cache sizes of the 27B shape at 128K and 256K tokens.
 
-    python bench/tq3_attention.py [--device cuda] [--ctx 4096 32768] [--layers 16] [--iters 50] [--n-q 1]
+    python bench/tq3_attention.py [--device cuda] [--ctx 2048 ... 262144] [--n-q 1 23] [--types TQ3_0 F16]
 """
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from pydflash import ggml, tq3
 from pydflash.ggml import Type
 
 N_HEAD, N_HEAD_KV, HEAD_DIM, N_ATTN_LAYERS = 24, 4, 256, 16
-TYPES = [Type.TQ3_0, Type.Q4_0, Type.Q8_0, Type.F16]
+TYPES = [Type.TQ3_0, Type.F16]
 
 
 def time_decode(backend: ggml.Backend, kv_type: Type, n_ctx: int, n_layers: int, iters: int, warmup: int,
@@ -78,28 +79,37 @@ def _ctx_label(n: int) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cuda")
-    ap.add_argument("--ctx", type=int, nargs="+", default=[4096, 32768])
+    ap.add_argument("--ctx", type=int, nargs="+", default=[2048, 8192, 32768, 131072, 262144])
     ap.add_argument("--layers", type=int, default=N_ATTN_LAYERS)
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--warmup", type=int, default=10)
-    ap.add_argument("--n-q", type=int, default=1, help="query tokens per step (1: decode; ~22: a tree verify)")
+    ap.add_argument("--n-q", type=int, nargs="+", default=[1, 23],
+                    help="query tokens per step (1: decode; 23: a 22-node tree verify)")
+    ap.add_argument("--types", nargs="+", default=[t.name for t in TYPES], help="K/V types (TQ3_0 F16 Q8_0 Q4_0)")
     args = ap.parse_args()
+    types = [Type[name.upper()] for name in args.types]
 
     backend = ggml.Backend(args.device)
     rng = np.random.default_rng(0)
-    print(f"device: {backend.name}; attention of {args.n_q} query token(s), {N_HEAD} Q heads, {N_HEAD_KV} KV heads, head {HEAD_DIM}; "
-          f"median of {args.iters} after {args.warmup} warm-up, per layer ({args.layers} layers per graph)\n")
-    print("| K/V type | bits/value | " + " | ".join(f"{_ctx_label(n)} ctx (ms)" for n in args.ctx) + " |")
-    print("|---|---|" + "---|" * len(args.ctx))
-    for t in TYPES:
-        bits = ggml.row_size(t, HEAD_DIM) * 8 / HEAD_DIM
-        cells = [f"{time_decode(backend, t, n, args.layers, args.iters, args.warmup, rng, args.n_q):.4f}" for n in args.ctx]
-        print(f"| {t.name} | {bits:g} | " + " | ".join(cells) + " |")
+    for n_q in args.n_q:
+        print(f"\ndevice: {backend.name}; attention of {n_q} query token(s), {N_HEAD} Q heads, {N_HEAD_KV} KV heads, "
+              f"head {HEAD_DIM}; median of {args.iters} after {args.warmup} warm-up, per layer ({args.layers} layers "
+              f"per graph)\n")
+        print("| K/V type | bits/value | " + " | ".join(f"{_ctx_label(n)} ctx (ms)" for n in args.ctx) + " |")
+        print("|---|---|" + "---|" * len(args.ctx))
+        ms = {}
+        for t in types:
+            ms[t] = [time_decode(backend, t, n, args.layers, args.iters, args.warmup, rng, n_q) for n in args.ctx]
+            bits = ggml.row_size(t, HEAD_DIM) * 8 / HEAD_DIM
+            print(f"| {t.name} | {bits:g} | " + " | ".join(f"{x:.4f}" for x in ms[t]) + " |", flush=True)
+        if Type.TQ3_0 in ms and Type.F16 in ms:
+            ratios = [a / b for a, b in zip(ms[Type.TQ3_0], ms[Type.F16])]
+            print("| TQ3_0 / F16 | | " + " | ".join(f"{r:.2f}x" for r in ratios) + " |")
 
     print(f"\nKV cache of the 27B shape ({N_ATTN_LAYERS} attention layers x (K, V) x {N_HEAD_KV} heads x {HEAD_DIM}):\n")
     print("| K/V type | 128K ctx (GiB) | 256K ctx (GiB) |")
     print("|---|---|---|")
-    for t in TYPES:
+    for t in types:
         sizes = [tq3.kv_cache_bytes(n, N_ATTN_LAYERS, N_HEAD_KV, HEAD_DIM, t) / 2**30 for n in (131072, 262144)]
         print(f"| {t.name} | {sizes[0]:.3f} | {sizes[1]:.3f} |")
 

@@ -258,5 +258,10 @@ sampling_op() { for b in 8 16 1; do PYDFLASH_SAMPLE_BLOCKS=$b python3 "$src/benc
 export -f sampling_op
 phase bench_sampling_op 120 sampling_op
 phase tests_sampling 400 pytest_cuda "$src/tests/test_sampling.py"
+phase tq3attn_tests 200 pytest_cuda "$src/tests/test_tq3.py" -k "flash_attention or cuda_attention"
+phase tq3attn_bench 500 python3 "$src/bench/tq3_attention.py" --device cuda --n-q 1 23 \
+    --ctx 2048 8192 32768 131072 262144
+phase tq3attn_bench_scalar 300 env PYDFLASH_TQ3_FA_SCALAR=1 python3 "$src/bench/tq3_attention.py" --device cuda \
+    --n-q 1 --types TQ3_0 --ctx 2048 32768 131072
 echo "all phases done" | tee -a "$logs/summary.md"
 finish 0

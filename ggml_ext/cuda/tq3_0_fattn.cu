@@ -1,11 +1,14 @@
-// Decode flash attention over a TQ3_0 K/V cache, reading the 3.5-bit blocks directly (no f16 copy of the cache).
+// Flash attention over a TQ3_0 K/V cache for decode and tree verify, reading the 3.5-bit blocks directly (no f16
+// copy of the cache).
 //
 // The query arrives rotated (pydflash/tq3.py), so scores are plain dot products with the dequantised rotated
 // keys, and the output stays rotated until the graph un-rotates it. Work split ("flash decoding"): a CUDA block
-// takes one KV head, up to NC query rows that share it (the GQA heads times the query tokens) and one slice of
-// the keys; its 4 warps take every 4th key of the slice, each lane dequantising the D/32 values j = lane + 32 b.
-// Each block leaves (max, sum, unnormalised output) per row; a second kernel merges the slices.
-// Larger batches (prefill) go to upstream's kernels, which read TQ3_0 through the f16 converters.
+// takes one KV head, some of the query rows that share it (the GQA heads times the query tokens) and one slice
+// of the keys, and leaves (max, sum, unnormalised output) per row; a second kernel merges the slices.
+// Two kernels: on Ampere and newer, a tensor-core kernel (k_tq3_0_fattn_mma, up to 256 rows per KV head); before,
+// a scalar one (k_tq3_0_fattn_decode, up to 32 rows): its 4 warps take every 4th key of the slice, each lane
+// dequantising the D/32 values j = lane + 32 b. Larger batches (prefill) go to upstream's kernels, which read
+// TQ3_0 through the f16 converters.
 
 #include "ggml-ext-cuda.cuh"
 #include "ggml-ext.h"
@@ -196,6 +199,355 @@ k_tq3_0_fattn_decode(const tq3_0_fattn_params p) {
     }
 }
 
+// --- Ampere and newer: tensor cores --------------------------------------------------------------------------
+//
+// Why: the scalar kernel above reduces every dot product across a warp (5 shuffles per key per row) and
+// dequantises each key once per warp-row pass; at depth it ran at ~2.5x f16 flash attention's time per key,
+// although TQ3_0 reads 4.6x fewer bytes. Here each 16-key tile is dequantised once into shared memory as f16
+// (K, then V into the same buffer) and consumed by mma.m16n8k16 (f16 in, f32 accumulate) for all query rows
+// of the block: 16 rows per warp, 1, 2 or 4 warps over the rows (WR). Decode (6 rows per KV head) uses WR = 1
+// and the block's 4 warps take every 4th tile of the slice, each with its own buffer; a tree verify (23 tokens
+// x 6 heads = 138 rows) uses WR = 4, so 4 warps share one dequantised tile. Scores and the running softmax
+// stay in registers (the accumulator layout of S is the A-operand layout of P); each warp (or group of WR
+// warps) writes its own partial (max, sum, output), merged by k_tq3_0_fattn_merge.
+
+#define TQ3_0_FA_KT       16   // keys per tile: one k-step of the P.V mma
+#define TQ3_0_FA_MMA_ROWS 256  // query rows per KV head up to which the tensor-core kernel is used
+
+static __device__ __forceinline__ void tq3_0_fa_mma(float c[4], const uint32_t a[4], const uint32_t b0, const uint32_t b1) {
+#if __CUDA_ARCH__ >= GGML_CUDA_CC_AMPERE
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+#else
+    GGML_UNUSED(c); GGML_UNUSED(a); GGML_UNUSED(b0); GGML_UNUSED(b1);
+    NO_DEVICE_CODE;
+#endif
+}
+
+// Four 8x8 f16 matrices from shared memory; lane l gives the address of row l % 8 of matrix l / 8.
+static __device__ __forceinline__ void tq3_0_fa_ldmatrix(uint32_t r[4], const half * row) {
+#if __CUDA_ARCH__ >= GGML_CUDA_CC_TURING
+    const uint32_t addr = (uint32_t) __cvta_generic_to_shared(row);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr) : "memory");
+#else
+    GGML_UNUSED(r); GGML_UNUSED(row);
+    NO_DEVICE_CODE;
+#endif
+}
+
+// The same, each matrix transposed (for V: rows in memory are keys, the mma wants them along k).
+static __device__ __forceinline__ void tq3_0_fa_ldmatrix_trans(uint32_t r[4], const half * row) {
+#if __CUDA_ARCH__ >= GGML_CUDA_CC_TURING
+    const uint32_t addr = (uint32_t) __cvta_generic_to_shared(row);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr) : "memory");
+#else
+    GGML_UNUSED(r); GGML_UNUSED(row);
+    NO_DEVICE_CODE;
+#endif
+}
+
+static __device__ __forceinline__ uint32_t tq3_0_fa_h2u(const half2 h) {
+    return *(const uint32_t *) &h;
+}
+
+static __device__ __forceinline__ uint32_t tq3_0_fa_pack(const float lo, const float hi) {
+    return tq3_0_fa_h2u(__floats2half2_rn(lo, hi)); // lo in the low 16 bits: the lower column of an mma fragment
+}
+
+// The raw sub-blocks of keys [k0, k0 + 16) of one head (rows nb1 bytes apart) that thread t of NT loads: one
+// 14-byte sub-block (32 values) per step, read as 7 halfwords (a sub-block is only 2-byte aligned). Keys at or
+// past k_end read as zeros (scale 0: they dequantise to zeros). Loading and decoding are apart so that a tile's
+// loads can be in flight while the previous one is computed.
+template <int D, int NT>
+struct tq3_0_fa_raw {
+    static constexpr int SPR   = D / TQ3_0_QK;                    // sub-blocks per row
+    static constexpr int UNITS = TQ3_0_FA_KT * SPR;               // sub-blocks per tile
+    static constexpr int UPT   = (UNITS + NT - 1) / NT;           // per thread
+    uint16_t h[UPT][7];
+
+    __device__ __forceinline__ void load(const char * base, const int64_t nb1, const int k0, const int k_end, const int t) {
+#pragma unroll
+        for (int i = 0; i < UPT; ++i) {
+            const int u = t + i*NT;
+            const int key = u / SPR;
+            if (u < UNITS && k0 + key < k_end) {
+                const uint16_t * w = (const uint16_t *) (base + (int64_t) (k0 + key)*nb1 + (u % SPR)*sizeof(block_tq3_0));
+#pragma unroll
+                for (int j = 0; j < 7; ++j) {
+                    h[i][j] = __ldg(w + j);
+                }
+            } else {
+#pragma unroll
+                for (int j = 0; j < 7; ++j) {
+                    h[i][j] = 0;
+                }
+            }
+        }
+    }
+
+    // dequantise into tile[key][0..D) as f16. The 3-bit indices of 4 values are built at once, one per byte;
+    // each pair of values then looks up both levels in one step (pair_lev[i | i' << 3] = (level i, level i'), f16)
+    // and is scaled by d in f16.
+    template <int LD>
+    __device__ __forceinline__ void store(half (*tile)[LD], const half2 * pair_lev, const int t) const {
+#pragma unroll
+        for (int i = 0; i < UPT; ++i) {
+            const int u = t + i*NT;
+            if (u >= UNITS) {
+                continue;
+            }
+            const half2    d2  = __half2half2(__ushort_as_half(h[i][0]));
+            const uint32_t qs0 = h[i][1] | (uint32_t) h[i][2] << 16; // qs[0..3]
+            const uint32_t qs1 = h[i][3] | (uint32_t) h[i][4] << 16; // qs[4..7]
+            const uint32_t qh  = h[i][5] | (uint32_t) h[i][6] << 16; // bit j: high bit of value j
+            uint32_t out[TQ3_0_QK/2];
+#pragma unroll
+            for (int c = 0; c < 4; ++c) { // values 8c .. 8c + 7: low bits at bits 2c, 2c+1 of qs[0..7]
+                const uint32_t hb = qh >> 8*c;
+                // bit r of a nibble to bit 2 of byte r: the four shifted copies (2 + 7r) do not overlap
+                const uint32_t ia = ((qs0 >> 2*c) & 0x03030303u) | (((hb & 0xFu) * 0x00810204u) & 0x04040404u);
+                const uint32_t ib = ((qs1 >> 2*c) & 0x03030303u) | ((((hb >> 4) & 0xFu) * 0x00810204u) & 0x04040404u);
+                // bytes (r, r+1) of ia/ib -> r | (r+1) << 3: the upper byte shifted right by 5
+                out[4*c + 0] = tq3_0_fa_h2u(__hmul2(d2, pair_lev[(ia | ia >> 5) & 63]));
+                out[4*c + 1] = tq3_0_fa_h2u(__hmul2(d2, pair_lev[((ia >> 16) | (ia >> 21)) & 63]));
+                out[4*c + 2] = tq3_0_fa_h2u(__hmul2(d2, pair_lev[(ib | ib >> 5) & 63]));
+                out[4*c + 3] = tq3_0_fa_h2u(__hmul2(d2, pair_lev[((ib >> 16) | (ib >> 21)) & 63]));
+            }
+            uint4 * dst = (uint4 *) &tile[u / SPR][(u % SPR)*TQ3_0_QK];
+#pragma unroll
+            for (int j = 0; j < TQ3_0_QK/8; ++j) {
+                dst[j] = make_uint4(out[4*j], out[4*j + 1], out[4*j + 2], out[4*j + 3]);
+            }
+        }
+    }
+};
+
+template <int WR>
+static __device__ __forceinline__ void tq3_0_fa_group_sync(const int kg) {
+    if constexpr (WR == 1) {
+        __syncwarp();
+    } else {
+        asm volatile("bar.sync %0, %1;" :: "r"(kg + 1), "r"(WR*WARP_SIZE) : "memory"); // barrier 0 is __syncthreads
+    }
+}
+
+template <int D, int WR>
+static __global__ void __launch_bounds__(TQ3_0_FA_WARPS*WARP_SIZE)
+k_tq3_0_fattn_mma(const tq3_0_fattn_params p) {
+#if __CUDA_ARCH__ >= GGML_CUDA_CC_AMPERE
+    constexpr int WK = TQ3_0_FA_WARPS / WR; // groups of warps that take every WK-th tile
+    constexpr int RB = 16*WR;               // query rows per CUDA block
+    constexpr int KT = TQ3_0_FA_KT;
+    constexpr int LD = D + 8;               // row stride in halves: 16-byte rows, conflict-free ldmatrix
+    static_assert(TQ3_0_FA_WARPS % WR == 0, "WR must divide the warps of a block");
+
+    __shared__ __align__(16) half sQ[RB][LD];
+    __shared__ __align__(16) half sKV[WK][KT][LD];
+    __shared__ half2 sPairLev[64]; // (level i & 7, level i >> 3)
+
+    const int lane = threadIdx.x % WARP_SIZE;
+    const int warp = threadIdx.x / WARP_SIZE;
+    const int rg   = warp % WR; // row group: rows 16 rg .. 16 rg + 15 of the block
+    const int kg   = warp / WR; // key group
+    const int g    = lane / 4;  // mma fragment coordinates
+    const int t4   = lane % 4;
+
+    const int tile  = blockIdx.x % p.n_tiles;
+    const int hk    = (blockIdx.x / p.n_tiles) % p.n_head_kv;
+    const int seq   = blockIdx.x / (p.n_tiles * p.n_head_kv);
+    const int split = blockIdx.y;
+    const int group = p.n_head / p.n_head_kv;
+    const int n_rows = group * p.n_q;
+
+    if (threadIdx.x < 64) {
+        sPairLev[threadIdx.x] = __floats2half2_rn(tq3_0_fa_levels[threadIdx.x % 8], tq3_0_fa_levels[threadIdx.x / 8]);
+    }
+    // query rows of this block, scaled, as f16: row r -> head hk*group + r % group, token r / group; rows past
+    // n_rows are zeros (their scores are finite and never written out)
+    for (int i = threadIdx.x; i < RB*D; i += blockDim.x) {
+        const int rr = i / D;
+        const int c  = i % D;
+        const int r  = tile*RB + rr;
+        float x = 0.0f;
+        if (r < n_rows) {
+            x = ((const float *) (p.q + (r / group)*p.nbq1 + (hk*group + r % group)*p.nbq2 + seq*p.nbq3))[c] * p.scale;
+        }
+        sQ[rr][c] = __float2half(x);
+    }
+    __syncthreads();
+
+    // the two rows of this thread's fragments (g and g + 8 of the warp's 16) and their mask rows
+    const half * mrow[2] = {nullptr, nullptr};
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const int r = min(tile*RB + rg*16 + g + 8*h, n_rows - 1); // rows past the end: any valid row's mask
+        if (p.mask) {
+            mrow[h] = (const half *) (p.mask + (r / group)*p.nbm1 + ((hk*group + r % group) % p.mask_ne2)*p.nbm2 +
+                                      (seq % p.mask_ne3)*p.nbm3);
+        }
+    }
+
+    constexpr float LOG2E = 1.4426950408889634f;
+    float M[2] = {-INFINITY, -INFINITY}; // running max of the rows, log2 units
+    float L[2] = {0.0f, 0.0f};           // this thread's part of the running sums
+    float O[D/8][4];                     // output n-tiles of 8 columns: (g, 2 t4 + {0,1}), (g + 8, ...)
+#pragma unroll
+    for (int n = 0; n < D/8; ++n) {
+        O[n][0] = O[n][1] = O[n][2] = O[n][3] = 0.0f;
+    }
+
+    const int k_begin = split * p.keys_per_split;
+    const int k_end   = min(k_begin + p.keys_per_split, p.n_kv);
+    const int n_key_tiles = (k_end - k_begin + KT - 1) / KT;
+    const char * kbase = p.k + hk*p.nbk2 + seq*p.nbk3;
+    const char * vbase = p.v + hk*p.nbv2 + seq*p.nbv3;
+    half (*buf)[LD] = sKV[kg];
+    const int gt = rg*WARP_SIZE + lane; // thread index within the key group
+
+    // loads of the next tile are issued as soon as the current one is in shared memory, where registers allow
+    // (one or two sub-blocks per thread for K and for V); otherwise V's loads are issued before Q.K
+    using raw_t = tq3_0_fa_raw<D, WR*WARP_SIZE>;
+    constexpr bool PREFETCH = raw_t::UPT <= 2;
+    raw_t rk, rv;
+    if (PREFETCH) {
+        rk.load(kbase, p.nbk1, k_begin + kg*KT, k_end, gt);
+        rv.load(vbase, p.nbv1, k_begin + kg*KT, k_end, gt);
+    }
+
+    for (int it = kg; it < n_key_tiles; it += WK) { // the same trip count for every warp of a group
+        const int k0 = k_begin + it*KT;
+        if (!PREFETCH) {
+            rk.load(kbase, p.nbk1, k0, k_end, gt);
+        }
+        rk.template store<LD>(buf, sPairLev, gt);
+        if (PREFETCH) {
+            rk.load(kbase, p.nbk1, k0 + WK*KT, k_end, gt); // past the slice: zeros, never stored
+        } else {
+            rv.load(vbase, p.nbv1, k0, k_end, gt);
+        }
+        tq3_0_fa_group_sync<WR>(kg);
+
+        // S = Q K^T: 16 rows x 16 keys as two n-tiles of 8 keys; even and odd k-steps accumulate apart (4
+        // independent mma chains instead of 2: the chain's latency is what a tile waits on)
+        float S[2][4], S2[2][4];
+#pragma unroll
+        for (int n = 0; n < 2; ++n) {
+            S[n][0] = S[n][1] = S[n][2] = S[n][3] = 0.0f;
+            S2[n][0] = S2[n][1] = S2[n][2] = S2[n][3] = 0.0f;
+        }
+#pragma unroll
+        for (int kb = 0; kb < D; kb += 16) {
+            uint32_t a[4], b[4];
+            tq3_0_fa_ldmatrix(a, &sQ[rg*16 + lane % 16][kb + (lane / 16)*8]);
+            // matrices: keys 0-7 at kb, keys 0-7 at kb+8, keys 8-15 at kb, keys 8-15 at kb+8
+            tq3_0_fa_ldmatrix(b, &buf[lane % 8 + (lane / 16)*8][kb + ((lane / 8) % 2)*8]);
+            float (*acc)[4] = (kb / 16) % 2 ? S2 : S;
+            tq3_0_fa_mma(acc[0], a, b[0], b[1]);
+            tq3_0_fa_mma(acc[1], a, b[2], b[3]);
+        }
+#pragma unroll
+        for (int n = 0; n < 2; ++n) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                S[n][e] += S2[n][e];
+            }
+        }
+        tq3_0_fa_group_sync<WR>(kg); // every warp of the group is done with K before V overwrites it
+        rv.template store<LD>(buf, sPairLev, gt);
+        if (PREFETCH) {
+            rv.load(vbase, p.nbv1, k0 + WK*KT, k_end, gt);
+        }
+
+        // softcap, mask, keys past the slice; online softmax in log2 units
+        float mx[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+        for (int n = 0; n < 2; ++n) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int key = k0 + 8*n + 2*t4 + e % 2;
+                float x = S[n][e];
+                if (p.softcap != 0.0f) {
+                    x = p.softcap * tanhf(x);
+                }
+                if (key >= k_end) {
+                    x = -INFINITY;
+                } else if (p.mask) {
+                    x += __half2float(mrow[e / 2][key]);
+                }
+                S[n][e] = x * LOG2E;
+                mx[e / 2] = fmaxf(mx[e / 2], S[n][e]);
+            }
+        }
+        float alpha[2];
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffff, mx[h], 1)); // the 4 threads of a row
+            mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffff, mx[h], 2));
+            const float m_new = fmaxf(M[h], mx[h]);
+            alpha[h] = m_new == -INFINITY ? 1.0f : exp2f(M[h] - m_new); // 0 on the first unmasked key
+            M[h] = m_new;
+        }
+        uint32_t P[4]; // A operand of P.V: (g, keys 2t4..), (g+8, keys 2t4..), (g, keys 8+2t4..), (g+8, 8+2t4..)
+#pragma unroll
+        for (int n = 0; n < 2; ++n) {
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const float p0 = M[h] == -INFINITY ? 0.0f : exp2f(S[n][2*h]     - M[h]);
+                const float p1 = M[h] == -INFINITY ? 0.0f : exp2f(S[n][2*h + 1] - M[h]);
+                P[2*n + h] = tq3_0_fa_pack(p0, p1);
+                const half2 ph = *(const half2 *) &P[2*n + h];
+                L[h] = (n == 0 ? L[h]*alpha[h] : L[h]) + __low2float(ph) + __high2float(ph); // sum what V is weighed by
+            }
+        }
+        if (__any_sync(0xffffffff, alpha[0] != 1.0f || alpha[1] != 1.0f)) { // deep in the context the max rarely moves
+#pragma unroll
+            for (int n = 0; n < D/8; ++n) {
+                O[n][0] *= alpha[0]; O[n][1] *= alpha[0];
+                O[n][2] *= alpha[1]; O[n][3] *= alpha[1];
+            }
+        }
+        tq3_0_fa_group_sync<WR>(kg); // V is in the buffer
+
+        // O += P V: per 16 columns, matrices keys 0-7 / keys 8-15 at columns c, then the same at c + 8
+#pragma unroll
+        for (int c = 0; c < D; c += 16) {
+            uint32_t b[4];
+            tq3_0_fa_ldmatrix_trans(b, &buf[lane % 16][c + (lane / 16)*8]);
+            tq3_0_fa_mma(O[c/8],     P, b[0], b[1]);
+            tq3_0_fa_mma(O[c/8 + 1], P, b[2], b[3]);
+        }
+        tq3_0_fa_group_sync<WR>(kg); // done with V before the next tile's K
+    }
+
+    // this warp's partial result: slice index split*WK + kg
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        L[h] += __shfl_xor_sync(0xffffffff, L[h], 1);
+        L[h] += __shfl_xor_sync(0xffffffff, L[h], 2);
+        const int r = tile*RB + rg*16 + g + 8*h;
+        if (r >= n_rows) {
+            continue;
+        }
+        const int64_t row_out = ((int64_t) seq*p.n_q + r / group)*p.n_head + hk*group + r % group;
+        float * out = p.partial + (row_out*p.n_splits + split*WK + kg)*(D + 2);
+        if (t4 == 0) {
+            out[0] = M[h] == -INFINITY ? -INFINITY : M[h] / LOG2E; // the merge works in natural units
+            out[1] = L[h];
+        }
+#pragma unroll
+        for (int n = 0; n < D/8; ++n) {
+            *(float2 *) &out[2 + 8*n + 2*t4] = make_float2(O[n][2*h], O[n][2*h + 1]);
+        }
+    }
+#else
+    GGML_UNUSED(p);
+    NO_DEVICE_CODE;
+#endif
+}
+
 // One CUDA block per output row: merge the slices (max, sum, output) into softmax(...) V.
 template <int D>
 static __global__ void k_tq3_0_fattn_merge(const float * __restrict__ partial, float * __restrict__ dst, const int n_splits) {
@@ -220,6 +572,51 @@ static __global__ void k_tq3_0_fattn_merge(const float * __restrict__ partial, f
             }
         }
         dst[row*D + d] = a*inv;
+    }
+}
+
+// Tensor cores (Ampere and newer) on the current device, unless PYDFLASH_TQ3_FA_SCALAR=1 asks for the scalar
+// kernel (to compare the two on one machine).
+static bool tq3_0_fa_use_mma() {
+    static const bool scalar = getenv("PYDFLASH_TQ3_FA_SCALAR") != nullptr && atoi(getenv("PYDFLASH_TQ3_FA_SCALAR")) != 0;
+    return !scalar && ampere_mma_available(ggml_cuda_info().devices[ggml_cuda_get_device()].cc);
+}
+
+// Launch the tensor-core kernel with WR warps over the rows: slices of the keys fill the GPU once.
+template <int D, int WR>
+static void tq3_0_fattn_mma_launch(ggml_backend_cuda_context & ctx, tq3_0_fattn_params p, float * dst, const int64_t out_rows) {
+    constexpr int WK = TQ3_0_FA_WARPS / WR;
+    constexpr int KT = TQ3_0_FA_KT;
+    const int n_rows = (p.n_head / p.n_head_kv) * p.n_q;
+    p.n_tiles = (n_rows + 16*WR - 1) / (16*WR);
+    const int blocks_x = p.n_tiles * p.n_head_kv * p.n_seq;
+    int per_sm = 0;
+    CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, k_tq3_0_fattn_mma<D, WR>, TQ3_0_FA_WARPS*WARP_SIZE, 0));
+    const int nsm = ggml_cuda_info().devices[ctx.device].nsm;
+    // as many blocks as run at once, each key group taking at least 2 tiles of its slice
+    int n_splits = std::max(1, std::min((std::max(per_sm, 1)*nsm + blocks_x - 1) / blocks_x,
+                                        (p.n_kv + 2*KT*WK - 1) / (2*KT*WK)));
+    p.keys_per_split = (p.n_kv + n_splits - 1) / n_splits;
+    p.keys_per_split = (p.keys_per_split + KT - 1) / KT * KT; // whole tiles
+    n_splits = (p.n_kv + p.keys_per_split - 1) / p.keys_per_split;
+    p.n_splits = n_splits * WK; // one partial per key group of each slice
+
+    ggml_cuda_pool_alloc<float> partial(ctx.pool(), out_rows * p.n_splits * (D + 2));
+    p.partial = partial.get();
+    cudaStream_t stream = ctx.stream();
+    k_tq3_0_fattn_mma<D, WR><<<dim3(blocks_x, n_splits), TQ3_0_FA_WARPS*WARP_SIZE, 0, stream>>>(p);
+    k_tq3_0_fattn_merge<D><<<out_rows, D, 0, stream>>>(p.partial, dst, p.n_splits);
+}
+
+template <int D>
+static void tq3_0_fattn_mma(ggml_backend_cuda_context & ctx, const tq3_0_fattn_params & p, float * dst, const int64_t out_rows) {
+    const int n_rows = (p.n_head / p.n_head_kv) * p.n_q;
+    if (n_rows <= 16) {
+        tq3_0_fattn_mma_launch<D, 1>(ctx, p, dst, out_rows); // decode: 4 warps over the keys
+    } else if (n_rows <= 32) {
+        tq3_0_fattn_mma_launch<D, 2>(ctx, p, dst, out_rows);
+    } else {
+        tq3_0_fattn_mma_launch<D, 4>(ctx, p, dst, out_rows); // tree verify: 4 warps share each tile
     }
 }
 
@@ -248,8 +645,12 @@ bool ggml_ext_cuda_fattn_tq3_0_applies(const ggml_tensor * dst) {
     if (Q->ne[2] % K->ne[2] != 0 || Q->nb[0] != sizeof(float) || dst->type != GGML_TYPE_F32 || !ggml_is_contiguous(dst)) {
         return false;
     }
+    if (K->nb[1] % 2 != 0 || K->nb[2] % 2 != 0 || K->nb[3] % 2 != 0 ||
+        V->nb[1] % 2 != 0 || V->nb[2] % 2 != 0 || V->nb[3] % 2 != 0) {
+        return false; // sub-blocks are read as halfwords
+    }
     const int64_t rows_per_kv_head = Q->ne[1] * (Q->ne[2] / K->ne[2]);
-    return rows_per_kv_head <= TQ3_0_FA_MAX_ROWS;
+    return rows_per_kv_head <= (tq3_0_fa_use_mma() ? TQ3_0_FA_MMA_ROWS : TQ3_0_FA_MAX_ROWS);
 }
 
 void ggml_ext_cuda_fattn_tq3_0(ggml_backend_cuda_context & ctx, ggml_tensor * dst) {
@@ -282,6 +683,17 @@ void ggml_ext_cuda_fattn_tq3_0(ggml_backend_cuda_context & ctx, ggml_tensor * ds
     }
     p.scale = scale; p.softcap = softcap;
 
+    const int64_t out_rows = (int64_t) p.n_seq * p.n_q * p.n_head;
+    if (tq3_0_fa_use_mma()) {
+        if (D == 128) {
+            tq3_0_fattn_mma<128>(ctx, p, (float *) dst->data, out_rows);
+        } else {
+            tq3_0_fattn_mma<256>(ctx, p, (float *) dst->data, out_rows);
+        }
+        CUDA_CHECK(cudaGetLastError());
+        return;
+    }
+
     const int n_rows = (p.n_head / p.n_head_kv) * p.n_q;
     p.n_tiles = (n_rows + TQ3_0_FA_NC - 1) / TQ3_0_FA_NC;
     const int blocks_x = p.n_tiles * p.n_head_kv * p.n_seq;
@@ -291,7 +703,6 @@ void ggml_ext_cuda_fattn_tq3_0(ggml_backend_cuda_context & ctx, ggml_tensor * ds
     p.keys_per_split = (p.n_kv + n_splits - 1) / n_splits;
     p.n_splits = n_splits = (p.n_kv + p.keys_per_split - 1) / p.keys_per_split;
 
-    const int64_t out_rows = (int64_t) p.n_seq * p.n_q * p.n_head;
     ggml_cuda_pool_alloc<float> partial(ctx.pool(), out_rows * n_splits * (D + 2));
     p.partial = partial.get();
 
