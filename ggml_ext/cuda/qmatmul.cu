@@ -196,13 +196,16 @@ static __global__ void qmm_quantize_x(const float * __restrict__ x, int8_t * __r
 
 // Row tiles per warp when the caller leaves the choice to the kernel, from the H100 sweep of every forced choice
 // (`bench/qmatmul.py --sweep`, docs/benchmarks.md): one up to 16 columns (up to 24 for Q6_K, whose super-blocks
-// already fill a warp's registers), two above; four for short matrices (<= 6144 rows) from 9 columns on. Any
-// choice gives the same bits.
+// already fill a warp's registers, and which is slowest at four), two above; four for short matrices (<= 6144
+// rows) of the other types from 9 columns on. Any choice gives the same bits.
 static int qmm_auto_row_tiles(ggml_type type, int nt, int M) {
+    if (type == GGML_TYPE_Q6_K) {
+        return nt <= 3 ? 1 : 2;
+    }
     if (nt >= 2 && M <= 6144) {
         return 4;
     }
-    return nt <= (type == GGML_TYPE_Q6_K ? 3 : 2) ? 1 : 2;
+    return nt <= 2 ? 1 : 2;
 }
 
 template <ggml_type type>
