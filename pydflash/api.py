@@ -181,11 +181,11 @@ def load(target, draft=None, *, device: str = "auto", kv_type: str = "auto", max
     budget 22); 'replay' stores only every node's delta-rule inputs (~80 MiB) and the commit runs the accepted
     path's steps again, as plain decoding does (same output); 'f16' halves the f32 store but rounds the state a
     step commits, so the output may differ from plain decoding where the top two logits are within ~1e-2
-    (docs/benchmarks.md, "Long context"); 'auto' (default): f32 unless replay fits a longer context (or a finer
-    KV type) in the memory plan.
+    (docs/benchmarks.md, "Long context"); 'auto' (default): f32 (replay, exact on CPU and lossless on CUDA,
+    has wrong verify logits past the root on CUDA for now, so it is used only when asked for).
     draft_type: the draft's matrices on the device: 'stored' (as in the file, bf16 for z-lab drafts), 'q8_0'
     (quantized at load, ~53% of bf16: the proposals change slightly, the output never), or 'auto' (default):
-    'stored' unless q8_0 fits a longer context (or a finer KV type) in the memory plan, after replayed states."""
+    'stored' unless q8_0 fits a longer context (or a finer KV type) in the memory plan."""
     import sys
 
     from . import ggml, plan
