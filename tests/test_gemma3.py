@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from test_qwen35 import _last_logits, _llama, assert_logits_close
+from test_qwen35 import assert_logits_close, llama_greedy
 
 import pydflash
 from pydflash.models import runtime
@@ -57,17 +57,6 @@ def gemma3():
     return str(fetch("gemma3-270m"))
 
 
-def _llama_cpp_greedy(path, ids, n_steps):
-    llm = _llama(path, n_ctx=N_CTX, n_batch=UBATCH)    # a fresh context per prompt: reset() keeps the KV cells
-    llm.eval(ids)
-    logits, tokens = [_last_logits(llm)], []
-    for _ in range(n_steps):
-        tokens.append(int(logits[-1].argmax()))
-        llm.eval([tokens[-1]])
-        logits.append(_last_logits(llm))
-    return np.stack(logits), tokens
-
-
 @pytest.mark.slow
 def test_gemma3_270m_greedy_tokens_and_logits_match_llama_cpp(gemma3):
     engine = pydflash.load(gemma3, device="cpu", max_ctx=N_CTX)
@@ -77,7 +66,7 @@ def test_gemma3_270m_greedy_tokens_and_logits_match_llama_cpp(gemma3):
     for text in PROMPTS:
         ids = tok.tokenize(text, add_special=True)
         assert ids[0] == 2, text                                   # <bos> first, as llama.cpp adds it
-        ref, ref_tokens = _llama_cpp_greedy(gemma3, ids, N_GEN)
+        ref, ref_tokens = llama_greedy(gemma3, ids, N_GEN, n_ctx=N_CTX, n_batch=UBATCH)
         target.reset()
         got = np.stack([target.prefill(ids, ubatch=UBATCH)] + [target.decode(t) for t in ref_tokens])
         # fed llama.cpp's tokens, our argmax picks each next one: so our greedy decoding yields the same tokens

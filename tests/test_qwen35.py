@@ -99,9 +99,10 @@ def _last_logits(llm) -> np.ndarray:
     return np.ctypeslib.as_array(ptr, shape=(llm.n_vocab(),)).copy()
 
 
-def llama_greedy(path, prompt, n_steps, kv="f16"):
-    """llama.cpp's logits after the prompt and after each of n_steps greedy tokens, and those tokens."""
-    llm = _llama(path, kv=kv)
+def llama_greedy(path, prompt, n_steps, kv="f16", n_ctx=N_CTX, n_batch=N_CTX):
+    """llama.cpp's logits after the prompt and after each of n_steps greedy tokens, and those tokens (a fresh
+    context per call: reset() would keep the KV cells)."""
+    llm = _llama(path, n_ctx=n_ctx, kv=kv, n_batch=n_batch)
     llm.eval(prompt)
     logits = [_last_logits(llm)]
     tokens = []

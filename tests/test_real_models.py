@@ -6,7 +6,7 @@ import os
 
 import numpy as np
 import pytest
-from test_qwen35 import CUDA_LOGIT_ATOL, CUDA_MEDIAN_ATOL, _last_logits, _llama, assert_logits_close
+from test_qwen35 import CUDA_LOGIT_ATOL, CUDA_MEDIAN_ATOL, assert_logits_close, llama_greedy
 
 import pydflash
 from pydflash.real_models import fetch
@@ -22,17 +22,6 @@ def smollm2():
     return str(fetch("smollm2-135m"))
 
 
-def _llama_cpp_greedy(path, ids, n_steps):
-    llm = _llama(path, n_ctx=N_CTX, n_batch=N_CTX)
-    llm.eval(ids)
-    logits, tokens = [_last_logits(llm)], []
-    for _ in range(n_steps):
-        tokens.append(int(logits[-1].argmax()))
-        llm.eval([tokens[-1]])
-        logits.append(_last_logits(llm))
-    return np.stack(logits), tokens
-
-
 @pytest.mark.slow
 def test_smollm2_greedy_tokens_and_logits_match_llama_cpp(smollm2):
     engine = pydflash.load(smollm2, device="cpu", max_ctx=N_CTX)
@@ -40,7 +29,7 @@ def test_smollm2_greedy_tokens_and_logits_match_llama_cpp(smollm2):
     assert type(target).__name__ == "LlamaTarget" and target.hp.n_layer == 30
     for text in PROMPTS:
         ids = tok.tokenize(tok.apply_chat_template([{"role": "user", "content": text}]))
-        ref, ref_tokens = _llama_cpp_greedy(smollm2, ids, N_GEN)
+        ref, ref_tokens = llama_greedy(smollm2, ids, N_GEN, n_ctx=N_CTX, n_batch=N_CTX)
         target.reset()
         got = np.stack([target.prefill(ids)] + [target.decode(t) for t in ref_tokens])
         # fed llama.cpp's tokens, our argmax picks each next one: so our greedy decoding yields the same tokens
@@ -88,7 +77,7 @@ def test_real_qwen2_1_5b_cuda_greedy_matches_llama_cpp():
     atol, median_atol = CUDA_LOGIT_ATOL["Q8_0"], CUDA_MEDIAN_ATOL["Q8_0"]
     for text in QWEN2_PROMPTS:
         ids = tok.tokenize(tok.apply_chat_template([{"role": "user", "content": text}]))
-        ref, ref_tokens = _llama_cpp_greedy(QWEN2_1_5B, ids, N_GEN)
+        ref, ref_tokens = llama_greedy(QWEN2_1_5B, ids, N_GEN, n_ctx=N_CTX, n_batch=N_CTX)
         target.reset()
         got = np.stack([target.prefill(ids)] + [target.decode(t) for t in ref_tokens])
         assert_logits_close(got, ref, "Q8_0", atol=atol, median_atol=median_atol)
