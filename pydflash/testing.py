@@ -575,26 +575,12 @@ def write_dflash_draft(out_dir, target_gguf, *, n_layer: int = 2, n_head: int = 
     import json
     import os
     from .gguf_io import GGUFFile
+    from .train_draft import draft_config   # the config format, shared with train-draft
 
-    gf = GGUFFile(target_gguf)
-    arch = gf.architecture
-    n_embd = int(gf.require(f"{arch}.embedding_length"))
-    n_target = int(gf.require(f"{arch}.block_count"))
-    n_vocab = int(gf.tensors["token_embd.weight"].ne[1])
-    if target_layer_ids is None:
-        target_layer_ids = sorted({int(round(x)) for x in np.linspace(1, max(1, n_target - 2), n_layer)})
-    target_layer_ids = [int(i) for i in target_layer_ids]
-    cfg = {
-        "architectures": ["DFlashDraftModel"], "model_type": "qwen3", "hidden_size": n_embd,
-        "num_hidden_layers": n_layer, "num_attention_heads": n_head, "num_key_value_heads": n_head_kv,
-        "head_dim": head_dim, "intermediate_size": n_ff, "rms_norm_eps": rms_eps, "rope_theta": rope_theta,
-        "rope_parameters": {"rope_type": "default", "rope_theta": rope_theta},
-        "max_position_embeddings": 262144, "vocab_size": n_vocab, "hidden_act": "silu", "attention_bias": False,
-        "attention_dropout": 0.0, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
-        "block_size": block_size, "num_target_layers": n_target,
-        "dflash_config": {"mask_token_id": int(n_vocab - 1 if mask_token_id is None else mask_token_id),
-                          "target_layer_ids": target_layer_ids},
-    }
+    cfg = draft_config(GGUFFile(target_gguf), n_layer=n_layer, n_head=n_head, n_head_kv=n_head_kv,
+                       head_dim=head_dim, n_ff=n_ff, block_size=block_size, rope_theta=rope_theta, rms_eps=rms_eps,
+                       mask_token_id=mask_token_id, target_layer_ids=target_layer_ids)
+    n_embd, target_layer_ids = cfg["hidden_size"], cfg["dflash_config"]["target_layer_ids"]
     if layer_types is not None:
         cfg["layer_types"] = list(layer_types)
         cfg["use_sliding_window"] = True
