@@ -1,6 +1,7 @@
-"""pydflash.models.layers.linear: which matmul each weight gets. By default every weight takes ggml's mul_mat;
-with PYDFLASH_QMATMUL=1 (opt-in) quantised GPU weights with 1..48 columns take ggml_qmatmul, and the CPU keeps
-mul_mat (its SIMD kernels)."""
+"""pydflash.models.layers.linear: which matmul each weight gets. By default (PYDFLASH_QMATMUL unset or auto) ggml's
+mul_mat, except Q4_K/Q6_K GPU weights times 4..8 columns, where ggml_qmatmul is the faster kernel; with
+PYDFLASH_QMATMUL=1 quantised GPU weights with 1..48 columns take ggml_qmatmul, with 0 none does; the CPU keeps
+mul_mat (its SIMD kernels) always."""
 from __future__ import annotations
 
 import numpy as np
@@ -62,24 +63,35 @@ def test_opt_in_rule_for_device_weights(qmatmul_on, monkeypatch):
         assert _route(None, wtype, 8) == ggml.Op.MUL_MAT
 
 
-def test_default_ignores_device_weights(qmatmul_default, monkeypatch):
+def test_default_rule_for_device_weights(qmatmul_default, monkeypatch):
+    """auto: ggml_qmatmul only for Q4_K/Q6_K at 4..8 columns (where ggml's vector kernel re-decodes the weights
+    per column); 0: never."""
     monkeypatch.setattr(layers, "_on_device", lambda w: True)
-    assert _route(None, ggml.Type.Q4_K, 8) == ggml.Op.MUL_MAT
+    for wtype in (ggml.Type.Q4_K, ggml.Type.Q6_K):
+        assert [n for n in range(1, 49) if _route(None, wtype, n) == ggml.Op.QMATMUL] == [4, 5, 6, 7, 8]
+    for wtype in (ggml.Type.Q5_K, ggml.Type.Q8_0, *NOT_QMATMUL_TYPES):
+        assert all(_route(None, wtype, n) == ggml.Op.MUL_MAT for n in (1, 4, 8, 16))
+    monkeypatch.setenv("PYDFLASH_QMATMUL", "auto")
+    assert _route(None, ggml.Type.Q4_K, 8) == ggml.Op.QMATMUL
     monkeypatch.setenv("PYDFLASH_QMATMUL", "0")
     assert _route(None, ggml.Type.Q4_K, 8) == ggml.Op.MUL_MAT
+    assert layers.kernel_mode() == "ggml"
 
 
 def test_bad_switch_value_is_named(monkeypatch):
     monkeypatch.setenv("PYDFLASH_QMATMUL", "yes")
-    with pytest.raises(ValueError, match="PYDFLASH_QMATMUL must be 0 or 1, got 'yes'"):
+    with pytest.raises(ValueError, match="PYDFLASH_QMATMUL must be 0, 1 or auto, got 'yes'"):
         _route(ggml.Backend("cpu"), ggml.Type.Q4_K, 8)
 
 
 @pytest.mark.cuda
-def test_default_gpu_weights_take_mul_mat(qmatmul_default):
+def test_default_gpu_weights_take_qmatmul_where_faster(qmatmul_default):
     backend = ggml.Backend("cuda")
     for wtype in ggml.QMATMUL_TYPES:
-        assert _route(backend, wtype, 8) == ggml.Op.MUL_MAT
+        assert _route(backend, wtype, 1) == ggml.Op.MUL_MAT
+        assert _route(backend, wtype, 16) == ggml.Op.MUL_MAT
+    assert _route(backend, ggml.Type.Q4_K, 8) == ggml.Op.QMATMUL
+    assert _route(backend, ggml.Type.Q8_0, 8) == ggml.Op.MUL_MAT
 
 
 @pytest.mark.cuda

@@ -11,6 +11,7 @@ void ggml_ext_cuda_compute_forward(ggml_backend_cuda_context & ctx, ggml_tensor 
         case GGML_OP_QMATMUL: ggml_ext_cuda_qmatmul(ctx, dst); break;
         case GGML_OP_SAMPLE_TOKENS: ggml_ext_cuda_sample_tokens(ctx, dst); break;
         case GGML_OP_FLASH_ATTN_ORDERED: ggml_ext_cuda_flash_attn_ordered(ctx, dst); break;
+        case GGML_OP_ARGMAX_FIRST: ggml_ext_cuda_argmax_first(ctx, dst); break;
         default: GGML_ABORT("ggml_ext: no CUDA kernel for %s", ggml_op_name(dst->op));
     }
 }
@@ -29,6 +30,8 @@ bool ggml_ext_cuda_supports_op(int device, const ggml_tensor * op) {
             return op->src[0]->ne[0] <= INT32_MAX / 2;
         case GGML_OP_FLASH_ATTN_ORDERED:
             return ggml_ext_cuda_flash_attn_ordered_supported(op);
+        case GGML_OP_ARGMAX_FIRST:
+            return true;
         default:
             return false;
     }

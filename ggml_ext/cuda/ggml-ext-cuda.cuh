@@ -40,3 +40,6 @@ void ggml_ext_cuda_sample_tokens(ggml_backend_cuda_context & ctx, ggml_tensor * 
 // ggml_flash_attn_ordered (flash_attn_ordered.cu)
 void ggml_ext_cuda_flash_attn_ordered(ggml_backend_cuda_context & ctx, ggml_tensor * dst);
 bool ggml_ext_cuda_flash_attn_ordered_supported(const ggml_tensor * op);
+
+// ggml_argmax_first (argmax_first.cu)
+void ggml_ext_cuda_argmax_first(ggml_backend_cuda_context & ctx, ggml_tensor * dst);

@@ -229,3 +229,15 @@ struct ggml_tensor * ggml_flash_attn_ordered(
     result->src[3] = mask;
     return result;
 }
+
+struct ggml_tensor * ggml_argmax_first(
+        struct ggml_context * ctx,
+        struct ggml_tensor  * x) {
+    GGML_ASSERT(x->type == GGML_TYPE_F32 && ggml_is_matrix(x) && x->nb[0] == sizeof(float));
+    GGML_ASSERT(x->ne[0] <= INT32_MAX);
+
+    struct ggml_tensor * result = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, x->ne[1]);
+    result->op     = GGML_OP_ARGMAX_FIRST;
+    result->src[0] = x;
+    return result;
+}

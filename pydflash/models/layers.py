@@ -26,11 +26,28 @@ def _env_switch(name: str) -> bool:
     return value == "1"
 
 
+# Column counts at which ggml_qmatmul beats ggml's mul_mat, by weight type (H100, docs/benchmarks.md "Kernel
+# timings"): at 4-8 columns ggml's vector kernel re-decodes every weight per column and takes 1.3-2x our time
+# (Q4_K 0.51-0.78x, Q6_K 0.74-1.00x); at 1-2 columns they are level, from 16 on ggml's tiles are faster, and
+# for Q5_K / Q8_0 our kernel never wins. A 4-8 slot verify (DDTree budget 3-7) is where this pays.
+QMATMUL_FASTER_COLS = {ggml.Type.Q4_K: range(4, 9), ggml.Type.Q6_K: range(4, 9)}
+
+
+def qmatmul_mode() -> str:
+    """PYDFLASH_QMATMUL: unset or 'auto' (the default) sends quantised GPU weight matmuls through ggml_qmatmul only
+    where it is the faster kernel (QMATMUL_FASTER_COLS), '1' wherever it takes them (1..48 columns), '0' never.
+    PYDFLASH_BITEXACT=1 implies '1'. Read when a graph is built, so a change applies to graphs built after it."""
+    if bitexact_enabled():
+        return "1"
+    value = os.environ.get("PYDFLASH_QMATMUL", "auto")
+    if value not in ("0", "1", "auto"):
+        raise ValueError(f"PYDFLASH_QMATMUL must be 0, 1 or auto, got {value!r}")
+    return value
+
+
 def qmatmul_enabled() -> bool:
-    """PYDFLASH_QMATMUL=1 opts in to our quantised matmul (ggml_qmatmul) for GPU weights; unset or 0: ggml's
-    mul_mat everywhere (the default: at verify sizes ggml's batched kernel is faster, docs/benchmarks.md).
-    PYDFLASH_BITEXACT=1 turns it on too. Read when a graph is built, so a change applies to graphs built after it."""
-    return _env_switch("PYDFLASH_QMATMUL") or bitexact_enabled()
+    """ggml_qmatmul for every quantised GPU weight matmul it takes (PYDFLASH_QMATMUL=1 or bit-exact mode)."""
+    return qmatmul_mode() == "1"
 
 
 def bitexact_enabled() -> bool:
@@ -44,8 +61,10 @@ def bitexact_enabled() -> bool:
 
 
 def kernel_mode() -> str:
-    """Which of the modes above graphs built now take: 'bit-exact', 'qmatmul' or 'ggml' (for benchmark reports)."""
-    return "bit-exact" if bitexact_enabled() else "qmatmul" if qmatmul_enabled() else "ggml"
+    """Which of the modes above graphs built now take (for benchmark reports): 'bit-exact', 'qmatmul' (ggml_qmatmul
+    wherever it takes), 'auto' (ggml_qmatmul where it is faster) or 'ggml' (mul_mat only)."""
+    mode = qmatmul_mode()
+    return "bit-exact" if bitexact_enabled() else {"1": "qmatmul", "0": "ggml", "auto": "auto"}[mode]
 
 
 def _on_device(w: ggml.Tensor) -> bool:
@@ -67,10 +86,12 @@ def _takes_qmatmul(w: ggml.Tensor, x: ggml.Tensor) -> bool:
 def linear(ctx: ggml.Context, w: ggml.Tensor, x: ggml.Tensor) -> ggml.Tensor:
     """w^T x for a weight w [n_in, n_out] (ggml order) and activations x [n_in, ...] -> [n_out, ...].
 
-    ggml's mul_mat by default. With PYDFLASH_QMATMUL=1, quantised GPU weights times 1..48 columns go through
-    ggml_qmatmul instead, whose every column is bit-identical whatever the number of columns (ggml-ext.h says
-    how). The weight must be allocated when the graph is built (model weights always are)."""
-    if qmatmul_enabled() and _takes_qmatmul(w, x):
+    ggml's mul_mat, except quantised GPU weights that ggml_qmatmul takes (qmatmul_mode): by default where it is
+    the faster kernel, with PYDFLASH_QMATMUL=1 for every 1..48 columns (then every column is bit-identical
+    whatever the number of columns; ggml-ext.h says how). The weight must be allocated when the graph is built
+    (model weights always are)."""
+    mode = qmatmul_mode()
+    if mode != "0" and _takes_qmatmul(w, x) and (mode == "1" or x.ne[1] in QMATMUL_FASTER_COLS.get(w.type, ())):
         return ggml.qmatmul(ctx, w, x)
     if bitexact_enabled() and x.ne[1] <= ggml.QMATMUL_MAX_COLS and x.ne[2:] == (1, 1) and is_contiguous(x):
         # tokens as a batch of single columns: ggml then takes its matrix-vector kernel for every token count

@@ -582,7 +582,7 @@ class TargetRuntime:
             h = ctx.view_2d(h, hp.n_embd, 1, h.nb[1], (n - 1) * h.nb[1])
         out = self.output_norm(ctx, h)
         g.logits = layers.linear(ctx, self.weights["output.weight"], out).named("out.logits")  # [n_vocab, 1 or n]
-        g.argmax = ctx.argmax(g.logits).named("out.argmax")
+        g.argmax = ggml.argmax_first(ctx, g.logits).named("out.argmax")
         outputs = g.side_effects + [g.logits, g.argmax]
         if self.sampling_enabled:   # the sampling hook: filter + draw per row on the device
             g.sampler = sampling.attach(ctx, g.logits)
