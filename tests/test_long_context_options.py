@@ -226,7 +226,9 @@ def test_replay_commit_equals_f32_store_commit(backend, tmp_path):
         runs[state_type] = steps
     exact = backend.name.lower().startswith("cpu")
     for i, ((logits_f32, want), (logits, got)) in enumerate(zip(runs["f32"], runs["replay"])):
-        atol = 0.0 if exact else 1e-5 * float(np.abs(logits_f32).max())
+        # CUDA: the committed states differ by rounding (up to STATE_ATOL on unit-scale states), and so may the logits
+        # by that much relative to their scale; a skipped step moves the states by O(0.1)
+        atol = 0.0 if exact else STATE_ATOL * float(np.abs(logits_f32).max())
         np.testing.assert_allclose(logits, logits_f32, rtol=0, atol=atol, err_msg=f"step {i}: verify logits")
         for name in want:
             np.testing.assert_allclose(got[name], want[name], rtol=0, atol=0.0 if exact else STATE_ATOL,
