@@ -389,9 +389,10 @@ def plan_for_load(target, draft=None, *, vram, n_ubatch="auto", budget: int = 22
     return fitted
 
 
-# state_type "auto" tries these. Never f16 (it may change the output); not yet "replay": exact on CPU, and lossless
-# on CUDA, but there its verify logits past the root are wrong (acceptance 1.1 where f32 states give > 4, H100,
-# tests/test_long_context_options.py), so it would cost speed; ask for it explicitly to save the memory.
+# state_type "auto" tries these. Never f16 (it may change the output); not yet "replay": exact on CPU, but on the
+# H100 its commits dropped every accepted step after the root (ggml-cuda copied the gates and betas into the store
+# without its row stride; acceptance 1.1 where f32 states give > 4). Fixed (qwen35.py's store copies,
+# vendor/patches/0003), not yet re-measured there: ask for it explicitly to save the memory.
 AUTO_STATE_TYPES = ("f32",)
 
 

@@ -221,3 +221,41 @@ def test_gated_delta_net(backend, rng):
     n_o = o_ref.size
     assert rel_err(out[:n_o].reshape(o_ref.shape), o_ref) < 1e-5
     assert rel_err(out[n_o:].reshape(state_ref.shape), state_ref) < 1e-5
+
+
+# --- cpy into strided rows -------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("source", ["ne0_one", "matrix", "transposed"])
+def test_cpy_into_strided_rows(backend, rng, source):
+    """ggml_cpy of a [w, n] block of values into n rows of a wider store, w columns in: each row gets its values and
+    nothing else changes (copies are exact). The source as ne (1, w, n) (the replay verify's gate and beta), as a
+    matrix, or as a transposed view. On CUDA the first and last took the transposed kernel, which writes its
+    destination densely (vendor/patches/0003), so every row's values landed in the first rows."""
+    w, n, row, col = 6, 9, 20, 5
+    values = rng.standard_normal((n, w)).astype(np.float32)   # row s: the w values for store row s
+    fill = np.float32(-7.0)
+    store_ctx = ggml.Context(n_tensors=1)
+    store = store_ctx.new_tensor(ggml.Type.F32, (row, n + 1), name="store")
+    store_buf = backend.alloc_tensors(store_ctx)  # noqa: F841 (keeps the store's memory alive)
+    store.set(np.full((n + 1, row), fill, np.float32))
+
+    ctx = ggml.Context(n_tensors=8, graph_size=8)
+    if source == "transposed":
+        src = ctx.new_tensor(ggml.Type.F32, (n, w), name="src").mark_input()   # [w, n] values, stored transposed
+        data = np.ascontiguousarray(values.T)
+        view = ctx.transpose(src)
+    else:
+        ne = (1, w, n) if source == "ne0_one" else (w, n)
+        src = ctx.new_tensor(ggml.Type.F32, ne, name="src").mark_input()
+        data = values.reshape(ne[::-1])
+        view = src
+    out = ctx.cpy(view, ctx.view_2d(store, w, n, store.nb[1], col * 4))
+    graph = ctx.graph(out)
+    alloc = ggml.Allocator(backend)
+    alloc.allocate(graph)
+    src.set(data)
+    backend.compute(graph)
+
+    want = np.full((n + 1, row), fill, np.float32)
+    want[:n, col:col + w] = values
+    assert np.array_equal(store.numpy(), want)

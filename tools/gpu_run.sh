@@ -247,6 +247,15 @@ phase lcq_depth_q8_0_32k 60 lcq 60 python3 "$lc" depth "$data/q27.gguf" --draft 
 phase lcq_llama_tg_q8_0 50 lcq 50 llama_tgq -d 32768 -ctk q8_0 -ctv q8_0
 phase lcq_draft_quant 90 lcq 90 python3 "$src/bench/draft_quant.py" "$data/q27.gguf" --draft "$data/d27" \
     --device cuda --n-steps 32 --n-gen 32
+# replayed verify states (issue 14; ONLY=replay_): the CUDA copy into strided rows (vendor/patches/0003), replay's
+# commit against the f32 store, the end-to-end replay test with its xfail mark ignored; then replay's step time
+# beside f32 states at 2K and 128K, same arguments
+phase replay_tests 300 pytest_cuda "$src/tests/test_ggml_ops.py" "$src/tests/test_long_context_options.py" \
+    -k "cpy or replay" --runxfail
+phase replay_depth 120 lcq 120 python3 "$lc" depth "$data/q27.gguf" --draft "$data/d27" --device cuda \
+    --kv tq3_0 --depths 2048,131072 --n-gen 8 --n-steps 16 --state-type replay
+phase replay_depth_f32 120 lcq 120 python3 "$lc" depth "$data/q27.gguf" --draft "$data/d27" --device cuda \
+    --kv tq3_0 --depths 2048,131072 --n-gen 8 --n-steps 16 --state-type f32
 # real GGUFs (issue 16), where this machine has them: REAL_MODELS="a.gguf b.gguf" beside llama-bench (tg128, pp512);
 # the real Qwen2.5-Coder-1.5B's CUDA greedy test takes its path from PYDFLASH_REAL_QWEN2_1_5B
 real_models() { [ -n "${REAL_MODELS:-}" ] || { echo "REAL_MODELS unset: skipped"; return 0; }; python3 "$src/bench/real_models.py" $REAL_MODELS --device cuda --llama-bench "$build/bin/llama-bench"; }

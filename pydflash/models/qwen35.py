@@ -240,12 +240,18 @@ class Qwen35Target(TargetRuntime):
         elif self.replay:   # node states stay in this graph; the store keeps what commit replays them from
             res = ggml.gated_delta_net_tree(ctx, q, k, v, gk, beta, state, parent)
             o = ctx.view_4d(res, d_v, h_v, n, 1, d_v * 4, d_v * h_v * 4, d_v * h_v * n * 4, 0)
+            # Each source as a [width, n] matrix, the shape of its destination rows: CUDA copies those row by row.
+            # A [1, h_v, n] gate or beta would take ggml-cuda's transposed copy, which ignores the destination's
+            # row stride (ggml-org/ggml#1497) and packed every slot's gate and beta into slot 0's row.
             store = self.slot_states[il]
+            sources = (("k", ctx.reshape_2d(k, hp.key_dim, n)),
+                       ("v", ctx.view_2d(conv, hp.value_dim, n, conv.nb[1], 2 * hp.key_dim * 4)),
+                       ("g", ctx.reshape_2d(gk, h_v, n)), ("beta", ctx.reshape_2d(beta, h_v, n)))
             offset = 0
-            for name, t, width in (("k", k, hp.key_dim), ("v", v, hp.value_dim), ("g", gk, h_v), ("beta", beta, h_v)):
-                dst = ctx.view_2d(store, width, n, store.nb[1], offset)
+            for name, t in sources:
+                dst = ctx.view_2d(store, t.ne[0], n, store.nb[1], offset)
                 side_effects.append(ctx.cpy(t, dst).named(f"l{il}.gdn.slot_{name}"))
-                offset += width * 4
+                offset += t.ne[0] * 4
         elif self.tree_state_op is not None:                          # node states go straight to the store
             o = self.tree_state_op(ctx, q, k, v, gk, beta, state, parent, self.slot_states[il])
         else:
