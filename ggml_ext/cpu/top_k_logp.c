@@ -1,6 +1,6 @@
 // ggml_top_k_logp on the CPU: threads split the rows. Each row is scanned once for its k best keys (the total
 // order of ggml-ext-top-k-key.h, kept sorted by insertion) and its max, then once for the sum of exp(x - max)
-// in double.
+// (float terms, a double sum).
 
 #include "ggml-ext-cpu.h"
 #include "ggml-ext-top-k-key.h"
@@ -36,7 +36,7 @@ void ggml_ext_cpu_top_k_logp(const struct ggml_compute_params * params, struct g
         double sum = 0.0;
         for (int64_t i = 0; i < n; ++i) {
             if (row[i] != -INFINITY) {      // also keeps a row of only -inf from computing -inf - -inf
-                sum += exp((double) row[i] - (double) max);
+                sum += expf(row[i] - max);      // each term within an ulp; the sum in double
             }
         }
         const double lse = (double) max + log(sum);  // -inf for a row of only -inf, NaN if the row has a NaN
