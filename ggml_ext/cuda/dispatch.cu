@@ -32,8 +32,9 @@ bool ggml_ext_cuda_supports_op(int device, const ggml_tensor * op) {
         case GGML_OP_FLASH_ATTN_ORDERED:
             return ggml_ext_cuda_flash_attn_ordered_supported(op);
         case GGML_OP_ARGMAX_FIRST:
-        case GGML_OP_TOP_K_LOGP:
             return true;
+        case GGML_OP_TOP_K_LOGP:
+            return op->src[0]->ne[1] <= 65535;    // rows are the y dimension of its first kernel's grid
         default:
             return false;
     }

@@ -231,7 +231,8 @@ GGML_API struct ggml_tensor * ggml_argmax_first(
 // n_vocab < 2^24, 1 <= k <= GGML_EXT_TOP_K_LOGP_MAX_K <= n_vocab), with their log-probabilities, in one pass:
 // f32 [k, 2, n_rows]; per row, [:, 0] = log softmax(row)[id] = logit - logsumexp(row) of the chosen ids and
 // [:, 1] = the ids as exact floats, best first. The order is total, so every backend picks the same ids: a larger
-// logit first, equal logits by lower id, -0 equal to +0, NaN below everything (never chosen before a number).
+// logit first, equal logits by lower id (-0, +0 and subnormals all equal), NaN below everything (never before a
+// number).
 // logsumexp is taken stably (the row max, then the sum of exp(x - max)); -inf logits have probability 0 and a
 // row of only -inf gives -inf log-probs (ids 0..k-1); a NaN in the row makes its log-probs NaN. Replaces
 // ggml_top_k + ggml_soft_max + get_rows (a full segmented sort and a full softmax per row on CUDA).
