@@ -1,7 +1,7 @@
 // The total order of ggml_top_k_logp as one 64-bit key per logit, shared by its CPU and CUDA kernels so that
 // both pick exactly the same ids: a larger key ranks first. High 32 bits: the float mapped to an unsigned
-// integer of the same order (-0 and subnormals folded into +0, NaN to 0, below -inf); low 32 bits: ~id, so a lower id wins
-// between equal logits. Key 0 belongs to no logit (ids are < 2^24) and marks an empty slot.
+// integer of the same order (-0 and subnormals folded into +0, NaN to 0, below -inf); low 32 bits: ~id, so a
+// lower id wins between equal logits. Key 0 belongs to no logit (ids are < 2^24) and marks an empty slot.
 #pragma once
 
 #include <float.h>

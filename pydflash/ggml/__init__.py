@@ -14,4 +14,5 @@ __all__ = ["Allocator", "Backend", "Buffer", "Context", "GGMLError", "Graph", "O
            "devices", "quantize", "row_size", "type_of",
            "QMATMUL_MAX_COLS", "QMATMUL_ROW_TILES", "QMATMUL_TYPES", "argmax_first", "check_parents", "flash_attn_ordered",
            "gated_delta_net_tree", "gated_delta_net_tree_persist",
-           "qmatmul", "sample_probs", "sample_tokens", "set_parents", "ssm_conv_tree", "TOP_K_LOGP_MAX_K", "top_k_logp"]
+           "qmatmul", "sample_probs", "sample_tokens", "set_parents", "ssm_conv_tree",
+           "TOP_K_LOGP_MAX_K", "top_k_logp"]
