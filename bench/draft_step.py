@@ -5,7 +5,7 @@
 Shape: 5 draft layers, hidden 5120, 32 Q / 8 KV heads x 128, FFN 17408, block 16 (bf16 weights, ~3.5 GB), and a
 248320-token LM head and embedding taken from a 27B-shaped qwen35 target GGUF with only 5 layers (Q4_K_M-like
 types, written once into --dir and reused). The context cache is filled with --ctx random feature rows, then one
-step (= `DFlashDraft.propose`: 5 layers over the block + the ring, LM head for 15 positions, softmax, top-K, the
+step (= `DFlashDraft.propose`: 5 layers over the block + the ring, LM head for 15 positions, top-K with log-probs, the
 copy of K ids and log-probs) is timed: median and p10/p90 over --reps runs after warm-up. Also timed: committing
 8 new context positions (the per-step append after a verify). Prints a markdown table.
 """

@@ -113,12 +113,15 @@ fi
 phase llama_bench 200 "$src/tools/build_llama_bench.sh" "$llama_src" "$build"
 phase tests_engine 120 pytest_cuda "$src/tests/test_engine.py"
 phase tests_draft 120 pytest_cuda "$src/tests/test_dflash_draft.py"
+phase tests_topk 60 pytest_cuda "$src/tests/test_top_k_logp.py"
 phase tests_target 150 pytest_cuda "$src/tests/test_qwen35.py" "$src/tests/test_target_tq3.py"
 phase models 120 wait_models
 # our quantised matmul (ggml_qmatmul) vs ggml's mul_mat on the 27B weight shapes, 1..48 columns
 phase bench_qmatmul 90 python3 "$src/bench/qmatmul.py" --device cuda
 phase bench_ar 150 python3 "$src/bench/ar_decode.py" "$data/q27.gguf" --device cuda --n-gen 128 --reps 5 \
     --llama-bench "$build/bin/llama-bench"
+# the draft's top-k alone: ggml_top_k_logp against top_k + soft_max + get_rows on [n_vocab, 15] logits
+phase bench_topk 60 python3 "$src/bench/top_k_logp.py" --device cuda --reps 200
 phase bench_draft 120 python3 "$src/bench/draft_step.py" --device cuda --ctx 2048 --window 2048 --top-k 8 \
     --reps 50 --dir "$data/dfb"
 phase bench_ddtree 240 python3 "$src/bench/ddtree_step.py" "$data/q27.gguf" --draft "$data/d27" --device cuda \

@@ -43,3 +43,6 @@ bool ggml_ext_cuda_flash_attn_ordered_supported(const ggml_tensor * op);
 
 // ggml_argmax_first (argmax_first.cu)
 void ggml_ext_cuda_argmax_first(ggml_backend_cuda_context & ctx, ggml_tensor * dst);
+
+// ggml_top_k_logp (top_k_logp.cu)
+void ggml_ext_cuda_top_k_logp(ggml_backend_cuda_context & ctx, ggml_tensor * dst);

@@ -10,7 +10,7 @@ extern "C" {
 #endif
 
 // Bumped whenever an op's signature or semantics change; the Python bindings check it at load.
-#define GGML_EXT_ABI_VERSION 8
+#define GGML_EXT_ABI_VERSION 9
 
 // The number of ops in ggml-ext-ops.def.
 enum {
@@ -226,6 +226,22 @@ GGML_API struct ggml_tensor * ggml_flash_attn_ordered(
 GGML_API struct ggml_tensor * ggml_argmax_first(
         struct ggml_context * ctx,
         struct ggml_tensor  * x);
+
+// The k most likely tokens of every row of logits f32 [n_vocab, n_rows] (rows contiguous, any row stride,
+// n_vocab < 2^24, 1 <= k <= GGML_EXT_TOP_K_LOGP_MAX_K <= n_vocab), with their log-probabilities, in one pass:
+// f32 [k, 2, n_rows]; per row, [:, 0] = log softmax(row)[id] = logit - logsumexp(row) of the chosen ids and
+// [:, 1] = the ids as exact floats, best first. The order is total, so every backend picks the same ids: a larger
+// logit first, equal logits by lower id (-0, +0 and subnormals all equal), NaN below everything (never before a
+// number).
+// logsumexp is taken stably (the row max, then the sum of exp(x - max)); -inf logits have probability 0 and a
+// row of only -inf gives -inf log-probs (ids 0..k-1); a NaN in the row makes its log-probs NaN. Replaces
+// ggml_top_k + ggml_soft_max + get_rows (a full segmented sort and a full softmax per row on CUDA).
+#define GGML_EXT_TOP_K_LOGP_MAX_K 32
+
+GGML_API struct ggml_tensor * ggml_top_k_logp(
+        struct ggml_context * ctx,
+        struct ggml_tensor  * logits,
+        int                   k);
 
 #ifdef __cplusplus
 }

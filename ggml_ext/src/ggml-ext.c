@@ -241,3 +241,18 @@ struct ggml_tensor * ggml_argmax_first(
     result->src[0] = x;
     return result;
 }
+
+struct ggml_tensor * ggml_top_k_logp(
+        struct ggml_context * ctx,
+        struct ggml_tensor  * logits,
+        int                   k) {
+    GGML_ASSERT(logits->type == GGML_TYPE_F32 && ggml_is_matrix(logits) && logits->nb[0] == sizeof(float));
+    GGML_ASSERT(logits->ne[0] < (1 << 24));      // ids are returned as exact floats
+    GGML_ASSERT(k >= 1 && k <= GGML_EXT_TOP_K_LOGP_MAX_K && k <= logits->ne[0]);
+
+    struct ggml_tensor * result = ggml_new_tensor_3d(ctx, GGML_TYPE_F32, k, 2, logits->ne[1]);
+    result->op           = GGML_OP_TOP_K_LOGP;
+    result->op_params[0] = k;
+    result->src[0]       = logits;
+    return result;
+}

@@ -176,6 +176,26 @@ def argmax_first(ctx: Context, x: Tensor) -> Tensor:
     return Tensor(lib.ggml_argmax_first(ctx._ptr, x._ptr), ctx)
 
 
+TOP_K_LOGP_MAX_K = 32   # GGML_EXT_TOP_K_LOGP_MAX_K
+
+
+def top_k_logp(ctx: Context, logits: Tensor, k: int) -> Tensor:
+    """The k most likely tokens of every row of logits f32 [n_vocab, n_rows] (rows contiguous) with their
+    log-probabilities, best first: f32 [k, 2, n_rows], [:, 0] the log-probs, [:, 1] the ids as exact floats
+    (ggml-ext.h: larger logit first, equal logits by lower id). One pass over the row on CUDA, where ggml_top_k
+    sorts the whole row and the log-probs took a full softmax."""
+    _expect(logits, "top_k_logp logits", Type.F32, (logits.ne[0], logits.ne[1]))
+    _expect_rows(logits, "top_k_logp logits")
+    n_vocab = logits.ne[0]
+    if not 1 <= k <= TOP_K_LOGP_MAX_K:
+        raise ValueError(f"top_k_logp k must be in 1..{TOP_K_LOGP_MAX_K}, got {k}")
+    if n_vocab < k:
+        raise ValueError(f"top_k_logp logits rows have {n_vocab} values, fewer than k = {k}")
+    if n_vocab >= 1 << 24:
+        raise ValueError(f"top_k_logp logits rows have {n_vocab} values; ids must stay exact floats (< 2^24)")
+    return Tensor(lib.ggml_top_k_logp(ctx._ptr, logits._ptr, int(k)), ctx)
+
+
 SAMPLE_N_PARAMS = 8   # GGML_EXT_SAMPLE_N_PARAMS: the length of the params tensor of sample_tokens/sample_probs
 
 

@@ -710,7 +710,7 @@ class _Graph:
 
     One allocator per graph, not one shared: a step alternates the append and the draft graphs, and with
     private compute buffers that switch costs nothing (no re-allocation); the buffers are small next to the
-    weights (the largest holds the [n_vocab, B-1] logits and their softmax)."""
+    weights (the largest holds the [n_vocab, B-1] logits)."""
 
     def __init__(self, size: int):
         self.ctx = ggml.Context(n_tensors=size, graph_size=size)
@@ -735,8 +735,9 @@ class DFlashDraft:
         self.backend = target.backend
         self.hp, self.weights, self.path = load_draft_weights(
             path, self.backend, lambda hp, p: check_fits(hp, target.hp, p, target.gguf.path), weight_type)
-        if not 1 <= top_k <= target.hp.n_vocab:
-            raise ValueError(f"top_k {top_k} outside 1..{target.hp.n_vocab}")
+        max_k = min(target.hp.n_vocab, ggml.TOP_K_LOGP_MAX_K)    # the device top-k op's limit
+        if not 1 <= top_k <= max_k:
+            raise ValueError(f"top_k {top_k} outside 1..{max_k}")
         self.top_k = int(top_k)
         self.cache = DraftContextCache(self.backend, self.hp, window)
         self.token_embd = target.weights["token_embd.weight"]
@@ -832,10 +833,8 @@ class DFlashDraft:
 
         Returns (ids, log-probs), each [B-1, top_k], best first; only these cross to the host."""
         g = self._step(last_token)
-        ids = g.outputs["top_ids"].numpy().reshape(self.hp.block_size - 1, self.top_k)
-        lp = g.outputs["top_logp"].numpy().reshape(self.hp.block_size - 1, self.top_k)
-        order = np.argsort(-lp, axis=1, kind="stable")     # ggml's top_k leaves the k in no particular order
-        return np.take_along_axis(ids, order, 1), np.take_along_axis(lp, order, 1)
+        top = g.outputs["top"].numpy().reshape(self.hp.block_size - 1, 2, self.top_k)   # log-probs, ids; best first
+        return top[:, 1].astype(np.int64), top[:, 0]
 
     def logits(self, last_token: int) -> np.ndarray:
         """The full draft logits f32 [B-1, n_vocab] of one step (tests and diagnostics: a large copy)."""
@@ -945,11 +944,8 @@ class DFlashDraft:
         if hp.logit_softcap > 0:
             logits = ctx.scale(ctx.tanh(ctx.scale(logits, 1.0 / hp.logit_softcap)), hp.logit_softcap)
         logits = logits.named("draft.out.logits")
-        V = logits.ne[0]
-        # top-K on the device: ids by logit, log-probs = log(softmax) gathered at those ids
-        top = ctx.top_k(logits, self.top_k).named("draft.out.top_ids")              # i32 [K, B-1]
-        probs = ctx.reshape_3d(ctx.soft_max(logits), 1, V, B - 1)
-        logp = ctx.log(ctx.get_rows(probs, top)).named("draft.out.top_logp")        # [1, K, B-1]
-        g.outputs.update(logits=logits, top_ids=top, top_logp=logp)
-        g.graph = ctx.graph([logits, top, logp])   # Allocator.allocate checks every node
+        # top-K on the device in one pass: log-probs and ids, best first (no full sort, no full softmax)
+        top = ggml.top_k_logp(ctx, logits, self.top_k).named("draft.out.top")       # [K, 2, B-1]
+        g.outputs.update(logits=logits, top=top)
+        g.graph = ctx.graph([logits, top])   # Allocator.allocate checks every node
         return g
