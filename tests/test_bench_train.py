@@ -90,8 +90,8 @@ def test_training_lowers_loss_and_beats_a_random_draft(tmp_path):
     testing.write_qwen35_gguf(target_path, seed=21)
     shape = {"n_layer": 2, "n_head": 4, "n_head_kv": 2, "head_dim": 64, "n_ff": 128}
     summary = td.train_draft(target_path, str(tmp_path / "run"), data="random", n_seq=64, n_held_out=4, n_gen=40,
-                             max_prompt_tokens=16, steps=400, target_device="cpu", seed=0, draft_shape=shape,
-                             progress=False)
+                             max_prompt_tokens=16, steps=200, batch=8, anchors=16, lr=3e-3, target_device="cpu",
+                             seed=0, draft_shape=shape, progress=False)
     assert summary["outputs_equal_ar"]                       # the trained draft is still lossless
     assert summary["loss_last"] < 0.5 * summary["loss_first"]
 
@@ -124,3 +124,48 @@ def test_training_resumes_from_its_checkpoint(tmp_path):
     assert resumed.step == 3
     resumed.train(tokens, feats, 6, progress=False)
     assert resumed.losses == pytest.approx(whole.losses, rel=1e-5)
+
+
+@pytest.mark.slow
+def test_train_draft_from_continuations(tmp_path):
+    """`pydflash train-draft --continuations`: every line's prompt + output is prefilled as given (a line whose
+    output is not the target's greedy one stays as written: nothing is generated), the last --held-out lines are
+    held out, training stops when --minutes is spent, and summary.json reports both held-out metrics."""
+    pytest.importorskip("torch", reason="train-draft needs the `train` extra (torch)")
+    from pydflash.engine import Decoder
+    from pydflash.models import load_target
+
+    target_path = str(tmp_path / "target.gguf")
+    testing.write_qwen35_gguf(target_path, seed=21)
+    ar = Decoder(load_target(target_path, "cpu", n_ctx=128), None, mode="ar")
+    rng = np.random.default_rng(1)
+    rows = []
+    for _ in range(20):
+        prompt = [int(t) for t in rng.integers(3, 400, 12)]
+        rows.append({"prompt": prompt, "output": ar.generate_ids(prompt, 32)[0]})
+    rows[0]["output"] = rows[0]["output"][::-1]          # not what the target would generate
+    with open(tmp_path / "cont.jsonl", "w") as f:
+        f.write("".join(json.dumps(r) + "\n" for r in rows))
+
+    run = tmp_path / "run"
+    out = subprocess.run([sys.executable, "-m", "pydflash.cli", "train-draft", "--target", target_path,
+                          "--out", str(run), "--continuations", str(tmp_path / "cont.jsonl"), "--held-out", "3",
+                          "--n-gen", "32", "--minutes", "0.25", "--batch", "4", "--anchors", "8", "--lr", "3e-3",
+                          "--eval-every", "25", "--n-layer", "1", "--n-head", "2", "--n-head-kv", "1",
+                          "--head-dim", "32", "--n-ff", "64", "--device", "cpu", "--target-device", "cpu"],
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr
+    assert "held-out chain acceptance" in out.stdout
+    summary = json.load(open(run / "summary.json"))
+    assert summary["train_sequences"] == 17 and summary["held_out_prompts"] == 3
+    for folder, part in (("data", rows[:17]), ("held", rows[17:])):
+        for i, row in enumerate(part):
+            with np.load(run / folder / f"seq_{i:05d}.npz") as z:
+                assert z["tokens"].tolist() == row["prompt"] + row["output"]
+                assert int(z["n_prompt"]) == 12
+    assert 15 <= summary["train_s"] < 60 and summary["steps"] > 0       # stopped once the 15 s were spent
+    assert summary["loss_last"] < summary["loss_first"]
+    assert summary["outputs_equal_ar"]
+    evals = summary["chain_acceptance_by_step"]
+    assert evals[-1][0] == summary["steps"]
+    assert summary["held_out_chain_acceptance"] == max(a for _, a in evals) >= 1.0
