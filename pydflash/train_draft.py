@@ -5,17 +5,20 @@ target layers) and the last committed token. z-lab trains drafts against BF16 Hu
 runs beside a Q4_K_M GGUF then sees features it never saw in training. Here the data comes from pydflash's own
 target graph on the very GGUF file the draft will serve:
 
-1. `collect`: for each training prompt, the target's greedy continuation (AR decoding), then one prefill of
-   prompt + continuation that captures the draft's target layers for every position. Each sequence is saved
-   as an .npz shard (tokens int32, features f16), so collection resumes where it stopped.
-2. `train`: z-lab's PyTorch draft model (PyPI `dflash`; torch is an optional dependency: `pip install
-   pydflash[train]`) learns, for random anchor positions a, to predict tokens a+1..a+B-1 of a sequence from the
-   features of positions 0..a-1 and the token at a. The target's embedding and LM head are frozen (dequantized
-   from the GGUF). Checkpoints (model, optimizer, step, sampler state) make it resumable.
+1. Data: each sequence is the target's greedy continuation of a prompt, either given (`--continuations`, token
+   ids generated beforehand, e.g. on the GPU: `prefill_continuations`) or generated here by AR decoding
+   (`collect`); one prefill of prompt + continuation captures the draft's target layers at every position. Each
+   sequence is saved as an .npz shard (tokens int32, features f16, prompt length), so this stage resumes.
+2. `Trainer`: z-lab's PyTorch draft model (PyPI `dflash`; torch is an optional dependency: `pip install
+   pydflash[train]`) learns, for anchor positions a in a sequence's output, to predict tokens a+1..a+B-1 from
+   the features of positions 0..a-1 and the token at a. Many anchors of a sequence train in one forward
+   (pydflash.draft_blocks), AdamW with warmup and cosine decay over a step or time budget, a position-weighted
+   loss. The target's embedding and LM head are frozen (dequantized from the GGUF). Held-out sequences give a
+   cheap teacher-forced metric during training (`Trainer.chain_acceptance`). Checkpoints (model, optimizer,
+   step, time, sampler state) make it resumable.
 3. `save_draft` writes z-lab's format (config.json + model.safetensors, bf16), which `pydflash.load` and z-lab's
    reference both read; `held_out_acceptance` decodes held-out prompts with pydflash's DDTree engine.
-Inference never imports torch: only this module does, and only inside the functions that train.
-"""
+Inference never imports torch: only this module and draft_blocks do, and only inside the functions that train.
 from __future__ import annotations
 
 import json
@@ -347,10 +350,11 @@ class Trainer:
         return 1.0 + float(np.mean(accepted))
 
     def train(self, tokens, feats, steps: int | None = None, *, n_prompt=None, held: Sequences | None = None,
-              eval_every: int = 250, save_every: int = 200, progress: bool = True) -> list[float]:
+              eval_every: int = 250, save_every_s: float = 60.0, progress: bool = True) -> list[float]:
         """Train until `steps` optimizer steps in all (a resumed run continues its count) or the `minutes`
         budget is spent; returns the losses. held: sequences for the chain-acceptance metric, evaluated every
-        `eval_every` steps and at the end; the best evaluation's weights are kept (`best_state`)."""
+        `eval_every` steps and at the end; the best evaluation's weights are kept (`use_best`). A checkpoint is
+        written every save_every_s seconds (it holds ~3x the draft's f32 weights: not every few steps)."""
         from tqdm import tqdm
 
         if steps is None and not self.minutes:
@@ -366,7 +370,7 @@ class Trainer:
         else:
             bar = tqdm(total=steps, initial=min(self.step, steps), desc="training draft", unit="step",
                        disable=not progress, file=sys.stderr)
-        rate = None
+        rate, saved = None, time.perf_counter()
         while (steps is None or self.step < steps) and (budget is None or self.elapsed < budget):
             t0 = time.perf_counter()
             for group in self.opt.param_groups:
@@ -388,8 +392,9 @@ class Trainer:
                             tok_s=f"{rate:.0f}")
             if held is not None and self.step % eval_every == 0:
                 self.evaluate(held, bar if progress else None)
-            if self.step % save_every == 0:
+            if time.perf_counter() - saved > save_every_s:
                 self.save_checkpoint()
+                saved = time.perf_counter()
         if held is not None and (not self.evals or self.evals[-1][0] != self.step):
             self.evaluate(held, bar if progress else None)
         bar.close()
