@@ -19,6 +19,7 @@ target graph on the very GGUF file the draft will serve:
 3. `save_draft` writes z-lab's format (config.json + model.safetensors, bf16), which `pydflash.load` and z-lab's
    reference both read; `held_out_acceptance` decodes held-out prompts with pydflash's DDTree engine.
 Inference never imports torch: only this module and draft_blocks do, and only inside the functions that train.
+"""
 from __future__ import annotations
 
 import json
