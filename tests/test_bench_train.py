@@ -169,3 +169,47 @@ def test_train_draft_from_continuations(tmp_path):
     evals = summary["chain_acceptance_by_step"]
     assert evals[-1][0] == summary["steps"]
     assert summary["held_out_chain_acceptance"] == max(a for _, a in evals) >= 1.0
+
+
+def test_chain_acceptance_counts_leading_argmax_matches(tmp_path):
+    """Trainer.chain_acceptance against z-lab's single-anchor forward, anchor by anchor: 1 + the number of
+    leading block positions whose argmax is the sequence's token. The sequence is built so that the draft's first
+    guess after each anchor is right, except near a few changed tokens, so the counts vary."""
+    pytest.importorskip("torch", reason="train-draft needs the `train` extra (torch)")
+    import torch
+
+    from pydflash import train_draft as td
+
+    target_path = str(tmp_path / "target.gguf")
+    testing.write_qwen35_gguf(target_path, seed=21)
+    config = td.draft_config(target_path, n_layer=1, n_head=2, n_head_kv=1, head_dim=32, n_ff=64, block_size=5)
+    trainer = td.Trainer(target_path, config, str(tmp_path / "run"), seed=3)
+    model, block, mask = trainer.model, 5, config["dflash_config"]["mask_token_id"]
+    rng = np.random.default_rng(4)
+    n_prompt, length = 6, 30
+    n_feat = len(config["dflash_config"]["target_layer_ids"]) * config["hidden_size"]
+    feats16 = rng.standard_normal((length, n_feat)).astype(np.float16)      # shards hold f16 features
+    feats = torch.from_numpy(feats16.astype(np.float32))[None]
+    tokens = [int(t) for t in rng.integers(3, 400, length)]
+
+    def guesses(a):                 # z-lab's draft alone: the block at anchor a, context positions < a
+        ids = torch.tensor([[tokens[a]] + [mask] * (block - 1)])
+        noise = torch.nn.functional.embedding(ids, trainer.embed)
+        with torch.no_grad():
+            hidden = model(position_ids=torch.arange(a + block)[None], noise_embedding=noise,
+                           target_hidden=feats[:, :a])
+        return (hidden[0, 1:] @ trainer.head.T).argmax(-1).tolist()
+
+    model.eval()
+    for a in range(n_prompt, length - 1):
+        tokens[a + 1] = guesses(a)[0]
+    for p in (10, 15, 17, 24):                  # a few wrong tokens: chains that break at different depths
+        tokens[p] = (tokens[p] + 7) % 400
+    counts = []
+    for a in range(n_prompt, length - block + 1):
+        hits = [g == t for g, t in zip(guesses(a), tokens[a + 1: a + block])]
+        counts.append(hits.index(False) if False in hits else block - 1)
+    assert len(set(counts)) >= 3 and max(counts) > 1
+    held = td.Sequences([np.array(tokens, np.int32)], [feats16], [n_prompt], "cpu")
+    want = 1 + float(np.mean(counts))
+    assert trainer.chain_acceptance(held) == pytest.approx(want, abs=1e-12)
