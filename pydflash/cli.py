@@ -372,12 +372,15 @@ def cmd_train_draft(args: argparse.Namespace) -> int:
              "n_ff": args.n_ff, "block_size": args.block_size}
     if args.target_layers:
         shape["target_layer_ids"] = [int(i) for i in args.target_layers.split(",")]
-    summary = train_draft(args.target, args.out, data=args.data, n_seq=args.n_seq, n_held_out=args.held_out,
-                          n_gen=args.n_gen, max_prompt_tokens=args.max_prompt_tokens, steps=args.steps,
-                          device=args.device, target_device=args.target_device, batch=args.batch, lr=args.lr,
-                          seed=args.seed, draft_shape=shape)
+    summary = train_draft(args.target, args.out, data=args.data, continuations=args.continuations,
+                          n_seq=args.n_seq, n_held_out=args.held_out, n_gen=args.n_gen,
+                          max_prompt_tokens=args.max_prompt_tokens, steps=args.steps, minutes=args.minutes,
+                          device=args.device, target_device=args.target_device, batch=args.batch,
+                          anchors=args.anchors, lr=args.lr, warmup=args.warmup, loss_gamma=args.loss_gamma,
+                          grad_clip=args.grad_clip, eval_every=args.eval_every, seed=args.seed, draft_shape=shape)
     print(f"draft written to {summary['draft_dir']}: loss {summary['loss_first']:.3f} -> {summary['loss_last']:.3f}"
-          f" over {summary['steps']} steps, held-out acceptance length {summary['held_out_acceptance_length']:.2f}"
+          f" over {summary['steps']} steps; held-out chain acceptance {summary['held_out_chain_acceptance']:.2f}"
+          f" (step {summary['best_step']}), held-out acceptance length {summary['held_out_acceptance_length']:.2f}"
           f" (outputs equal AR: {'yes' if summary['outputs_equal_ar'] else 'NO'})")
     return 0
 
@@ -471,13 +474,25 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--out", required=True, help="work folder: data/, checkpoint.pt, draft/ (resumable)")
     train.add_argument("--data", default="sharegpt",
                        help="sharegpt, random (synthetic targets), or a .jsonl/.txt file of prompts")
-    train.add_argument("--n-seq", type=int, default=256, help="training sequences (default 256)")
+    train.add_argument("--continuations", metavar="FILE.jsonl",
+                       help='the target\'s outputs, one {"prompt": [ids], "output": [ids]} per line: features by one '
+                            'prefill each, no generation; the last --held-out lines are held out')
+    train.add_argument("--n-seq", type=int, help="training sequences (default: all continuations, or 256 prompts)")
     train.add_argument("--held-out", type=int, default=8, help="held-out prompts for acceptance (default 8)")
-    train.add_argument("--n-gen", type=int, default=128, help="target tokens generated per prompt (default 128)")
+    train.add_argument("--n-gen", type=int, default=128,
+                       help="target tokens generated per prompt and per held-out check (default 128)")
     train.add_argument("--max-prompt-tokens", type=int, default=256)
-    train.add_argument("--steps", type=int, default=2000)
-    train.add_argument("--batch", type=int, default=16)
-    train.add_argument("--lr", type=float, default=2e-3)
+    train.add_argument("--steps", type=int, help="optimizer steps (default 2000 without --minutes)")
+    train.add_argument("--minutes", type=float, help="training time budget: stop and save when it is spent")
+    train.add_argument("--batch", type=int, default=16, help="sequences per step (default 16)")
+    train.add_argument("--anchors", type=int, default=32, help="draft blocks per sequence per step (default 32)")
+    train.add_argument("--lr", type=float, default=1e-3, help="peak AdamW learning rate (default 1e-3)")
+    train.add_argument("--warmup", type=int, default=100, help="linear warmup steps, then cosine decay")
+    train.add_argument("--loss-gamma", type=float, default=7.0,
+                       help="block position k weighs exp(-(k-1)/gamma) in the loss; 0: all alike (default 7)")
+    train.add_argument("--grad-clip", type=float, default=1.0, help="gradient norm clip; 0: none (default 1)")
+    train.add_argument("--eval-every", type=int, default=250,
+                       help="steps between held-out chain-acceptance checks (default 250)")
     train.add_argument("--n-layer", type=int, default=2, help="draft layers (default 2)")
     train.add_argument("--n-head", type=int, default=8)
     train.add_argument("--n-head-kv", type=int, default=2)

@@ -90,8 +90,8 @@ def test_training_lowers_loss_and_beats_a_random_draft(tmp_path):
     testing.write_qwen35_gguf(target_path, seed=21)
     shape = {"n_layer": 2, "n_head": 4, "n_head_kv": 2, "head_dim": 64, "n_ff": 128}
     summary = td.train_draft(target_path, str(tmp_path / "run"), data="random", n_seq=64, n_held_out=4, n_gen=40,
-                             max_prompt_tokens=16, steps=400, target_device="cpu", seed=0, draft_shape=shape,
-                             progress=False)
+                             max_prompt_tokens=16, steps=200, batch=8, anchors=16, lr=3e-3, target_device="cpu",
+                             seed=0, draft_shape=shape, progress=False)
     assert summary["outputs_equal_ar"]                       # the trained draft is still lossless
     assert summary["loss_last"] < 0.5 * summary["loss_first"]
 
@@ -124,3 +124,92 @@ def test_training_resumes_from_its_checkpoint(tmp_path):
     assert resumed.step == 3
     resumed.train(tokens, feats, 6, progress=False)
     assert resumed.losses == pytest.approx(whole.losses, rel=1e-5)
+
+
+@pytest.mark.slow
+def test_train_draft_from_continuations(tmp_path):
+    """`pydflash train-draft --continuations`: every line's prompt + output is prefilled as given (a line whose
+    output is not the target's greedy one stays as written: nothing is generated), the last --held-out lines are
+    held out, training stops when --minutes is spent, and summary.json reports both held-out metrics."""
+    pytest.importorskip("torch", reason="train-draft needs the `train` extra (torch)")
+    from pydflash.engine import Decoder
+    from pydflash.models import load_target
+
+    target_path = str(tmp_path / "target.gguf")
+    testing.write_qwen35_gguf(target_path, seed=21)
+    ar = Decoder(load_target(target_path, "cpu", n_ctx=128), None, mode="ar")
+    rng = np.random.default_rng(1)
+    rows = []
+    for _ in range(20):
+        prompt = [int(t) for t in rng.integers(3, 400, 12)]
+        rows.append({"prompt": prompt, "output": ar.generate_ids(prompt, 32)[0]})
+    rows[0]["output"] = rows[0]["output"][::-1]          # not what the target would generate
+    with open(tmp_path / "cont.jsonl", "w") as f:
+        f.write("".join(json.dumps(r) + "\n" for r in rows))
+
+    run = tmp_path / "run"
+    out = subprocess.run([sys.executable, "-m", "pydflash.cli", "train-draft", "--target", target_path,
+                          "--out", str(run), "--continuations", str(tmp_path / "cont.jsonl"), "--held-out", "3",
+                          "--n-gen", "32", "--minutes", "0.25", "--batch", "4", "--anchors", "8", "--lr", "3e-3",
+                          "--eval-every", "25", "--n-layer", "1", "--n-head", "2", "--n-head-kv", "1",
+                          "--head-dim", "32", "--n-ff", "64", "--device", "cpu", "--target-device", "cpu"],
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr
+    assert "held-out chain acceptance" in out.stdout
+    summary = json.load(open(run / "summary.json"))
+    assert summary["train_sequences"] == 17 and summary["held_out_prompts"] == 3
+    for folder, part in (("data", rows[:17]), ("held", rows[17:])):
+        for i, row in enumerate(part):
+            with np.load(run / folder / f"seq_{i:05d}.npz") as z:
+                assert z["tokens"].tolist() == row["prompt"] + row["output"]
+                assert int(z["n_prompt"]) == 12
+    assert 15 <= summary["train_s"] < 60 and summary["steps"] > 0       # stopped once the 15 s were spent
+    assert summary["loss_last"] < summary["loss_first"]
+    assert summary["outputs_equal_ar"]
+    evals = summary["chain_acceptance_by_step"]
+    assert evals[-1][0] == summary["steps"]
+    assert summary["held_out_chain_acceptance"] == max(a for _, a in evals) >= 1.0
+
+
+def test_chain_acceptance_counts_leading_argmax_matches(tmp_path):
+    """Trainer.chain_acceptance against z-lab's single-anchor forward, anchor by anchor: 1 + the number of
+    leading block positions whose argmax is the sequence's token. The sequence is built so that the draft's first
+    guess after each anchor is right, except near a few changed tokens, so the counts vary."""
+    pytest.importorskip("torch", reason="train-draft needs the `train` extra (torch)")
+    import torch
+
+    from pydflash import train_draft as td
+
+    target_path = str(tmp_path / "target.gguf")
+    testing.write_qwen35_gguf(target_path, seed=21)
+    config = td.draft_config(target_path, n_layer=1, n_head=2, n_head_kv=1, head_dim=32, n_ff=64, block_size=5)
+    trainer = td.Trainer(target_path, config, str(tmp_path / "run"), seed=3)
+    model, block, mask = trainer.model, 5, config["dflash_config"]["mask_token_id"]
+    rng = np.random.default_rng(4)
+    n_prompt, length = 6, 30
+    n_feat = len(config["dflash_config"]["target_layer_ids"]) * config["hidden_size"]
+    feats16 = rng.standard_normal((length, n_feat)).astype(np.float16)      # shards hold f16 features
+    feats = torch.from_numpy(feats16.astype(np.float32))[None]
+    tokens = [int(t) for t in rng.integers(3, 400, length)]
+
+    def guesses(a):                 # z-lab's draft alone: the block at anchor a, context positions < a
+        ids = torch.tensor([[tokens[a]] + [mask] * (block - 1)])
+        noise = torch.nn.functional.embedding(ids, trainer.embed)
+        with torch.no_grad():
+            hidden = model(position_ids=torch.arange(a + block)[None], noise_embedding=noise,
+                           target_hidden=feats[:, :a])
+        return (hidden[0, 1:] @ trainer.head.T).argmax(-1).tolist()
+
+    model.eval()
+    for a in range(n_prompt, length - 1):
+        tokens[a + 1] = guesses(a)[0]
+    for p in (10, 15, 17, 24):                  # a few wrong tokens: chains that break at different depths
+        tokens[p] = (tokens[p] + 7) % 400
+    counts = []
+    for a in range(n_prompt, length - block + 1):
+        hits = [g == t for g, t in zip(guesses(a), tokens[a + 1: a + block])]
+        counts.append(hits.index(False) if False in hits else block - 1)
+    assert len(set(counts)) >= 3 and max(counts) > 1
+    held = td.Sequences([np.array(tokens, np.int32)], [feats16], [n_prompt], "cpu")
+    want = 1 + float(np.mean(counts))
+    assert trainer.chain_acceptance(held) == pytest.approx(want, abs=1e-12)

