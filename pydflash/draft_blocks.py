@@ -10,16 +10,16 @@ the queries of m blocks (anchors a_1..a_m of one sequence) attend over the conte
 all m blocks' K/V, under a mask that lets block j see context positions < a_j and its own block only: each block
 gets exactly the attention it would get alone, so one forward trains m blocks. The weights are those of a z-lab
 `DFlashDraftModel` (its submodules are called directly), so the trained model saves in z-lab's format unchanged.
+Torch is imported inside the functions: every pydflash module imports without the `train` extra.
 """
 from __future__ import annotations
 
-import torch
-import torch.nn.functional as F
 
-
-def block_visibility(anchors: torch.Tensor, n_ctx: int, block: int) -> torch.Tensor:
+def block_visibility(anchors, n_ctx: int, block: int):
     """Boolean attention mask [batch, 1, m*block, n_ctx + m*block] (True: may attend) for anchors [batch, m]:
     query block j sees context positions < anchors[:, j] and the keys of block j."""
+    import torch
+
     batch, m = anchors.shape
     block_of = torch.arange(m, device=anchors.device).repeat_interleave(block)            # [m*block]
     anchor_of = anchors[:, block_of]                                                       # [batch, m*block]
@@ -28,29 +28,36 @@ def block_visibility(anchors: torch.Tensor, n_ctx: int, block: int) -> torch.Ten
     return torch.cat([ctx, own], dim=-1)[:, None]
 
 
-def block_positions(anchors: torch.Tensor, block: int) -> torch.Tensor:
+def block_positions(anchors, block: int):
     """Positions [batch, m*block] of the blocks' tokens: a_j, a_j + 1, ..., a_j + block - 1 for each anchor."""
+    import torch
+
     offsets = torch.arange(block, device=anchors.device)
     return (anchors[:, :, None] + offsets).reshape(anchors.shape[0], -1)
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+def _rotate_half(x):
+    import torch
+
     half = x.shape[-1] // 2
     return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
 
 
-def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def _rope(x, cos, sin):
     """x [batch, heads, n, head_dim]; cos/sin [batch, n, head_dim] (Qwen3's rotate-half RoPE)."""
     return x * cos[:, None] + _rotate_half(x) * sin[:, None]
 
 
-def blocks_hidden(model, features: torch.Tensor, anchors: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+def blocks_hidden(model, features, anchors, noise):
     """The draft's final hidden states of every block: [batch, m*block, hidden].
 
     model: a z-lab `DFlashDraftModel` (full-attention layers). features: the target's captured features
     [batch, n_ctx, n_target_layers * hidden] of positions 0..n_ctx-1 (rows padded past their length are never
     seen if every anchor of the row is at most its length). anchors: [batch, m], each in 1..n_ctx.
     noise: the blocks' input embeddings [batch, m*block, hidden] (anchor token, then mask tokens)."""
+    import torch
+    import torch.nn.functional as F
+
     batch, n_ctx = features.shape[:2]
     block = model.block_size
     n_q = noise.shape[1]
