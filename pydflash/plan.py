@@ -389,11 +389,10 @@ def plan_for_load(target, draft=None, *, vram, n_ubatch="auto", budget: int = 22
     return fitted
 
 
-# state_type "auto" tries these. Never f16 (it may change the output); not yet "replay": exact on CPU, but on the
-# H100 its commits dropped every accepted step after the root (ggml-cuda copied the gates and betas into the store
-# without its row stride; acceptance 1.1 where f32 states give > 4). Fixed (qwen35.py's store copies,
-# vendor/patches/0003), not yet re-measured there: ask for it explicitly to save the memory.
-AUTO_STATE_TYPES = ("f32",)
+# state_type "auto" tries these, in this order. Never f16 (it may change the output). Replay is exact on the CPU and,
+# since its store copies took their destination's shape (vendor/patches/0003 too), on CUDA: its CUDA tests pass on
+# the H100 (2026-11-23, docs/benchmarks.md); its extra commit time is not measured yet.
+AUTO_STATE_TYPES = ("f32", "replay")
 
 
 def _best_options(target, draft, vram, n_ubatch, budget, draft_type, state_type, args) -> tuple:

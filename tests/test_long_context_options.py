@@ -236,11 +236,6 @@ def test_replay_commit_equals_f32_store_commit(backend, tmp_path):
 
 
 @pytest.mark.cuda
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason="measured on the H100 (2026-11-23), before the store "
-                   "copies took their destination's shape: CUDA's copy packed every slot's gate and beta into slot 0's "
-                   "row, so the commit skipped every accepted step after the root; a near-tie then flipped (token 16) "
-                   "and the oracle draft stopped matching (acceptance 1.12). Remove this mark once it passes on the "
-                   "GPU; plan.py's state_type 'auto' does not pick replay until then")
 @pytest.mark.parametrize("mode,budget", [("chain", 15), ("ddtree", 22)])
 def test_cuda_replay_lossless_and_state_near_f32(tmp_path, mode, budget):
     """On CUDA: replayed states give AR's tokens (up to tests/test_engine.py's CUDA near-tie margin), and the
@@ -344,11 +339,10 @@ def test_27b_at_256k_in_24_gib(pair_27b):
 
 @pytest.mark.slow
 def test_27b_256k_in_24_gib_exact_with_replayed_states(pair_27b):
-    """Replayed states (asked for: "auto" does not pick them while their CUDA verify is wrong) and the "auto" q8_0
-    draft at 24 GiB: the whole training context in tq3_0. The replay store by hand: per GDN layer, 23 conv inputs
-    (10240 f32) and 24 columns (23 slots and the zero one) of k (16 x 128), v (48 x 128), gate and beta (48 each)."""
-    assert plan.plan_for_load(*pair_27b, vram="24GiB", state_type="auto").state_type == "f32"
-    p = plan.plan_for_load(*pair_27b, vram="24GiB", state_type="replay")
+    """Both "auto" options at 24 GiB: replayed states and the q8_0 draft, the whole training context in tq3_0. The
+    replay store by hand: per GDN layer, 23 conv inputs (10240 f32) and 24 columns (23 slots and the zero one) of
+    k (16 x 128), v (48 x 128), gate and beta (48 each)."""
+    p = plan.plan_for_load(*pair_27b, vram="24GiB", state_type="auto")
     assert (p.draft_type, p.state_type, p.n_ctx, p.kv_type) == ("q8_0", "replay", 262144, "tq3_0")
     assert p.parts["verify stores (23 slots, replay)"] == 48 * (23 * 10240 + 24 * (2048 + 6144 + 96)) * 4
     assert p.total <= 24 * GiB
@@ -359,8 +353,7 @@ def test_27b_256k_in_24_gib_exact_with_replayed_states(pair_27b):
 
 @pytest.mark.slow
 def test_plan_cli_prints_the_chosen_options(pair_27b, capsys):
-    assert cli.main(["plan", "--target", pair_27b[0], "--draft", pair_27b[1], "--vram", "24GiB",
-                     "--state-type", "replay"]) == 0
+    assert cli.main(["plan", "--target", pair_27b[0], "--draft", pair_27b[1], "--vram", "24GiB"]) == 0
     out = capsys.readouterr().out
     assert "n_ctx 262144, kv_type tq3_0" in out and "draft matrices q8_0" in out and "slots, replay)" in out
     assert cli.main(["plan", "--target", pair_27b[0], "--draft", pair_27b[1], "--vram", "24GiB",
