@@ -4,7 +4,9 @@ Each prompt is decoded twice on the same loaded target: plain AR (greedy) and th
 (chain or ddtree with its draft). Decode tok/s excludes the prefill, which is reported on its own; acceptance
 length is tokens committed per verify step. Every speculative output is compared with AR's token for token
 (on the CPU they must be identical; on CUDA a batched verify rounds differently from a single-token decode,
-see docs/benchmarks.md, so the count of differing outputs is reported rather than asserted).
+see docs/benchmarks.md, so the count of differing outputs is reported rather than asserted, with AR's top-2
+logit gap at each output's first difference: "11/20 (gap <= 0.05)" says the outputs that part from AR do so at
+near-ties).
 
 Prompt format: `auto` feeds HumanEval prompts raw (code completion, as they are written) and wraps the math
 questions in the chat template as a user turn; `chat` and `raw` force one format for all.
@@ -47,6 +49,10 @@ class PromptRun:
     spec_committed: int
     identical: bool
     histogram: list            # index = tokens committed in one step
+    # where a speculative output first leaves AR's (None when identical), and AR's top-2 logit gap there: a
+    # small gap is a near-tie that CUDA's batched verify may resolve the other way (docs/benchmarks.md)
+    first_diff: int | None = None
+    first_diff_gap: float | None = None
     # llama.cpp peers (None when not run): tokens and seconds as their own timers count them
     llama_ar_decoded: int | None = None
     llama_ar_s: float | None = None
@@ -81,6 +87,21 @@ class PromptRun:
             self.llama_spec_decoded, self.llama_spec_s = spec.decoded, spec.decode_s
             self.llama_drafted, self.llama_accepted = spec.drafted, spec.accepted
             self.llama_spec_equal = spec.text.startswith(ar_text)    # its last step may pass n_gen
+
+
+def first_difference(target, prompt_ids, ar_tokens, spec_tokens) -> tuple[int, float] | None:
+    """(index, AR's top-2 logit gap there) of the first token where `spec_tokens` leaves `ar_tokens`, from one
+    teacher-forced forward over the prompt and AR's tokens before it; None when the outputs are equal. Leaves the
+    target reset (the next generation prefills from scratch)."""
+    n = min(len(ar_tokens), len(spec_tokens))
+    first = next((i for i in range(n) if ar_tokens[i] != spec_tokens[i]), n)
+    if first == len(ar_tokens) == len(spec_tokens):
+        return None
+    target.reset()
+    logits = target.prefill(list(prompt_ids) + list(ar_tokens[:first]))
+    top2 = np.sort(logits)[-2:]
+    target.reset()
+    return first, float(top2[1] - top2[0])
 
 
 def _rate(n, seconds) -> float:
@@ -127,6 +148,8 @@ def summarize(runs: list[PromptRun]) -> dict:
         "acceptance_length": sum(r.spec_committed for r in runs) / steps if steps else 0.0,
         "prefill_tok_s": prompt_tokens / prefill_s if prefill_s > 0 else 0.0,
         "identical_outputs": sum(r.identical for r in runs),
+        # the largest AR top-2 gap at which an output left AR's (None: all identical)
+        "max_first_diff_gap": max((r.first_diff_gap for r in runs if r.first_diff_gap is not None), default=None),
         "acceptance_histogram": hist.tolist(),
         **_peer_summary(runs),
     }
@@ -175,6 +198,10 @@ def run_bench(engine, datasets=BENCHMARKS, *, n_prompts: int = 20, n_gen: int = 
                 ar_decode_s=ref.stats["decode_s"], ar_prefill_s=ref.stats["prefill_s"],
                 spec_decode_s=s["decode_s"], spec_steps=s["steps"], spec_committed=sum(s["committed_per_step"]),
                 identical=out.tokens == ref.tokens, histogram=list(s["acceptance_histogram"])))
+            diff = first_difference(engine.target, ids, ref.tokens, out.tokens)
+            if diff is not None:
+                runs[-1].first_diff, runs[-1].first_diff_gap = diff
+                engine.decoder.reset()      # the target's cache moved under the engine's prefix snapshots
             if peers is not None:
                 result = peers.run(engine.tokenizer, p.text, chat, ids, n_gen)
                 runs[-1].add_peers(result, generated_bytes(engine.tokenizer, ref.tokens))
@@ -206,7 +233,8 @@ def markdown(summary: dict, settings: dict) -> str:
     for name, s in summary.items():
         cells = [name, str(s["prompts"]), f"{s['ar_tok_s']:.1f}", f"{s['spec_tok_s']:.1f}", f"{s['speedup']:.2f}x",
                  f"{s['acceptance_length']:.2f}", f"{s['prefill_tok_s']:.1f}",
-                 f"{s['identical_outputs']}/{s['prompts']}"]
+                 f"{s['identical_outputs']}/{s['prompts']}" + (f" (gap <= {s['max_first_diff_gap']:.3g})"
+                                                               if s.get("max_first_diff_gap") is not None else "")]
         cells += [fmt.format(s[key]) if key in s else "-" for key, _, fmt in peers]
         if equal:
             cells.append(f"{s['llama_ar_equal_outputs']}/{s['prompts']}" if "llama_ar_equal_outputs" in s else "-")

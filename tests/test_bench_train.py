@@ -41,6 +41,30 @@ def pair(tmp_path_factory):
     return target, str(d / "draft")
 
 
+def test_first_difference_names_the_token_and_ar_top2_gap(pair):
+    """The bench's check of a differing output: the first index where it leaves AR's, and AR's top-2 logit gap
+    there, against the gap computed by decoding AR's tokens one at a time (on the CPU prefill and decode logits
+    are the same bits)."""
+    from pydflash import benchmark
+    from pydflash.models import load_target
+
+    target = load_target(pair[0], "cpu", n_ctx=256)
+    prompt = [5, 17, 42, 9, 33]
+    logits = target.prefill(prompt)
+    ar, gaps = [], []
+    for _ in range(6):
+        top2 = np.sort(logits)[-2:]
+        gaps.append(float(top2[1] - top2[0]))
+        ar.append(int(np.argmax(logits)))
+        logits = target.decode(ar[-1])
+    assert benchmark.first_difference(target, prompt, ar, list(ar)) is None
+    for i in (0, 3, 5):
+        spec = ar[:i] + [(ar[i] + 1) % target.hp.n_vocab] + ar[i + 1:]
+        assert benchmark.first_difference(target, prompt, ar, spec) == (i, gaps[i])
+    assert benchmark.first_difference(target, prompt, ar, ar[:4]) == (4, gaps[4])   # one stopped early
+    assert target.n_past == 0
+
+
 @pytest.mark.slow
 def test_bench_harness_end_to_end(pair, tmp_path):
     import pydflash
