@@ -140,3 +140,31 @@ def test_set_queued_on_the_backend_stream_lands_before_its_next_compute(backend,
         np.testing.assert_array_equal(out.numpy(), 2.0 * values)
     with pytest.raises(ValueError, match="256 bytes"):
         a.set(np.zeros(65, np.float32), backend)
+
+
+_LOG_PROBE = """
+from pydflash.ggml._ffi import ffi, lib
+cb = ffi.new("ggml_log_callback *"); ud = ffi.new("void **")
+lib.ggml_log_get(cb, ud)
+print("filter" if cb[0] == lib.ggml_ext_log_no_debug else "other", flush=True)
+for level, text in ((1, b"debug line\\n"), (5, b"its continuation\\n"), (3, b"warning line\\n"), (5, b"its cont\\n"),
+                    (2, b"info line\\n"), (1, b"debug again\\n")):
+    lib.ggml_ext_log_no_debug(level, text, ffi.NULL)
+"""
+
+
+@pytest.mark.parametrize("debug", [False, True])
+def test_ggml_debug_lines_are_dropped_unless_asked_for(debug):
+    """pydflash installs a ggml logger that drops DEBUG lines (ggml-cuda logs one per decode step) and their
+    continuations and passes the other levels to stderr; PYDFLASH_GGML_DEBUG=1 keeps ggml's default logger."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "PYDFLASH_GGML_DEBUG"}
+    if debug:
+        env["PYDFLASH_GGML_DEBUG"] = "1"
+    out = subprocess.run([sys.executable, "-c", _LOG_PROBE], capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == ("other" if debug else "filter")
+    assert out.stderr.splitlines() == ["warning line", "its cont", "info line"]

@@ -10,7 +10,7 @@ extern "C" {
 #endif
 
 // Bumped whenever an op's signature or semantics change; the Python bindings check it at load.
-#define GGML_EXT_ABI_VERSION 9
+#define GGML_EXT_ABI_VERSION 10
 
 // The number of ops in ggml-ext-ops.def.
 enum {
@@ -27,6 +27,11 @@ GGML_API int ggml_ext_abi_version(void);
 // ggml's scheduler sets uids; callers that allocate graphs themselves renew the uid after every allocation.
 GGML_API void     ggml_ext_graph_renew_uid(struct ggml_cgraph * graph);
 GGML_API uint64_t ggml_ext_graph_uid(const struct ggml_cgraph * graph);
+
+// A ggml log callback (ggml_log_set) that drops GGML_LOG_LEVEL_DEBUG messages and their GGML_LOG_LEVEL_CONT lines
+// and writes the others to stderr. ggml's default callback prints every level, and ggml-cuda logs a debug line
+// per reused CUDA graph: one per decode step.
+GGML_API void ggml_ext_log_no_debug(enum ggml_log_level level, const char * text, void * user_data);
 
 // Depthwise causal convolution over a token tree (the tree form of ggml_ssm_conv).
 //   sx     f32 [d_conv-1+n_t, d_inner, n_s]  conv state columns (oldest first), then the n_t new inputs

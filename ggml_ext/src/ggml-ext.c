@@ -3,6 +3,8 @@
 #include "ggml-ext.h"
 #include "ggml-impl.h"
 
+#include <stdio.h>
+
 int ggml_ext_abi_version(void) {
     return GGML_EXT_ABI_VERSION;
 }
@@ -13,6 +15,19 @@ void ggml_ext_graph_renew_uid(struct ggml_cgraph * graph) {
 
 uint64_t ggml_ext_graph_uid(const struct ggml_cgraph * graph) {
     return graph->uid;
+}
+
+void ggml_ext_log_no_debug(enum ggml_log_level level, const char * text, void * user_data) {
+    static enum ggml_log_level last = GGML_LOG_LEVEL_NONE;   // the level a CONT line continues
+    (void) user_data;
+    if (level != GGML_LOG_LEVEL_CONT) {
+        last = level;
+    }
+    if (last == GGML_LOG_LEVEL_DEBUG) {
+        return;
+    }
+    fputs(text, stderr);
+    fflush(stderr);
 }
 
 struct ggml_tensor * ggml_ssm_conv_tree(

@@ -10,7 +10,7 @@ from pathlib import Path
 import cffi
 
 # Must equal GGML_EXT_ABI_VERSION in ggml_ext/include/ggml-ext.h of the libraries we load.
-EXT_ABI_VERSION = 9
+EXT_ABI_VERSION = 10
 
 _PKG = Path(__file__).resolve().parent.parent
 LIB_DIR = Path(os.environ.get("PYDFLASH_LIB_DIR", _PKG / "lib"))
@@ -48,6 +48,10 @@ def _load():
         raise BuildMissingError(
             f"{lib_path} has ggml_ext ABI {found}, this pydflash expects {EXT_ABI_VERSION}: reinstall pydflash"
         )
+    if os.environ.get("PYDFLASH_GGML_DEBUG") != "1":
+        # ggml's default logger prints its debug lines too, on CUDA one per decode step ("CUDA Graph id N
+        # reused"): keep info, warnings and errors only, unless PYDFLASH_GGML_DEBUG=1 asks for everything
+        lib.ggml_log_set(lib.ggml_ext_log_no_debug, ffi.NULL)
     return ffi, lib
 
 
