@@ -458,10 +458,41 @@ def held_out_acceptance(target, draft_dir: str, prompts, *, n_gen: int, budget: 
     return committed / max(steps, 1), same
 
 
+def read_prompt_file(path: str) -> list[dict]:
+    """The prompts of a .jsonl or .txt file in file order, as {"prompt": text, "chat": bool, "source": id or None}.
+    A .jsonl line is a JSON string or an object with "prompt" (or "text"), optionally "chat" (default true: wrap
+    it in the chat template; false: code to complete, fed raw) and "source" (tools/prepare_gpu_carry.py writes
+    such files); a .txt line is one chat prompt."""
+    rows = []
+    with open(path, encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            line = line.strip()
+            if not line:
+                continue
+            if not path.endswith(".jsonl"):
+                rows.append({"prompt": line, "chat": True, "source": None})
+                continue
+            row = json.loads(line)
+            row = {"prompt": row} if isinstance(row, str) else row
+            text = row.get("prompt") or row.get("text") if isinstance(row, dict) else None
+            if not isinstance(text, str):
+                raise ValueError(f"{path}:{n}: each line needs a string or a 'prompt'/'text' field")
+            rows.append({"prompt": text, "chat": bool(row.get("chat", True)), "source": row.get("source")})
+    return rows
+
+
+def prompt_ids(tokenizer, text: str, chat: bool) -> list[int]:
+    """A prompt's token ids: a user turn of the model's chat template where `chat` and the model has one, else the
+    raw text (with the model's BOS)."""
+    if chat and tokenizer.chat_template:
+        return tokenizer.chat_ids([{"role": "user", "content": text}])
+    return tokenizer.tokenize(text, add_special=True)
+
+
 def training_prompts(source: str, tokenizer, n: int, *, seed: int, n_vocab: int, max_tokens: int) -> list[list[int]]:
     """Token-id prompts for training: 'sharegpt' (first human turns, chat-templated), a .jsonl/.txt file of
-    prompts (one JSON string or {"prompt": ...} per line, or one per line), or 'random' (random token ids: for
-    synthetic targets, whose vocabulary carries no language)."""
+    prompts (`read_prompt_file`), or 'random' (random token ids: for synthetic targets, whose vocabulary carries
+    no language)."""
     rng = np.random.default_rng(seed)
     if source == "random":
         return [[int(t) for t in rng.integers(3, n_vocab - 1, max_tokens)] for _ in range(n)]
@@ -471,27 +502,9 @@ def training_prompts(source: str, tokenizer, n: int, *, seed: int, n_vocab: int,
         from .datasets import load_prompts
         texts = [(p.text, True) for p in load_prompts("sharegpt", n, seed=seed, max_chars=8 * max_tokens)]
     else:
-        texts = []
-        with open(source, encoding="utf-8") as f:
-            for line in f:
-                line = line.strip()
-                if not line:
-                    continue
-                if source.endswith(".jsonl"):
-                    row = json.loads(line)
-                    line = row if isinstance(row, str) else row.get("prompt") or row.get("text")
-                    if not isinstance(line, str):
-                        raise ValueError(f"{source}: each line needs a string or a 'prompt'/'text' field")
-                texts.append((line, True))
-        texts = texts[:n]
-    prompts = []
-    for text, chat in texts:
-        if chat and tokenizer.chat_template:
-            ids = tokenizer.chat_ids([{"role": "user", "content": text}])
-        else:
-            ids = tokenizer.tokenize(text, add_special=True)
-        if 0 < len(ids) <= max_tokens:
-            prompts.append(ids)
+        texts = [(row["prompt"], row["chat"]) for row in read_prompt_file(source)[:n]]
+    prompts = [ids for ids in (prompt_ids(tokenizer, text, chat) for text, chat in texts)
+               if 0 < len(ids) <= max_tokens]
     if not prompts:
         raise ValueError(f"no training prompt of at most {max_tokens} tokens in {source!r}")
     return prompts

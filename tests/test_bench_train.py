@@ -41,6 +41,32 @@ def pair(tmp_path_factory):
     return target, str(d / "draft")
 
 
+def test_prompt_file_lines_keep_their_chat_flag(tmp_path):
+    """Training prompt files (.device/train17.jsonl): chat lines go through the chat template, "chat": false lines
+    (code to complete) are tokenized raw; a line without a prompt is named."""
+    from pydflash import train_draft as td
+
+    class Tokenizer:        # chat: id 1 first; raw: id 2 (BOS) first; then one id per character
+        chat_template = "a template"
+
+        def chat_ids(self, messages):
+            return [1] + [ord(c) for c in messages[0]["content"]]
+
+        def tokenize(self, text, add_special):
+            return [2] + [ord(c) for c in text]
+
+    path = tmp_path / "prompts.jsonl"
+    path.write_text('"plain"\n{"prompt": "def f():", "chat": false, "source": "stdlib/1"}\n\n{"text": "q"}\n')
+    assert td.read_prompt_file(str(path)) == [{"prompt": "plain", "chat": True, "source": None},
+                                              {"prompt": "def f():", "chat": False, "source": "stdlib/1"},
+                                              {"prompt": "q", "chat": True, "source": None}]
+    got = td.training_prompts(str(path), Tokenizer(), 10, seed=0, n_vocab=300, max_tokens=16)
+    assert got == [[1, *map(ord, "plain")], [2, *map(ord, "def f():")], [1, ord("q")]]
+    path.write_text('"fine"\n{"source": "no prompt"}\n')
+    with pytest.raises(ValueError, match=r"prompts.jsonl:2: each line needs a string or a 'prompt'/'text' field"):
+        td.read_prompt_file(str(path))
+
+
 def test_first_difference_names_the_token_and_ar_top2_gap(pair):
     """The bench's check of a differing output: the first index where it leaves AR's, and AR's top-2 logit gap
     there, against the gap computed by decoding AR's tokens one at a time (on the CPU prefill and decode logits

@@ -25,18 +25,6 @@ except ImportError:      # running from a source checkout without installing
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 
-def read_prompts(path: str) -> list[dict]:
-    rows = []
-    with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if line.strip():
-                row = json.loads(line)
-                if not isinstance(row.get("prompt"), str):
-                    raise SystemExit(f"{path}:{n}: each line needs a string 'prompt'")
-                rows.append(row)
-    return rows
-
-
 def done_indices(path: str) -> set[int]:
     """Indices already in OUT (a line cut off by an interrupted run is dropped, and its prompt redone)."""
     if not os.path.exists(path):
@@ -74,8 +62,9 @@ def main() -> int:
     from pydflash.engine import Decoder
     from pydflash.models import load_target
     from pydflash.tokenizer import Tokenizer
+    from pydflash.train_draft import prompt_ids, read_prompt_file
 
-    rows = read_prompts(args.prompts)
+    rows = read_prompt_file(args.prompts)
     done = done_indices(args.out)
     todo = [i for i in range(len(rows)) if i % n_shards == shard and i not in done]
     target = load_target(args.target, args.device, n_ctx=args.max_prompt_tokens + args.n_gen + 64)
@@ -89,16 +78,12 @@ def main() -> int:
             if time.time() > t_end:
                 break
             row = rows[i]
-            chat = row.get("chat", True)
-            if chat and tokenizer.chat_template:
-                ids = tokenizer.chat_ids([{"role": "user", "content": row["prompt"]}])
-            else:
-                ids = tokenizer.tokenize(row["prompt"], add_special=True)
+            ids = prompt_ids(tokenizer, row["prompt"], row["chat"])
             if not 0 < len(ids) <= args.max_prompt_tokens:
                 continue
             new, _ = ar.generate_ids(ids, args.n_gen)
             n_tokens += len(new)
-            out.write(json.dumps({"index": i, "source": row.get("source"), "chat": chat, "prompt": ids,
+            out.write(json.dumps({"index": i, "source": row["source"], "chat": row["chat"], "prompt": ids,
                                   "output": new}) + "\n")
             out.flush()
             bar.set_postfix(tokens=n_tokens)
