@@ -174,27 +174,38 @@ def cache_state(target):
 STATE_ATOL = 1e-4
 
 
+def follow_with_ar(ar, target, prompt, compare):
+    """An on_tokens callback for a speculative run on `target`, and the list it fills: after each batch of
+    committed tokens, `ar` (a second target over the same model, prefilled with `prompt`) decodes the tokens the
+    speculative target has run (all committed ones but the newest, the next root), and compare(got, want) gets
+    the two cache states. The list holds the positions compared, None for a last step cut at max_tokens (the
+    output then lacks tokens the target ran)."""
+    committed, checked = list(prompt), []
+
+    def check(tokens):
+        committed.extend(tokens)
+        if len(committed) <= target.n_past:
+            checked.append(None)
+            return
+        for tok in committed[ar.n_past:target.n_past]:
+            ar.decode(tok)
+        assert ar.n_past == target.n_past
+        compare(cache_state(target), cache_state(ar))
+        checked.append(target.n_past)
+
+    return check, checked
+
+
+def states_close(got, want):
+    for name in want:
+        np.testing.assert_allclose(got[name], want[name], rtol=0, atol=STATE_ATOL, err_msg=name)
+
+
 @pytest.mark.parametrize("mode,budget", [("chain", 15), ("ddtree", 22)])
 def test_state_equals_ar_after_every_step(model, target, prompt, reference, mode, budget):
     ar = Qwen35Target(model, "cpu", n_ctx=512, n_ubatch=64)
     ar.prefill(prompt, return_logits=False)
-    committed = list(prompt)
-    checked = []
-
-    def check(tokens):
-        committed.extend(tokens)
-        if len(committed) <= target.n_past:   # the last step, cut at max_tokens: the output no longer has them all
-            checked.append(None)
-            return
-        # the spec target has run every committed token but the newest (the next root)
-        for tok in committed[ar.n_past:target.n_past]:
-            ar.decode(tok)
-        assert ar.n_past == target.n_past
-        want, got = cache_state(ar), cache_state(target)
-        for name in want:
-            np.testing.assert_allclose(got[name], want[name], rtol=0, atol=STATE_ATOL, err_msg=name)
-        checked.append(target.n_past)
-
+    check, checked = follow_with_ar(ar, target, prompt, states_close)
     engine = Decoder(target, oracle(prompt, reference, target), mode=mode, budget=budget)
     out, stats = engine.generate_ids(prompt, 100, on_tokens=check)
     assert out == reference[0][:100]
@@ -380,17 +391,7 @@ def test_real_draft_ring_wraps_state_equals_ar(model, dflash, prompt, reference,
     draft = DFlashDraft(path, target, top_k=8, window=32)
     ar = Qwen35Target(model, "cpu", n_ctx=512, n_ubatch=64)
     ar.prefill(prompt, return_logits=False)
-    committed = list(prompt)
-
-    def check(tokens):
-        committed.extend(tokens)
-        if len(committed) <= target.n_past:
-            return
-        for tok in committed[ar.n_past:target.n_past]:
-            ar.decode(tok)
-        want, got = cache_state(ar), cache_state(target)
-        for name in want:
-            np.testing.assert_allclose(got[name], want[name], rtol=0, atol=STATE_ATOL, err_msg=name)
+    check, _ = follow_with_ar(ar, target, prompt, states_close)
 
     out, _ = Decoder(target, draft, mode=mode, budget=22).generate_ids(prompt, N_GEN, on_tokens=check)
     assert_lossless(out, reference)
