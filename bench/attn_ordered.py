@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
 import numpy as np
+from _timing import call_times  # bench/_timing.py (this folder is on sys.path when run as a script)
 
 from pydflash import ggml
 from pydflash.ggml import Type
@@ -46,12 +46,7 @@ def time_attention(backend, ordered: bool, n_ctx: int, n_q: int, n_layers: int, 
     for k, v in caches:
         k.set(rows)
         v.set(rows)
-    times = []
-    for i in range(warmup + iters):
-        t0 = time.perf_counter()
-        backend.compute(graph)   # returns when the device is done
-        if i >= warmup:
-            times.append(time.perf_counter() - t0)
+    times = call_times(lambda: backend.compute(graph), iters, warmup)
     return statistics.median(times) * 1e3 / n_layers
 
 

@@ -20,11 +20,11 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 import time
 
 import numpy as np
+from _timing import median_ms  # bench/_timing.py (this folder is on sys.path when run as a script)
 
 try:
     import pydflash  # noqa: F401  (the installed package)
@@ -33,16 +33,6 @@ except ImportError:      # running from a source checkout without installing
 
 PROJECTED_AL = (8.31, 7.04, 6.14)
 NODE_COUNTS = (1, 2, 4, 8, 12, 16, 22, 28, 32, 40)
-
-
-def _median_ms(fn, reps: int) -> float:
-    fn()                                   # warm-up: graph build, allocation
-    times = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return 1e3 * statistics.median(times)
 
 
 def bench_ar(target, prompt, n_gen):
@@ -76,7 +66,7 @@ def bench_verify_sizes(target, prompt, reps, rng):
         tokens[0] = 1
         target.reset()
         target.prefill(prompt, return_logits=False)
-        verify_ms = _median_ms(lambda: target.verify(tokens, parents, depths), reps)
+        verify_ms = median_ms(lambda: target.verify(tokens, parents, depths), reps)
         n_past = target.n_past
         chain_path = [0]                           # root, then first children while they are slots 1, 2, ..
         while len(chain_path) <= n and parents[len(chain_path)] == len(chain_path) - 1:
@@ -91,8 +81,8 @@ def bench_verify_sizes(target, prompt, reps, rng):
         def commit(path):
             target.cache.n_past = n_past           # commit the same verify again and again (timing only)
             target.commit(path)
-        chain_ms = _median_ms(lambda: commit(chain_path), reps)
-        off_ms = _median_ms(lambda: commit(off_path), reps)
+        chain_ms = median_ms(lambda: commit(chain_path), reps)
+        off_ms = median_ms(lambda: commit(off_path), reps)
         rows.append((n, verify_ms, chain_ms, off_ms, int(depths.max())))
     return rows
 

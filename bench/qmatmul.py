@@ -20,9 +20,9 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
 import numpy as np
+from _timing import call_times  # bench/_timing.py (this folder is on sys.path when run as a script)
 
 from pydflash import ggml
 
@@ -61,13 +61,7 @@ def time_op(backend, op: str, K: int, M: int, wtype, n: int, w_data: np.ndarray,
     for w in ws:
         w.set(w_data)
     x.set(np.random.default_rng(1).standard_normal((n, K)).astype(np.float32))
-    for _ in range(warmup):
-        backend.compute(graph)
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        backend.compute(graph)
-        times.append(time.perf_counter() - t0)
+    times = call_times(lambda: backend.compute(graph), reps, warmup)
     alloc.close()
     ctx.close()
     return 1e6 * statistics.median(times) / copies

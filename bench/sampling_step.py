@@ -19,11 +19,10 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
-import time
 
 import numpy as np
+from _timing import median_ms  # bench/_timing.py (this folder is on sys.path when run as a script)
 
 try:
     import pydflash  # noqa: F401  (the installed package)
@@ -42,16 +41,6 @@ SETTINGS = {
     "T=1.0 top-p 0.95": SamplingParams(temperature=1.0, top_p=0.95, seed=1),
     "T=0 + penalties": SamplingParams(temperature=0.0, repeat_penalty=1.1, presence_penalty=0.2, seed=1),
 }
-
-
-def _median_ms(fn, reps: int) -> float:
-    fn()
-    times = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return 1e3 * statistics.median(times)
 
 
 def bench_op(backend, n_vocab: int, n_rows: int, reps: int, rng) -> dict:
@@ -76,7 +65,7 @@ def bench_op(backend, n_vocab: int, n_rows: int, reps: int, rng) -> dict:
         def run():
             backend.compute(graph)
             graph.outputs[0].numpy()
-        out[name] = _median_ms(run, reps)
+        out[name] = median_ms(run, reps)
 
     actx = ggml.Context(n_tensors=4, graph_size=4)
     alogits = actx.new_tensor(ggml.Type.F32, (n_vocab, n_rows)).mark_input()
@@ -87,7 +76,7 @@ def bench_op(backend, n_vocab: int, n_rows: int, reps: int, rng) -> dict:
     def run_argmax():
         backend.compute(agraph)
         agraph.outputs[0].numpy()
-    out["argmax"] = _median_ms(run_argmax, reps)
+    out["argmax"] = median_ms(run_argmax, reps)
     return out
 
 
@@ -122,7 +111,7 @@ def bench_forwards(target, prompt, budget: int, reps: int, rng) -> dict:
             if sampler is not None:
                 target.sample_inputs = sampler.for_tree(prompt, tokens, parents)
             target.verify(tokens, parents, depths)
-        verify_ms = _median_ms(verify, reps)
+        verify_ms = median_ms(verify, reps)
         n_past = target.n_past
 
         def step():
@@ -130,7 +119,7 @@ def bench_forwards(target, prompt, budget: int, reps: int, rng) -> dict:
             if sampler is not None:
                 target.sample_inputs = sampler.for_context(prompt)
             target.step(prompt[-1])
-        out[name] = (verify_ms, _median_ms(step, reps))
+        out[name] = (verify_ms, median_ms(step, reps))
     target.enable_sampling(False)
     return out
 

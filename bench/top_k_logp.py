@@ -12,9 +12,9 @@ import argparse
 import os
 import statistics
 import sys
-import time
 
 import numpy as np
+from _timing import call_times  # bench/_timing.py (this folder is on sys.path when run as a script)
 
 try:
     import pydflash  # noqa: F401  (the installed package)
@@ -40,17 +40,6 @@ def build(backend, n_vocab: int, k: int, fused: bool):
     return ctx, logits, graph, alloc
 
 
-def time_graph(backend, graph, reps: int) -> list[float]:
-    for _ in range(5):
-        backend.compute(graph)
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        backend.compute(graph)
-        times.append((time.perf_counter() - t0) * 1e6)
-    return times
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--device", default="cuda")
@@ -73,7 +62,7 @@ def main() -> None:
                 keep = build(backend, n_vocab, k, fused)
                 _, logits, graph, _ = keep
                 logits.set(x)
-                t = sorted(time_graph(backend, graph, args.reps))
+                t = sorted(1e6 * s for s in call_times(lambda: backend.compute(graph), args.reps, warmup=5))
                 cells.append(f"{statistics.median(t):.1f} ({t[len(t) // 10]:.1f} / {t[len(t) * 9 // 10]:.1f})")
                 out = graph.outputs[0].numpy().reshape(ROWS, -1)
                 got = np.sort(out[:, :k], axis=1) if not fused else np.sort(out.reshape(ROWS, 2, k)[:, 1], axis=1)

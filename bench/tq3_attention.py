@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
 import numpy as np
+from _timing import call_times  # bench/_timing.py (this folder is on sys.path when run as a script)
 
 from pydflash import ggml, tq3
 from pydflash.ggml import Type
@@ -61,12 +61,7 @@ def time_decode(backend: ggml.Backend, kv_type: Type, n_ctx: int, n_layers: int,
     q.set(rng.standard_normal((N_HEAD, n_q, HEAD_DIM), dtype=np.float32))
     mask.set(np.zeros((n_q, n_ctx), np.float16))
 
-    times = []
-    for i in range(warmup + iters):
-        t0 = time.perf_counter()
-        backend.compute(graph)  # returns when the device is done
-        if i >= warmup:
-            times.append(time.perf_counter() - t0)
+    times = call_times(lambda: backend.compute(graph), iters, warmup)
     rot.close()
     del cache_buf
     return statistics.median(times) * 1e3 / n_layers

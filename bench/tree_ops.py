@@ -14,10 +14,10 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
+from _timing import call_times  # bench/_timing.py (this folder is on sys.path when run as a script)
 
 from pydflash import ggml
 
@@ -39,14 +39,7 @@ def time_op(backend: ggml.Backend, build, inputs: dict, persistent, copies: int,
     alloc.allocate(graph)
     for n, a in inputs.items():
         tensors[n].set(a)
-    for _ in range(warmup):
-        backend.compute(graph)
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        backend.compute(graph)
-        times.append(time.perf_counter() - t0)
-    return 1e3 * statistics.median(times) / copies
+    return 1e3 * statistics.median(call_times(lambda: backend.compute(graph), reps, warmup)) / copies
 
 
 def bench(device: str, n_nodes: int, warmup: int, reps: int, copies: int, n_threads: int | None,
