@@ -71,7 +71,7 @@ def main() -> int:
     tokenizer = Tokenizer(args.target)
     ar = Decoder(target, None, mode="ar", tokenizer=tokenizer)
     t_end = time.time() + 60 * args.minutes if args.minutes > 0 else float("inf")
-    n_tokens = 0
+    n_tokens = n_written = 0
     with open(args.out, "a", encoding="utf-8") as out:
         bar = tqdm(todo, desc=f"continuations {shard}/{n_shards}", unit="seq", file=sys.stderr)
         for i in bar:
@@ -86,8 +86,9 @@ def main() -> int:
             out.write(json.dumps({"index": i, "source": row["source"], "chat": row["chat"], "prompt": ids,
                                   "output": new}) + "\n")
             out.flush()
+            n_written += 1
             bar.set_postfix(tokens=n_tokens)
-    print(f"{len(done_indices(args.out))} sequences in {args.out}", file=sys.stderr)
+    print(f"{len(done) + n_written} sequences in {args.out}", file=sys.stderr)
     return 0
 
 
