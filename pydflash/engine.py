@@ -248,6 +248,11 @@ class Decoder:
         root, reused = prefill(self.target, self.draft, prompt_ids, self.prefix, sampler)
         t1 = time.perf_counter()
         run = _Run(context=prompt_ids + [root], sampler=sampler)
+        # greedy AR on a model that can take a queued step back: the next step runs while this one's token is
+        # handled (TargetRuntime.greedy_ahead)
+        ahead = None
+        if self.mode == "ar" and sampler is None and getattr(self.target, "decodes_ahead", False):
+            ahead = self.target.greedy_ahead(root, max_tokens - 1)
         t_yield = 0.0        # time spent in the consumer between steps is not decode time
         settled = True       # the cache holds run.context[:-1] (false while a step is under way)
         try:
@@ -256,13 +261,20 @@ class Decoder:
             t_yield += time.perf_counter() - ty
             while not run.done:
                 settled = False
-                taken = self._ar_step(run, max_tokens) if self.mode == "ar" else self._spec_step(run, max_tokens)
-                settled = True
+                if ahead is not None:
+                    taken = self._ahead_step(run, ahead, max_tokens)
+                elif self.mode == "ar":
+                    taken = self._ar_step(run, max_tokens)
+                else:
+                    taken = self._spec_step(run, max_tokens)
+                settled = True       # (with `ahead`, once its queued step is taken back below)
                 ty = time.perf_counter()
                 yield taken
                 t_yield += time.perf_counter() - ty
         finally:
             # also when the consumer stops early (generator closed at a yield) or a step raised
+            if ahead is not None:
+                ahead.close()        # takes the queued step back: the cache holds run.context[:-1]
             if self.prefix is not None:
                 if settled:
                     self.prefix.save(run.context[:-1])
@@ -277,6 +289,13 @@ class Decoder:
         if run.sampler is not None:
             self.target.sample_inputs = run.sampler.for_context(run.context)
         token = self.target.step(run.context[-1])
+        run.context.append(token)
+        run.steps += 1
+        run.committed_per_step.append(1)
+        return self._take(run, [token], max_tokens)
+
+    def _ahead_step(self, run: _Run, ahead, max_tokens: int) -> list[int]:
+        token = next(ahead)
         run.context.append(token)
         run.steps += 1
         run.committed_per_step.append(1)

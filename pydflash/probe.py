@@ -34,8 +34,8 @@ def keep_named_nodes(target) -> None:
     tensor, graph order)."""
     build = target._build
 
-    def build_keeping(n, n_kv, tree=False):
-        g = build(n, n_kv, tree)
+    def build_keeping(n, n_kv, tree=False, fed=False):
+        g = build(n, n_kv, tree, fed)
         g.kept = {}
         for node in g.graph.nodes():
             name = node.name

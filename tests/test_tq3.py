@@ -363,6 +363,28 @@ def test_fold_unrotation_into_output_projection(rng):
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("copy_mib", ["0", None])   # "0": the TQ3_0 kernel at any size; None: upstream's f16 path
+@pytest.mark.parametrize("n_q,n_kv", [(48, 700), (512, 1031)])
+def test_cuda_attention_prefill_sizes(monkeypatch, rng, copy_mib, n_q, n_kv):
+    """A prefill micro-batch of the 27B attention shape: 288 and 3,072 query rows per KV head. Past 256 rows
+    upstream's kernels take TQ3_0 through an f16 copy of K and V, except over a long cache, where the tensor-core
+    TQ3_0 kernel takes every row tile by tile (PYDFLASH_TQ3_FA_COPY_MIB=0 makes any cache long); both against the
+    float64 reference over the dequantised cache, with test_flash_attention_tq3_kernel_shapes' CUDA bounds."""
+    if copy_mib is not None:
+        monkeypatch.setenv("PYDFLASH_TQ3_FA_COPY_MIB", copy_mib)
+    h, hkv, dim = 24, 4, 256
+    q, k, v, mask, scale = attention_inputs(rng, h, hkv, n_q, n_kv, dim)
+    out, raw_k, raw_v = _tq3_attention(ggml.Backend("cuda"), q, k, v, mask, scale)
+    k_hat = unrotated(tq3.dequantize(raw_k, dim)).reshape(n_kv, hkv, dim).transpose(1, 0, 2)[None]
+    v_hat = unrotated(tq3.dequantize(raw_v, dim)).reshape(n_kv, hkv, dim).transpose(1, 0, 2)[None]
+    ref = attention_f64(q, k_hat, v_hat, mask, scale)[0]
+    got = out.reshape(n_q, h, dim)
+    assert rel_err(got, ref) < 5e-3
+    row_err = np.linalg.norm(got - ref, axis=-1) / np.linalg.norm(ref, axis=-1)
+    assert row_err.max() < 2e-2
+
+
+@pytest.mark.cuda
 @pytest.mark.parametrize("n_q,n_kv", [(1, 4096), (2, 1024), (12, 512), (23, 4096)])
 def test_cuda_attention_matches_cpu(rng, n_q, n_kv):
     """The 27B attention shape (24 Q heads, 4 KV heads, head 256): all take the CUDA TQ3_0 kernel (6 to 138 query

@@ -8,7 +8,7 @@
 // Two kernels: on Ampere and newer, a tensor-core kernel (k_tq3_0_fattn_mma, up to 256 rows per KV head); before,
 // a scalar one (k_tq3_0_fattn_decode, up to 32 rows): its 4 warps take every 4th key of the slice, each lane
 // dequantising the D/32 values j = lane + 32 b. Larger batches (prefill) go to upstream's kernels, which read
-// TQ3_0 through the f16 converters.
+// TQ3_0 through the f16 converters, except over a long cache (ggml_ext_cuda_fattn_tq3_0_applies).
 
 #include "ggml-ext-cuda.cuh"
 #include "ggml-ext.h"
@@ -212,7 +212,8 @@ k_tq3_0_fattn_decode(const tq3_0_fattn_params p) {
 // warps) writes its own partial (max, sum, output), merged by k_tq3_0_fattn_merge.
 
 #define TQ3_0_FA_KT       16   // keys per tile: one k-step of the P.V mma
-#define TQ3_0_FA_MMA_ROWS 256  // query rows per KV head up to which the tensor-core kernel is used
+#define TQ3_0_FA_MMA_ROWS 256  // query rows per KV head up to which the tensor-core kernel is used ...
+#define TQ3_0_FA_COPY_MIB 512  // ... and beyond, where upstream's f16 copy of K and V would be this large
 
 static __device__ __forceinline__ void tq3_0_fa_mma(float c[4], const uint32_t a[4], const uint32_t b0, const uint32_t b1) {
 #if __CUDA_ARCH__ >= GGML_CUDA_CC_AMPERE
@@ -650,7 +651,17 @@ bool ggml_ext_cuda_fattn_tq3_0_applies(const ggml_tensor * dst) {
         return false; // sub-blocks are read as halfwords
     }
     const int64_t rows_per_kv_head = Q->ne[1] * (Q->ne[2] / K->ne[2]);
-    return rows_per_kv_head <= (tq3_0_fa_use_mma() ? TQ3_0_FA_MMA_ROWS : TQ3_0_FA_MAX_ROWS);
+    if (!tq3_0_fa_use_mma()) {
+        return rows_per_kv_head <= TQ3_0_FA_MAX_ROWS;
+    }
+    // Past 256 rows (prefill micro-batches) upstream's kernels are the faster ones, but they read TQ3_0 through an
+    // f16 copy of the whole K and V (1 GiB at 256K positions of the 27B shape, the largest transient of a long
+    // prompt): from TQ3_0_FA_COPY_MIB of such a copy on (PYDFLASH_TQ3_FA_COPY_MIB, default 512; 0: always) the
+    // tensor-core kernel takes any number of rows, tile by tile, reading the 3.5-bit blocks.
+    const char * env = getenv("PYDFLASH_TQ3_FA_COPY_MIB");
+    const int64_t copy_limit = (env ? atoll(env) : TQ3_0_FA_COPY_MIB) << 20;
+    const int64_t copy_bytes = 2 * ggml_nelements(K) * (int64_t) sizeof(half);
+    return rows_per_kv_head <= TQ3_0_FA_MMA_ROWS || copy_bytes >= copy_limit;
 }
 
 void ggml_ext_cuda_fattn_tq3_0(ggml_backend_cuda_context & ctx, ggml_tensor * dst) {

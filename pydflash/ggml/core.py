@@ -39,6 +39,7 @@ _FREE_CONTEXT = lib.ggml_free
 _FREE_BACKEND = lib.ggml_backend_free
 _FREE_BUFFER = lib.ggml_backend_buffer_free
 _FREE_GALLOCR = lib.ggml_gallocr_free
+_FREE_EVENT = lib.ggml_backend_event_free
 
 
 class GGMLError(RuntimeError):
@@ -155,16 +156,32 @@ class Backend:
 
     def compute(self, graph: "Graph") -> None:
         """Run a graph that an Allocator of this backend has allocated; returns when it is done."""
-        if graph._allocator is None or graph._allocator._current is not graph:
-            raise GGMLError("graph is not allocated (or its allocator has since allocated another graph)")
-        if graph._allocator.backend is not self:
-            raise GGMLError(f"graph was allocated for {graph._allocator.backend.name}, not {self.name}")
+        self._check_allocated(graph)
         status = lib.ggml_backend_graph_compute(self._ptr, graph._ptr)
         if status != lib.GGML_STATUS_SUCCESS:
             raise GGMLError(f"{self.name}: graph compute failed with status {status}")
 
+    def compute_async(self, graph: "Graph") -> None:
+        """Queue a graph on this backend's stream and return at once (the CPU computes it before returning).
+        Results are ready after `synchronize`, or after an Event recorded behind it."""
+        self._check_allocated(graph)
+        status = lib.ggml_backend_graph_compute_async(self._ptr, graph._ptr)
+        if status != lib.GGML_STATUS_SUCCESS:
+            raise GGMLError(f"{self.name}: graph compute failed with status {status}")
+
+    def _check_allocated(self, graph: "Graph") -> None:
+        if graph._allocator is None or graph._allocator._current is not graph:
+            raise GGMLError("graph is not allocated (or its allocator has since allocated another graph)")
+        if graph._allocator.backend is not self:
+            raise GGMLError(f"graph was allocated for {graph._allocator.backend.name}, not {self.name}")
+
     def synchronize(self) -> None:
         lib.ggml_backend_synchronize(self._ptr)
+
+    def event(self) -> "Event | None":
+        """A new event of this device, or None where the backend has none (the CPU: its work is done on return)."""
+        ptr = lib.ggml_backend_event_new(self._dev)
+        return None if ptr == ffi.NULL else Event(ptr, self)
 
     def close(self) -> None:
         if getattr(self, "_ptr", ffi.NULL) != ffi.NULL:
@@ -175,6 +192,64 @@ class Backend:
 
     def __repr__(self) -> str:
         return f"Backend({self.name})"
+
+
+class Event:
+    """A point in a backend's stream: `record` marks it behind the work queued so far, `synchronize` waits for it."""
+
+    def __init__(self, ptr, backend: Backend):
+        self._ptr, self._backend = ptr, backend
+
+    def record(self) -> None:
+        lib.ggml_backend_event_record(self._ptr, self._backend._ptr)
+
+    def synchronize(self) -> None:
+        lib.ggml_backend_event_synchronize(self._ptr)
+
+    def close(self) -> None:
+        if getattr(self, "_ptr", ffi.NULL) != ffi.NULL:
+            _FREE_EVENT(self._ptr)
+            self._ptr = ffi.NULL
+
+    __del__ = close
+
+
+class HostBuffer:
+    """Host memory for a backend's asynchronous copies: page-locked where the device offers it (CUDA), so that a
+    queued copy neither waits for the stream nor stages through the driver; plain memory otherwise (the CPU copies
+    at once). `array` is its bytes; a queued copy reads or writes them when the stream reaches it, so the caller
+    must not touch a region again before the work behind it is done (an Event)."""
+
+    def __init__(self, backend: Backend, nbytes: int):
+        self._backend, self._ptr = backend, ffi.NULL
+        buft = lib.ggml_backend_dev_host_buffer_type(backend._dev)
+        if buft != ffi.NULL:
+            self._ptr = lib.ggml_backend_buft_alloc_buffer(buft, nbytes)
+        if self._ptr != ffi.NULL:
+            self._base = ffi.cast("char *", lib.ggml_backend_buffer_get_base(self._ptr))
+            self.array = np.frombuffer(ffi.buffer(self._base, nbytes), dtype=np.uint8)
+        else:
+            self.array = np.zeros(nbytes, dtype=np.uint8)
+            self._base = ffi.cast("char *", ffi.from_buffer(self.array))
+        self.pinned = self._ptr != ffi.NULL
+
+    def upload(self, tensor: "Tensor", offset: int, nbytes: int) -> None:
+        """Queue a copy of bytes [offset, offset + nbytes) of this buffer into all of `tensor`."""
+        tensor._check_io(nbytes, "upload")
+        lib.ggml_backend_tensor_set_async(self._backend._ptr, tensor._ptr, self._base + offset, 0, nbytes)
+
+    def download(self, tensor: "Tensor", offset: int) -> None:
+        """Queue a copy of all of `tensor` into this buffer at `offset`."""
+        tensor._check_io(tensor.nbytes, "download")
+        lib.ggml_backend_tensor_get_async(self._backend._ptr, tensor._ptr, self._base + offset, 0, tensor.nbytes)
+
+    def close(self) -> None:
+        if getattr(self, "_ptr", ffi.NULL) != ffi.NULL:
+            self.array = None
+            _FREE_BUFFER(self._ptr)
+            self._ptr = ffi.NULL
+
+    __del__ = close
 
 
 class Buffer:

@@ -88,9 +88,7 @@ class Gemma3Target(LlamaTarget):
     def _attention(self, ctx, x, il: int, g: GraphInputs):
         hp, w, p, n = self.hp, self.weights, f"blk.{il}.", g.n_tokens
         local = hp.swa_layers[il]
-        q = self._project(ctx, x, p + "attn_q", hp.n_head, n)
-        k = self._project(ctx, x, p + "attn_k", hp.n_head_kv, n)
-        v = self._project(ctx, x, p + "attn_v", hp.n_head_kv, n)
+        q, k, v = self._qkv(ctx, x, il, n)
         q = rms_norm(ctx, q, w[p + "attn_q_norm.weight"], hp.rms_eps, f"l{il}.q_norm")
         k = rms_norm(ctx, k, w[p + "attn_k_norm.weight"], hp.rms_eps, f"l{il}.k_norm")
         rope = dict(n_rot=hp.n_rot, mode=hp.ROPE_TYPE, n_ctx_train=hp.n_ctx_train,

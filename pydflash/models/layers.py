@@ -143,6 +143,8 @@ def attention(ctx: ggml.Context, cache, il: int, q: ggml.Tensor, k: ggml.Tensor,
         v = hadamard_rotate(ctx, v, cache.v_rot)
     elif cache.tq3_rotation is not None:   # TQ3_0 rotates K and V as it quantises them: Q follows
         q = cache.tq3_rotation.rotate(ctx, q)
+        if not is_contiguous(v):           # (a fused QKV's V view: TQ3_0's row writer reads whole rows)
+            v = ctx.cont(v)
     kv_row = hd * n_head_kv
     k_cache, v_cache = cache.k[il], cache.v[il]
     # write this batch's rows, then read the first n_kv cells through views of the writes (so the reads

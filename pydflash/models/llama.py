@@ -7,6 +7,7 @@ Keys, tensor names and formulas follow llama.cpp (src/models/llama.cpp), the ora
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -110,6 +111,20 @@ class LlamaHParams:
         return specs
 
 
+QKV = ("attn_q", "attn_k", "attn_v")
+
+
+def _group_name(group: tuple[str, ...]) -> str:
+    """attn_q, or attn_qk / attn_qkv for a fused group."""
+    return group[0] if len(group) == 1 else "attn_" + "".join(m[len("attn_"):] for m in group)
+
+
+def _fusable(info: dict, a: str, b: str) -> bool:
+    """Projections a and b can share one matrix: same weight type (and row length), biases on both or neither."""
+    wa, wb = info[a + ".weight"], info[b + ".weight"]
+    return wa.type == wb.type and wa.ne[0] == wb.ne[0] and (a + ".bias" in info) == (b + ".bias" in info)
+
+
 class LlamaTarget(TargetRuntime):
     """A loaded llama-family (attention-only) model with its cache (public surface: docs/targets.md)."""
 
@@ -126,19 +141,47 @@ class LlamaTarget(TargetRuntime):
                                 f"l{il}.ffn_out")
         return ctx.add(ffn, h).named(f"l{il}.out")
 
-    def _project(self, ctx, x, name: str, n_head: int, n: int):
-        """One of Q/K/V: [head_dim, n_head, n], with its bias if the file has one."""
-        w = self.weights
-        y = linear(ctx, w[name + ".weight"], x)
-        if name + ".bias" in w:
-            y = ctx.add(y, w[name + ".bias"])
-        return ctx.reshape_3d(y, self.hp.head_dim, n_head, n)
+    def fused_weights(self, infos) -> dict[str, tuple[str, ...]]:
+        """Q, K and V of a layer as one matrix where their types agree (else Q and K where theirs do), their
+        biases likewise: one matmul (and one quantisation of the activations) instead of three, which is most
+        of a small model's decode time in kernel launches. Each output row is the same dot product as before,
+        so the logits do not change. PYDFLASH_FUSE_QKV=0 turns it off."""
+        off = os.environ.get("PYDFLASH_FUSE_QKV", "1").strip().lower() in ("0", "false", "off", "no")
+        info = {i.name: i for i in infos}
+        self.qkv_groups, fused = [], {}
+        for il in range(self.hp.n_layer):
+            p = f"blk.{il}."
+            n = 1
+            while not off and n < 3 and _fusable(info, p + QKV[0], p + QKV[n]):
+                n += 1
+            groups = [QKV[:n]] + [(name,) for name in QKV[n:]]
+            self.qkv_groups.append(groups)
+            if n > 1:
+                for part in (".weight", ".bias") if p + "attn_q.bias" in info else (".weight",):
+                    fused[p + _group_name(QKV[:n]) + part] = tuple(p + m + part for m in QKV[:n])
+        return fused
+
+    def _qkv(self, ctx, x, il: int, n: int):
+        """Q [head_dim, n_head, n], K and V [head_dim, n_head_kv, n], biases added: one matmul per group of
+        fused weights (its members' outputs are row ranges of its output), one for each of the others."""
+        hp, w, p = self.hp, self.weights, f"blk.{il}."
+        heads = {"attn_q": hp.n_head, "attn_k": hp.n_head_kv, "attn_v": hp.n_head_kv}
+        out = {}
+        for grp in self.qkv_groups[il]:
+            name = p + _group_name(grp)
+            y = linear(ctx, w[name + ".weight"], x)
+            if name + ".bias" in w:
+                y = ctx.add(y, w[name + ".bias"])
+            offset = 0
+            for m in grp:
+                out[m] = (ctx.reshape_3d(y, hp.head_dim, heads[m], n) if len(grp) == 1 else
+                          ctx.view_3d(y, hp.head_dim, heads[m], n, hp.head_dim * 4, y.nb[1], offset))
+                offset += hp.head_dim * heads[m] * 4
+        return out["attn_q"], out["attn_k"], out["attn_v"]
 
     def _attention(self, ctx, x, il: int, g: GraphInputs):
         hp, w, p, n = self.hp, self.weights, f"blk.{il}.", g.n_tokens
-        q = self._project(ctx, x, p + "attn_q", hp.n_head, n)
-        k = self._project(ctx, x, p + "attn_k", hp.n_head_kv, n)
-        v = self._project(ctx, x, p + "attn_v", hp.n_head_kv, n)
+        q, k, v = self._qkv(ctx, x, il, n)
         if hp.QK_NORM:
             q = rms_norm(ctx, q, w[p + "attn_q_norm.weight"], hp.rms_eps, f"l{il}.q_norm")
             k = rms_norm(ctx, k, w[p + "attn_k_norm.weight"], hp.rms_eps, f"l{il}.k_norm")

@@ -52,20 +52,53 @@ class TensorSpec:
 class TargetWeights:
     """All weights an architecture reads from a GGUF, in one device buffer, by GGUF tensor name.
 
-    Without `output.weight` the LM head is the token embedding (tied embeddings)."""
+    Without `output.weight` the LM head is the token embedding (tied embeddings). fused: merged name -> member
+    names (same type, same row length): the members are laid out back to back as the rows of one tensor under
+    the merged name, and each member is a view of its rows, so one matmul computes all of them (e.g. Q, K and V
+    of a layer from one read of the activations: fewer, larger kernels for small batches)."""
 
     def __init__(self, gf: GGUFFile, specs: dict[str, TensorSpec], backend: ggml.Backend,
-                 progress: bool | None = None, infos: list | None = None):
+                 progress: bool | None = None, infos: list | None = None, fused: dict | None = None):
         """infos: what `check(gf, specs, backend)` returned, when the caller already ran it."""
         if infos is None:
             infos = self.check(gf, specs, backend)
+        fused = fused or {}
         self.specs = {info.name: specs[info.name] for info in infos}
-        self._ctx = ggml.Context(n_tensors=max(len(infos), 1))
-        self.t = {info.name: self._ctx.new_tensor(info.type, info.ne, name=info.name[:63]) for info in infos}
+        self._ctx = ggml.Context(n_tensors=max(len(infos) + len(fused), 1))
+        self.t = {}
+        by_name = {info.name: info for info in infos}
+        for merged, members in fused.items():
+            self.t.update(self._merge(merged, [by_name[m] for m in members]))
+        for info in infos:
+            if info.name not in self.t:
+                self.t[info.name] = self._ctx.new_tensor(info.type, info.ne, name=info.name[:63])
+        self.fused = {merged: tuple(members) for merged, members in fused.items()}
         self.buffer = backend.alloc_tensors(self._ctx)
         upload(gf, [(info, self.t[info.name]) for info in infos], progress=progress)
         if "output.weight" not in self.t:
             self.t["output.weight"] = self.t["token_embd.weight"]
+
+    def _merge(self, merged: str, members: list) -> dict[str, ggml.Tensor]:
+        """One tensor holding the members' rows in order (vectors: their values), and a view per member."""
+        first = members[0]
+        ctx, vector = self._ctx, len(first.ne) == 1
+        if any(m.type != first.type or len(m.ne) != len(first.ne) or (not vector and m.ne[0] != first.ne[0])
+               for m in members):
+            raise ValueError(f"{merged}: fused tensors need one type and row length: "
+                             f"{[(m.name, m.type.name, m.ne) for m in members]}")
+        if vector:
+            whole = ctx.new_tensor(first.type, (sum(m.ne[0] for m in members),), name=merged[:63])
+        else:
+            whole = ctx.new_tensor(first.type, (first.ne[0], sum(m.ne[1] for m in members)), name=merged[:63])
+        out, offset = {merged: whole}, 0
+        for m in members:
+            if vector:
+                view = ctx.view_1d(whole, m.ne[0], offset)
+            else:
+                view = ctx.view_2d(whole, m.ne[0], m.ne[1], whole.nb[1], offset)
+            out[m.name] = view.named(m.name[:63])
+            offset += m.nbytes
+        return out
 
     @staticmethod
     def check(gf: GGUFFile, specs: dict[str, TensorSpec], backend: ggml.Backend) -> list:
@@ -175,6 +208,48 @@ class _CommitGraph:
         self.kv_src = self.kv_dst = None   # i32 / i64 [n_slots]: KV cells to move, and where to
 
 
+class _AheadIO:
+    """greedy_ahead's host side: step inputs staged in page-locked memory (two halves: a step's half is rewritten
+    two steps later, after the step before it was waited for), and each step's argmax copied back into one of two
+    slots, with an event behind it."""
+
+    def __init__(self, backend: ggml.Backend, fed_token: ggml.Tensor, stage_bytes: int):
+        self.half = -(-stage_bytes // 64) * 64
+        self.host = ggml.HostBuffer(backend, 2 * self.half + 64)
+        self.fed_token = fed_token
+        self.events = [backend.event(), backend.event()]
+        self.cursor = 0
+
+    def stage_token(self, token: int) -> None:
+        """The first step's input token (staged after the step halves, so it never overlaps them)."""
+        at = 2 * self.half
+        self.host.array[at:at + 4] = np.frombuffer(np.int32(token).tobytes(), np.uint8)
+        self.host.upload(self.fed_token, at, 4)
+
+    def begin(self, step: int) -> None:
+        self.cursor = (step % 2) * self.half + 8     # the slot's first 8 bytes: its argmax
+
+    def stage(self, tensor: ggml.Tensor, values: np.ndarray) -> None:
+        raw = np.ascontiguousarray(values).view(np.uint8).reshape(-1)
+        at = self.cursor
+        self.host.array[at:at + raw.size] = raw
+        self.host.upload(tensor, at, raw.size)
+        self.cursor = -(-(at + raw.size) // 16) * 16
+
+    def fetch(self, argmax: ggml.Tensor, step: int) -> None:
+        self.host.download(argmax, (step % 2) * self.half)
+        event = self.events[step % 2]
+        if event is not None:
+            event.record()
+
+    def wait(self, step: int) -> int:
+        event = self.events[step % 2]
+        if event is not None:
+            event.synchronize()
+        at = (step % 2) * self.half
+        return int(self.host.array[at:at + 4].view(np.int32)[0])
+
+
 class TargetRuntime:
     """A loaded target model with its cache: `prefill`, `decode`, `step`, `verify`/`commit`, captured features.
 
@@ -210,7 +285,7 @@ class TargetRuntime:
         # fails here with the numbers, not in the allocator (or by exhausting the host)
         check_memory(self.backend, self.memory_plan(infos, n_cells, kv_type, n_ubatch),
                      f"{self.gguf.path} with n_ctx {n_ctx}")
-        self.weights = TargetWeights(self.gguf, specs, self.backend, progress, infos)
+        self.weights = TargetWeights(self.gguf, specs, self.backend, progress, infos, self.fused_weights(infos))
         self.cache = HybridCache(self.backend, hp, n_cells, kv_type)
         self._capture_ctx = ggml.Context(n_tensors=1)
         self.captured = None
@@ -234,6 +309,8 @@ class TargetRuntime:
         self.sampling_enabled = False     # graphs end in the on-device sampler (enable_sampling)
         self.sample_inputs = None         # sampling.StepInputs of the next prefill/step/verify (then cleared)
         self._last_sampled = False        # the last forward's sampler drew from given inputs
+        self._ahead = None                # greedy_ahead's staging buffers (_AheadIO), made on first use
+        self._fed_token = None            # i32 [1] on the device: the token of greedy_ahead's next step
 
     def memory_plan(self, infos, n_cells: int, kv_type, n_ubatch: int) -> dict[str, int]:
         """Bytes a load would allocate, by part (the compute buffer estimated: the logits and a few activations
@@ -245,6 +322,11 @@ class TargetRuntime:
                 "compute (estimate)": 4 * n_ubatch * (hp.n_vocab + 8 * width)}
 
     # --- what an architecture provides ---
+
+    def fused_weights(self, infos) -> dict[str, tuple[str, ...]]:
+        """Weights to lay out as the rows of one tensor (TargetWeights' `fused`), from the file's TensorInfos;
+        none by default."""
+        return {}
 
     def build_layer(self, ctx: ggml.Context, il: int, h: ggml.Tensor, g: GraphInputs) -> ggml.Tensor:
         """Add layer il to the graph: the residual stream h [n_embd, n] in, the layer's output out."""
@@ -313,6 +395,72 @@ class TargetRuntime:
         self._forward(self._tokens([token]))
         self.sample_inputs = None
         return int(self.sampled()[0]) if self._last_sampled else self.argmax()
+
+    @property
+    def decodes_ahead(self) -> bool:
+        """Whether greedy_ahead applies: a model without recurrent layers, whose queued step can be taken back by
+        moving n_past (its KV row past n_past is never read, and is overwritten later)."""
+        return not any(self.hp.recurrent)
+
+    def greedy_ahead(self, token: int, max_steps: int):
+        """Greedy decoding after `token` (run first): yields the next token of each of up to max_steps steps while
+        the step after it already runs on the device. The tokens stay on the device (each step's argmax is the
+        next step's input), so the host's work for a step, including this generator's consumer, overlaps the
+        device's; only the 4-byte argmax comes back, into page-locked memory. Closing the generator early (break,
+        close()) takes the queued step back: the cache then holds `token` and every yielded token but the last,
+        as after the same calls of `step`."""
+        if not self.decodes_ahead:
+            raise ValueError(f"{self.ARCH}: greedy_ahead needs a model without recurrent layers (use step)")
+        if self.sampling_enabled:
+            raise ValueError("greedy_ahead decodes greedily: enable_sampling(False) first")
+        token = int(self._tokens([token])[0])
+        if max_steps < 1:
+            return
+        self._check_room(max_steps)
+        ahead = self._ahead_io()
+        ahead.stage_token(token)
+        launched = taken = 0
+        try:
+            self._launch_fed(ahead, 0)
+            launched = 1
+            while taken < max_steps:
+                if launched < max_steps:
+                    self._launch_fed(ahead, launched)
+                    launched += 1
+                next_token = ahead.wait(taken)
+                taken += 1
+                yield next_token
+        finally:
+            self.backend.synchronize()
+            self.cache.n_past -= launched - taken       # the queued step (if any) is taken back
+            self._last = None                           # its logits would be the dropped step's
+            self.n_captured = 0
+
+    def _ahead_io(self) -> "_AheadIO":
+        if self._ahead is None:
+            n_cells = self.cache.n_ctx
+            self._fed_ctx = ggml.Context(n_tensors=1)
+            self._fed_token = self._fed_ctx.new_tensor(ggml.Type.I32, (1,), name="fed_token")
+            self._fed_buffer = self.backend.alloc_tensors(self._fed_ctx)
+            self._ahead = _AheadIO(self.backend, self._fed_token, 2 * n_cells * 2 + 256)
+        return self._ahead
+
+    def _launch_fed(self, ahead: "_AheadIO", step: int) -> None:
+        """Queue one fed decode step at n_past (its inputs staged in half step % 2 of the page-locked buffer)."""
+        n_past = self.cache.n_past
+        n_kv = -(-(n_past + 1) // KV_BUCKET) * KV_BUCKET
+        g = self._graph((1, n_kv, "fed"), 1, n_kv, tree=False, fed=True)
+        ahead.begin(step)
+        if g.pos is not None:
+            pos = np.array([n_past], dtype=np.int32)
+            ahead.stage(g.pos, self.rope_positions(pos))
+            ahead.stage(g.kv_rows, pos.astype(np.int64))
+            ahead.stage(g.kq_mask, g.causal_mask(n_past))
+            if g.kq_mask_swa is not None:
+                ahead.stage(g.kq_mask_swa, g.window_mask(n_past, pos, self.hp.n_swa))
+        self.backend.compute_async(g.graph)
+        ahead.fetch(g.argmax, step)
+        self.cache.n_past = n_past + 1
 
     def enable_sampling(self, on: bool) -> None:
         """Make every graph end in the on-device sampler (pydflash.sampling) as well as the argmax: a prefill,
@@ -519,11 +667,11 @@ class TargetRuntime:
         if self.cache.n_past + n > self.n_ctx:
             raise ValueError(f"context overflow: {self.cache.n_past} positions used + {n} new > n_ctx {self.n_ctx}")
 
-    def _graph(self, key: tuple, n: int, n_kv: int, tree: bool) -> GraphInputs:
+    def _graph(self, key: tuple, n: int, n_kv: int, tree: bool, fed: bool = False) -> GraphInputs:
         """The cached graph for `key` (built on first use; least recently used dropped), allocated."""
         g = self._graphs.pop(key, None)
         if g is None:
-            g = self._build(n, n_kv, tree)
+            g = self._build(n, n_kv, tree, fed)
             while len(self._graphs) >= MAX_GRAPHS:        # drop the least recently used
                 self._graphs.pop(next(iter(self._graphs)))
         self._graphs[key] = g                             # (re)insert as the most recently used
@@ -553,12 +701,14 @@ class TargetRuntime:
 
     # --- graph construction ---
 
-    def _build(self, n: int, n_kv: int, tree: bool = False) -> GraphInputs:
+    def _build(self, n: int, n_kv: int, tree: bool = False, fed: bool = False) -> GraphInputs:
+        """fed: a one-token decode whose token is the device-resident `_fed_token`, which the graph overwrites with
+        its own argmax at the end (greedy_ahead)."""
         hp, cache = self.hp, self.cache
         per_layer = self.GRAPH_TENSORS_PER_LAYER + (32 if layers.bitexact_enabled() else 0)   # + reshapes
         g = GraphInputs(n, n_kv, per_layer * hp.n_layer + 256, tree)
         ctx = g.ctx
-        g.tokens = ctx.new_tensor(ggml.Type.I32, (n,), name="inp.tokens").mark_input()
+        g.tokens = self._fed_token if fed else ctx.new_tensor(ggml.Type.I32, (n,), name="inp.tokens").mark_input()
         if cache.k:   # positions, rows and mask only matter to attention layers
             g.pos = ctx.new_tensor(ggml.Type.I32, (self.POS_PER_TOKEN * n,), name="inp.pos").mark_input()
             g.kv_rows = ctx.new_tensor(ggml.Type.I64, (n,), name="inp.kv_rows").mark_input()
@@ -583,6 +733,8 @@ class TargetRuntime:
         out = self.output_norm(ctx, h)
         g.logits = layers.linear(ctx, self.weights["output.weight"], out).named("out.logits")  # [n_vocab, 1 or n]
         g.argmax = ggml.argmax_first(ctx, g.logits).named("out.argmax")
+        if fed:   # the next step's token, without a trip through the host
+            g.side_effects.append(ctx.cpy(g.argmax, self._fed_token).named("out.fed_token"))
         outputs = g.side_effects + [g.logits, g.argmax]
         if self.sampling_enabled:   # the sampling hook: filter + draw per row on the device
             g.sampler = sampling.attach(ctx, g.logits)

@@ -1,0 +1,71 @@
+"""Fused Q/K/V weights (LlamaTarget.fused_weights): one matrix per layer where the projections' types agree. Each
+output row is the same dot product as with three matrices, so on the CPU the logits must be bit-identical to the
+unfused model's, through prefill, decode and a tree verify."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from test_qwen35 import CUDA_LOGIT_ATOL
+
+from pydflash import ggml
+from pydflash.gguf_io import GGUFFile
+from pydflash.models import load_target
+from pydflash.testing import write_llama_gguf
+
+# Q4_K_M: Q and K in Q4_K, V in Q6_K (fused: Q+K); Q8_0: all three fused. n_embd 256 fills whole K-quant blocks;
+# heads of 64 (CUDA's flash attention has no kernel for smaller ones).
+CASES = {"qwen2-q4_k_m": dict(arch="qwen2", n_embd=256, n_ff=512, weight_type="Q4_K_M", seed=4),
+         "llama-q8_0": dict(arch="llama", n_embd=128, n_head=2, n_head_kv=1, n_ff=256, weight_type="Q8_0", seed=5),
+         "qwen3-q8_0": dict(arch="qwen3", n_embd=128, n_ff=256, head_dim=64, weight_type="Q8_0", seed=6),
+         "gemma3-q8_0": dict(arch="gemma3", n_layer=6, n_embd=128, n_head=2, n_head_kv=1, n_ff=256,
+                             weight_type="Q8_0", seed=7)}
+EXPECTED_GROUP = {"qwen2-q4_k_m": "attn_qk", "llama-q8_0": "attn_qkv", "qwen3-q8_0": "attn_qkv",
+                  "gemma3-q8_0": "attn_qkv"}
+
+
+def _run(path, device, prompt, steps):
+    """Prefill, then greedy decode; then a 4-slot tree verify (root, two children, a grandchild): every logit."""
+    target = load_target(path, device, n_ctx=256, n_ubatch=16)
+    out = [target.prefill(prompt)]
+    token = int(out[0].argmax())
+    for _ in range(steps):
+        out.append(target.decode(token))
+        token = int(out[-1].argmax())
+    target.enable_verify(4, tree=True)
+    target.verify([token, 5, 9, 11], [-1, 0, 0, 1], [0, 1, 1, 2])
+    return target, np.concatenate([np.stack(out), target.logits_of_slots()])
+
+
+def _mul_mats(target) -> int:
+    return sum(node.op == ggml.Op.MUL_MAT for node in target._last.graph.nodes())
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_fused_qkv_logits_equal_unfused_bit_for_bit(tmp_path, monkeypatch, case, device):
+    """On CUDA the one-token steps use the same per-row kernel either way, but ggml's batched MMQ splits K over
+    blocks by the matrix's row count (stream-k): there the CUDA Q8_0-class bound of test_qwen35 applies."""
+    path = str(tmp_path / f"{case}.gguf")
+    write_llama_gguf(path, **CASES[case])
+    prompt = [int(t) for t in np.random.default_rng(1).integers(0, 400, 40)]   # three micro-batches
+    fused, got = _run(path, device, prompt, 8)
+    monkeypatch.setenv("PYDFLASH_FUSE_QKV", "0")
+    plain, ref = _run(path, device, prompt, 8)
+
+    n_layer = fused.hp.n_layer
+    group = EXPECTED_GROUP[case]
+    assert sorted(k for k in fused.weights.fused if k.endswith(".weight")) == \
+        sorted(f"blk.{il}.{group}.weight" for il in range(n_layer))
+    assert plain.weights.fused == {}
+    # each projection of a fused group is a view of its rows, holding the file's bytes
+    gf = GGUFFile(path)
+    for name in ("blk.0.attn_q.weight", "blk.0.attn_k.weight", "blk.0.attn_v.weight"):
+        assert np.array_equal(fused.weights[name].numpy().reshape(-1), gf.data(gf.tensors[name]).reshape(-1)), name
+    # fewer matmuls per layer: 2 (Q+K) or 3 (Q+K+V) become one
+    assert _mul_mats(plain) - _mul_mats(fused) == n_layer * (len(group) - len("attn_") - 1)
+    if device == "cpu":
+        assert np.array_equal(got, ref)
+    else:
+        assert np.abs(got - ref).max() <= CUDA_LOGIT_ATOL["Q8_0"]
+        assert np.array_equal(got.argmax(axis=1), ref.argmax(axis=1))
