@@ -54,6 +54,8 @@ def main(argv=None) -> int:
     ap.add_argument("--ctx", type=int, default=2048, help="context positions in the draft cache")
     ap.add_argument("--window", type=int, default=2048, help="ring size W")
     ap.add_argument("--top-k", type=int, default=8)
+    ap.add_argument("--draft-type", default="stored", choices=["stored", "q8_0"],
+                    help="the draft's matrices as stored (bf16) or quantized to q8_0 at load")
     ap.add_argument("--reps", type=int, default=50)
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--dir", default="/tmp/pydflash-draft-bench")
@@ -70,7 +72,8 @@ def main(argv=None) -> int:
     target_path, draft_path = prepare(args)
     target = Qwen35Target(target_path, args.device, n_ctx=256, n_ubatch=16, progress=True)
     t0 = time.perf_counter()
-    draft = DFlashDraft(draft_path, target, window=args.window, top_k=args.top_k)
+    draft = DFlashDraft(draft_path, target, window=args.window, top_k=args.top_k,
+                        weight_type=None if args.draft_type == "stored" else args.draft_type)
     load_s = time.perf_counter() - t0
     hp = draft.hp
     rng = np.random.default_rng(0)

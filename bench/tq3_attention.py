@@ -67,6 +67,23 @@ def time_decode(backend: ggml.Backend, kv_type: Type, n_ctx: int, n_layers: int,
     return statistics.median(times) * 1e3 / n_layers
 
 
+def time_unrotate(backend: ggml.Backend, n_layers: int, iters: int, warmup: int, rng: np.random.Generator,
+                  n_q: int) -> float:
+    """Median milliseconds per layer of the output un-rotation alone (what folding R^T into the attention output
+    projection would save): R^T over the 24 heads x 256 values of n_q tokens, one op per layer on its own input."""
+    rot = tq3.Rotation(backend)
+    ctx = ggml.Context(n_tensors=8 * n_layers + 8, graph_size=8 * n_layers + 8)
+    xs = [ctx.new_tensor(Type.F32, (HEAD_DIM * N_HEAD, n_q)).mark_input() for _ in range(n_layers)]
+    graph = ctx.graph([rot.unrotate(ctx, x) for x in xs])
+    alloc = ggml.Allocator(backend)
+    alloc.allocate(graph)
+    for x in xs:
+        x.set(rng.standard_normal((n_q, HEAD_DIM * N_HEAD), dtype=np.float32))
+    times = call_times(lambda: backend.compute(graph), iters, warmup)
+    rot.close()
+    return statistics.median(times) * 1e3 / n_layers
+
+
 def _ctx_label(n: int) -> str:
     return f"{n // 1024}K" if n % 1024 == 0 else str(n)
 
@@ -100,6 +117,10 @@ def main() -> None:
         if Type.TQ3_0 in ms and Type.F16 in ms:
             ratios = [a / b for a, b in zip(ms[Type.TQ3_0], ms[Type.F16])]
             print("| TQ3_0 / F16 | | " + " | ".join(f"{r:.2f}x" for r in ratios) + " |")
+        if Type.TQ3_0 in ms:
+            un = time_unrotate(backend, args.layers, args.iters, args.warmup, rng, n_q)
+            print(f"\nof which the output un-rotation (a {tq3.GROUP}x{tq3.GROUP} mul_mat per layer, the part folding it "
+                  f"into the output projection would remove): {un:.4f} ms per layer")
 
     print(f"\nKV cache of the 27B shape ({N_ATTN_LAYERS} attention layers x (K, V) x {N_HEAD_KV} heads x {HEAD_DIM}):\n")
     print("| K/V type | 128K ctx (GiB) | 256K ctx (GiB) |")
