@@ -260,11 +260,12 @@ phase replay_depth 120 lcq 120 python3 "$lc" depth "$data/q27.gguf" --draft "$da
 phase replay_depth_f32 120 lcq 120 python3 "$lc" depth "$data/q27.gguf" --draft "$data/d27" --device cuda \
     --kv tq3_0 --depths 2048,131072 --n-gen 8 --n-steps 16 --state-type f32
 # real GGUFs (issue 16), where this machine has them: REAL_MODELS="a.gguf b.gguf" beside llama-bench (tg128, pp512);
-# the real Qwen2.5-Coder-1.5B's CUDA greedy test takes its path from PYDFLASH_REAL_QWEN2_1_5B
+# the real Qwen2.5-Coder-1.5B's CUDA greedy test takes its path from PYDFLASH_REAL_QWEN2_1_5B, and compares with
+# llama.cpp's own CUDA logits (llama-logits, built beside llama-bench)
 real_models() { [ -n "${REAL_MODELS:-}" ] || { echo "REAL_MODELS unset: skipped"; return 0; }; python3 "$src/bench/real_models.py" $REAL_MODELS --device cuda --llama-bench "$build/bin/llama-bench"; }
 export -f real_models
 phase bench_real_models 500 real_models
-phase tests_real_qwen2 300 pytest_cuda "$src/tests/test_real_models.py" -rs
+phase tests_real_qwen2 300 env PYDFLASH_LLAMA_BIN="$build/bin" bash -c 'pytest_cuda "$@"' _ "$src/tests/test_real_models.py" -rs
 # the sampler op alone (issue 13) with 8 (Hopper default), 16 and 1 (pre-Hopper kernel) blocks per row; its CUDA tests
 sampling_op() { for b in 8 16 1; do PYDFLASH_SAMPLE_BLOCKS=$b python3 "$src/bench/sampling_step.py" --op-only --device cuda --reps 20 || return 1; done; }
 export -f sampling_op

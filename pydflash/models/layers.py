@@ -19,8 +19,9 @@ ROPE_TYPE_NEOX = 2        # qwen2/qwen3: rotate halves (x0, x_{d/2}), ...
 ROPE_TYPE_IMROPE = 40     # qwen35: interleaved multi-section rope over 4 position axes
 
 
-def _env_switch(name: str) -> bool:
-    value = os.environ.get(name, "0")
+def env_switch(name: str, default: str = "0") -> bool:
+    """An on/off environment setting: '1' or '0' (unset: `default`); anything else is refused by name."""
+    value = os.environ.get(name, default)
     if value not in ("0", "1"):
         raise ValueError(f"{name} must be 0 or 1, got {value!r}")
     return value == "1"
@@ -57,7 +58,7 @@ def bitexact_enabled() -> bool:
     (quantised) or as one matrix-vector product per token (others), decode and verify attention through
     ggml_flash_attn_ordered (f16 KV cache only), and a decode runs the recurrent layers through the tree ops as
     a one-node tree, as a verify does. Slower; off by default. Read when a graph is built."""
-    return _env_switch("PYDFLASH_BITEXACT")
+    return env_switch("PYDFLASH_BITEXACT")
 
 
 def kernel_mode() -> str:
@@ -93,7 +94,7 @@ def linear(ctx: ggml.Context, w: ggml.Tensor, x: ggml.Tensor) -> ggml.Tensor:
     mode = qmatmul_mode()
     if mode != "0" and _takes_qmatmul(w, x) and (mode == "1" or x.ne[1] in QMATMUL_FASTER_COLS.get(w.type, ())):
         return ggml.qmatmul(ctx, w, x)
-    if bitexact_enabled() and x.ne[1] <= ggml.QMATMUL_MAX_COLS and x.ne[2:] == (1, 1) and is_contiguous(x):
+    if bitexact_enabled() and x.ne[1] <= ggml.QMATMUL_MAX_COLS and x.ne[2:] == (1, 1) and x.is_contiguous:
         # tokens as a batch of single columns: ggml then takes its matrix-vector kernel for every token count
         # (its kernel choice, and so the rounding, depends on the column count). One token goes the same way, so
         # that no graph fuses the product with its neighbours (CUDA fuses a 1-column FFN with its GLU). Prefill
@@ -101,6 +102,14 @@ def linear(ctx: ggml.Context, w: ggml.Tensor, x: ggml.Tensor) -> ggml.Tensor:
         out = ctx.mul_mat(w, ctx.reshape_3d(x, x.ne[0], 1, x.ne[1]))
         return ctx.reshape_2d(out, out.ne[0], x.ne[1])
     return ctx.mul_mat(w, x)
+
+
+def heads(ctx: ggml.Context, y: ggml.Tensor, head_dim: int, n_head: int, n: int) -> ggml.Tensor:
+    """[head_dim * n_head, n] (a projection's output, or a row range of a fused one: TargetRuntime.project) seen
+    as [head_dim, n_head, n]."""
+    if y.is_contiguous:
+        return ctx.reshape_3d(y, head_dim, n_head, n)
+    return ctx.view_3d(y, head_dim, n_head, n, head_dim * 4, y.nb[1], 0)
 
 
 def rms_norm(ctx: ggml.Context, x: ggml.Tensor, weight: ggml.Tensor, eps: float, name: str) -> ggml.Tensor:
@@ -143,7 +152,7 @@ def attention(ctx: ggml.Context, cache, il: int, q: ggml.Tensor, k: ggml.Tensor,
         v = hadamard_rotate(ctx, v, cache.v_rot)
     elif cache.tq3_rotation is not None:   # TQ3_0 rotates K and V as it quantises them: Q follows
         q = cache.tq3_rotation.rotate(ctx, q)
-        if not is_contiguous(v):           # (a fused QKV's V view: TQ3_0's row writer reads whole rows)
+        if not v.is_contiguous:           # (a fused QKV's V view: TQ3_0's row writer reads whole rows)
             v = ctx.cont(v)
     kv_row = hd * n_head_kv
     k_cache, v_cache = cache.k[il], cache.v[il]
@@ -177,16 +186,6 @@ def hadamard_rotate(ctx: ggml.Context, x: ggml.Tensor, rot: ggml.Tensor) -> ggml
     """x @ H per group of H's size along ne[0] (H symmetric and orthonormal)."""
     m = rot.ne[0]
     n_elem = int(np.prod(x.ne))
-    flat = ctx.reshape_2d(x if is_contiguous(x) else ctx.cont(x), m, n_elem // m)
+    flat = ctx.reshape_2d(x if x.is_contiguous else ctx.cont(x), m, n_elem // m)
     y = ctx.mul_mat(rot, flat).hint_src0_hadamard()
     return ctx.reshape_4d(y, *x.ne)
-
-
-def is_contiguous(t: ggml.Tensor) -> bool:
-    expected = ggml.row_size(t.type, t.ne[0])
-    if t.nb[1] != expected:
-        return False
-    for i in range(2, 4):
-        if t.ne[i - 1] > 1 and t.nb[i] != t.nb[i - 1] * t.ne[i - 1]:
-            return False
-    return True

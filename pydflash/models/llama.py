@@ -7,7 +7,6 @@ Keys, tensor names and formulas follow llama.cpp (src/models/llama.cpp), the ora
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -15,7 +14,7 @@ from ..gguf_io import GGUFError, GGUFFile
 from ..validate import MAX_CTX_TRAIN, MAX_LAYERS, MAX_SIZE, meta_float, meta_int, meta_str, vocab_rows
 from . import layers
 from .layers import linear, rms_norm
-from .runtime import GraphInputs, TargetRuntime, TensorSpec
+from .runtime import GraphInputs, TargetRuntime, TensorSpec, fused_entries, fusable_prefix, fusing_enabled
 
 
 @dataclass(frozen=True)
@@ -111,20 +110,6 @@ class LlamaHParams:
         return specs
 
 
-QKV = ("attn_q", "attn_k", "attn_v")
-
-
-def _group_name(group: tuple[str, ...]) -> str:
-    """attn_q, or attn_qk / attn_qkv for a fused group."""
-    return group[0] if len(group) == 1 else "attn_" + "".join(m[len("attn_"):] for m in group)
-
-
-def _fusable(info: dict, a: str, b: str) -> bool:
-    """Projections a and b can share one matrix: same weight type (and row length), biases on both or neither."""
-    wa, wb = info[a + ".weight"], info[b + ".weight"]
-    return wa.type == wb.type and wa.ne[0] == wb.ne[0] and (a + ".bias" in info) == (b + ".bias" in info)
-
-
 class LlamaTarget(TargetRuntime):
     """A loaded llama-family (attention-only) model with its cache (public surface: docs/targets.md)."""
 
@@ -145,39 +130,20 @@ class LlamaTarget(TargetRuntime):
         """Q, K and V of a layer as one matrix where their types agree (else Q and K where theirs do), their
         biases likewise: one matmul (and one quantisation of the activations) instead of three, which is most
         of a small model's decode time in kernel launches. Each output row is the same dot product as before,
-        so the logits do not change. PYDFLASH_FUSE_QKV=0 turns it off."""
-        off = os.environ.get("PYDFLASH_FUSE_QKV", "1").strip().lower() in ("0", "false", "off", "no")
-        info = {i.name: i for i in infos}
-        self.qkv_groups, fused = [], {}
+        so the logits do not change."""
+        if not fusing_enabled():
+            return {}
+        info, fused = {i.name: i for i in infos}, {}
         for il in range(self.hp.n_layer):
-            p = f"blk.{il}."
-            n = 1
-            while not off and n < 3 and _fusable(info, p + QKV[0], p + QKV[n]):
-                n += 1
-            groups = [QKV[:n]] + [(name,) for name in QKV[n:]]
-            self.qkv_groups.append(groups)
-            if n > 1:
-                for part in (".weight", ".bias") if p + "attn_q.bias" in info else (".weight",):
-                    fused[p + _group_name(QKV[:n]) + part] = tuple(p + m + part for m in QKV[:n])
+            fused.update(fused_entries(info, fusable_prefix(info, tuple(f"blk.{il}.attn_{x}" for x in "qkv"))))
         return fused
 
     def _qkv(self, ctx, x, il: int, n: int):
-        """Q [head_dim, n_head, n], K and V [head_dim, n_head_kv, n], biases added: one matmul per group of
-        fused weights (its members' outputs are row ranges of its output), one for each of the others."""
-        hp, w, p = self.hp, self.weights, f"blk.{il}."
-        heads = {"attn_q": hp.n_head, "attn_k": hp.n_head_kv, "attn_v": hp.n_head_kv}
-        out = {}
-        for grp in self.qkv_groups[il]:
-            name = p + _group_name(grp)
-            y = linear(ctx, w[name + ".weight"], x)
-            if name + ".bias" in w:
-                y = ctx.add(y, w[name + ".bias"])
-            offset = 0
-            for m in grp:
-                out[m] = (ctx.reshape_3d(y, hp.head_dim, heads[m], n) if len(grp) == 1 else
-                          ctx.view_3d(y, hp.head_dim, heads[m], n, hp.head_dim * 4, y.nb[1], offset))
-                offset += hp.head_dim * heads[m] * 4
-        return out["attn_q"], out["attn_k"], out["attn_v"]
+        """Q [head_dim, n_head, n], K and V [head_dim, n_head_kv, n], biases added (TargetRuntime.project)."""
+        hp, p = self.hp, f"blk.{il}."
+        q, k, v = self.project(ctx, x, [p + "attn_q", p + "attn_k", p + "attn_v"])
+        return (layers.heads(ctx, q, hp.head_dim, hp.n_head, n), layers.heads(ctx, k, hp.head_dim, hp.n_head_kv, n),
+                layers.heads(ctx, v, hp.head_dim, hp.n_head_kv, n))
 
     def _attention(self, ctx, x, il: int, g: GraphInputs):
         hp, w, p, n = self.hp, self.weights, f"blk.{il}.", g.n_tokens

@@ -17,7 +17,7 @@ from ..gguf_io import GGUFError, GGUFFile
 from ..validate import MAX_CTX_TRAIN, MAX_LAYERS, MAX_SIZE, meta_float, meta_int, meta_ints, vocab_rows
 from . import layers
 from .layers import linear, rms_norm
-from .runtime import GraphInputs, TargetRuntime, TensorSpec
+from .runtime import GraphInputs, TargetRuntime, TensorSpec, fused_entries, fusable_prefix, fusing_enabled
 
 ARCH = "qwen35"
 MAX_STATE = 1024           # GDN head size (Qwen3.5: 128); the state is state_size^2 per head
@@ -171,17 +171,32 @@ class Qwen35Target(TargetRuntime):
                                 f"l{il}.ffn_out")
         return ctx.add(ffn, h).named(f"l{il}.out")
 
+    def fused_weights(self, infos) -> dict[str, tuple[str, ...]]:
+        """Per layer, the projections of the same input that share a type: attention Q(+gate), K, V (as the llama
+        family's); recurrent qkv with the output gate z, and beta with alpha. One matmul instead of two to four,
+        the same dot products (TargetRuntime.project)."""
+        if not fusing_enabled():
+            return {}
+        info, fused = {i.name: i for i in infos}, {}
+        for il in range(self.hp.n_layer):
+            p = f"blk.{il}."
+            runs = [(p + "attn_qkv", p + "attn_gate"), (p + "ssm_beta", p + "ssm_alpha")] if self.hp.recurrent[il] \
+                else [(p + "attn_q", p + "attn_k", p + "attn_v")]
+            for bases in runs:
+                fused.update(fused_entries(info, fusable_prefix(info, bases)))
+        return fused
+
     def _attention(self, ctx, x, il: int, g: GraphInputs):
         hp, w = self.hp, self.weights
         p, hd, n = f"blk.{il}.", hp.head_dim, g.n_tokens
-        q_full = linear(ctx, w[p + "attn_q.weight"], x).named(f"l{il}.q_proj")   # [2 hd n_head, n], [Q | gate]
-        q = ctx.view_3d(q_full, hd, hp.n_head, n, 2 * hd * 4, 2 * hd * hp.n_head * 4, 0)
+        q_full, k, v = self.project(ctx, x, [p + "attn_q", p + "attn_k", p + "attn_v"])   # q_full: [Q | gate]
+        q = ctx.view_3d(q_full, hd, hp.n_head, n, 2 * hd * 4, q_full.nb[1], 0)
         q = rms_norm(ctx, q, w[p + "attn_q_norm.weight"], hp.rms_eps, f"l{il}.q_norm")     # [hd, n_head, n]
-        gate = ctx.view_3d(q_full, hd, hp.n_head, n, 2 * hd * 4, 2 * hd * hp.n_head * 4, hd * 4)
+        gate = ctx.view_3d(q_full, hd, hp.n_head, n, 2 * hd * 4, q_full.nb[1], hd * 4)
         gate = ctx.cont_2d(gate, hd * hp.n_head, n)
-        k = ctx.reshape_3d(linear(ctx, w[p + "attn_k.weight"], x).named(f"l{il}.k_proj"), hd, hp.n_head_kv, n)
+        k = layers.heads(ctx, k, hd, hp.n_head_kv, n)
         k = rms_norm(ctx, k, w[p + "attn_k_norm.weight"], hp.rms_eps, f"l{il}.k_norm")
-        v = ctx.reshape_3d(linear(ctx, w[p + "attn_v.weight"], x).named(f"l{il}.v_proj"), hd, hp.n_head_kv, n)
+        v = layers.heads(ctx, v, hd, hp.n_head_kv, n)
         rope = (hp.n_rot, list(hp.rope_sections), layers.ROPE_TYPE_IMROPE, hp.n_ctx_train, hp.rope_base, 1.0, 0.0,
                 1.0, 32.0, 1.0)
         q = ctx.rope_multi(q, g.pos, None, *rope).named(f"l{il}.q")
@@ -196,10 +211,12 @@ class Qwen35Target(TargetRuntime):
         hp, w, cache = self.hp, self.weights, self.cache
         p, n, parent, side_effects = f"blk.{il}.", g.n_tokens, g.parent, g.side_effects
         d_k, h_k, d_v, h_v = hp.ssm_d_k, hp.ssm_n_k_heads, hp.ssm_d_v, hp.ssm_n_v_heads
-        qkv = linear(ctx, w[p + "attn_qkv.weight"], x).named(f"l{il}.gdn.qkv")   # [conv_dim, n]
-        z = linear(ctx, w[p + "attn_gate.weight"], x).named(f"l{il}.gdn.z")      # [value_dim, n]
-        beta = ctx.sigmoid(ctx.reshape_4d(linear(ctx, w[p + "ssm_beta.weight"], x), 1, h_v, n, 1))
-        alpha = ctx.reshape_3d(linear(ctx, w[p + "ssm_alpha.weight"], x), h_v, n, 1)
+        # qkv [conv_dim, n], z [value_dim, n], beta and alpha [h_v, n]; contiguous copies of row ranges of a
+        # fused product where the ops below need whole tensors (only verify and prefill: one column is contiguous)
+        qkv, z, beta, alpha = (t if t.is_contiguous else ctx.cont(t) for t in
+                               self.project(ctx, x, [p + "attn_qkv", p + "attn_gate", p + "ssm_beta", p + "ssm_alpha"]))
+        beta = ctx.sigmoid(ctx.reshape_4d(beta, 1, h_v, n, 1))
+        alpha = ctx.reshape_3d(alpha, h_v, n, 1)
         gk = ctx.mul(ctx.softplus(ctx.add(alpha, w[p + "ssm_dt.bias"])), w[p + "ssm_a"])  # log-decay, <= 0
         gk = ctx.reshape_4d(gk, 1, h_v, n, 1).named(f"l{il}.gdn.g")
 

@@ -73,6 +73,7 @@ class TargetWeights:
             if info.name not in self.t:
                 self.t[info.name] = self._ctx.new_tensor(info.type, info.ne, name=info.name[:63])
         self.fused = {merged: tuple(members) for merged, members in fused.items()}
+        self.member_of = {m: merged for merged, members in self.fused.items() for m in members}
         self.buffer = backend.alloc_tensors(self._ctx)
         upload(gf, [(info, self.t[info.name]) for info in infos], progress=progress)
         if "output.weight" not in self.t:
@@ -114,6 +115,36 @@ class TargetWeights:
 
     def __contains__(self, name: str) -> bool:
         return name in self.t
+
+
+def fusable_prefix(info: dict, bases: tuple[str, ...]) -> tuple[str, ...]:
+    """The leading weights of `bases` (names without '.weight') that can share one matrix with the first: the same
+    type and row length, and a bias on all of them or on none. info: tensor name -> TensorInfo."""
+    first = info[bases[0] + ".weight"]
+    n = 1
+    while n < len(bases):
+        w = info[bases[n] + ".weight"]
+        if w.type != first.type or w.ne[0] != first.ne[0] or \
+                (bases[n] + ".bias" in info) != (bases[0] + ".bias" in info):
+            break
+        n += 1
+    return bases[:n]
+
+
+def fused_entries(info: dict, bases: tuple[str, ...]) -> dict[str, tuple[str, ...]]:
+    """TargetWeights' `fused` entries for weights `bases` (and their biases, if any): 'blk.N.a+b.weight' ->
+    ('blk.N.a.weight', 'blk.N.b.weight'); nothing for fewer than two."""
+    if len(bases) < 2:
+        return {}
+    prefix = bases[0].rsplit(".", 1)[0] + "."
+    merged = prefix + "+".join(b[len(prefix):] for b in bases)
+    parts = (".weight", ".bias") if bases[0] + ".bias" in info else (".weight",)
+    return {merged + part: tuple(b + part for b in bases) for part in parts}
+
+
+def fusing_enabled() -> bool:
+    """PYDFLASH_FUSED_WEIGHTS=0 loads every weight as its own tensor (architectures' fused_weights return {})."""
+    return layers.env_switch("PYDFLASH_FUSED_WEIGHTS", default="1")
 
 
 class GraphInputs:
@@ -324,9 +355,31 @@ class TargetRuntime:
     # --- what an architecture provides ---
 
     def fused_weights(self, infos) -> dict[str, tuple[str, ...]]:
-        """Weights to lay out as the rows of one tensor (TargetWeights' `fused`), from the file's TensorInfos;
-        none by default."""
+        """Weights to lay out as the rows of one tensor (TargetWeights' `fused`: see fusable_prefix and
+        fused_entries), from the file's TensorInfos; none by default."""
         return {}
+
+    def project(self, ctx: ggml.Context, x: ggml.Tensor, bases: list[str]) -> list[ggml.Tensor]:
+        """x [n_in, n] through each weight of `bases` (names without '.weight'), its bias added where the file has
+        one: [n_out, n] each. Weights that fused_weights fused take one matmul and one bias add together, and each
+        one's result is a row range (a view) of that output; a view is contiguous only for n = 1."""
+        w, out = self.weights, {}
+        for base in bases:
+            if base in out:
+                continue
+            merged = w.member_of.get(base + ".weight")
+            members = w.fused[merged] if merged else (base + ".weight",)
+            mbase = (merged or base + ".weight")[:-len(".weight")]
+            y = layers.linear(ctx, w[mbase + ".weight"], x)
+            if mbase + ".bias" in w:
+                y = ctx.add(y, w[mbase + ".bias"])
+            offset = 0
+            for member in members:
+                rows = w[member].ne[1]
+                out[member[:-len(".weight")]] = y if len(members) == 1 else \
+                    ctx.view_2d(y, rows, y.ne[1], y.nb[1], offset)
+                offset += rows * 4
+        return [out[b] for b in bases]
 
     def build_layer(self, ctx: ggml.Context, il: int, h: ggml.Tensor, g: GraphInputs) -> ggml.Tensor:
         """Add layer il to the graph: the residual stream h [n_embd, n] in, the layer's output out."""

@@ -1,17 +1,18 @@
-"""Fused Q/K/V weights (LlamaTarget.fused_weights): one matrix per layer where the projections' types agree. Each
-output row is the same dot product as with three matrices, so on the CPU the logits must be bit-identical to the
-unfused model's, through prefill, decode and a tree verify."""
+"""Fused projection weights (TargetRuntime.fused_weights / project): the matrices of one layer that read the same
+input and share a type are loaded as the rows of one tensor, and one matmul computes them all: Q/K/V of the llama
+family and of qwen35's attention layers, qwen35's recurrent qkv with its output gate, and beta with alpha. Each
+output row is the same dot product as with separate matrices, so on the CPU the logits must be bit-identical to
+the unfused model's, through prefill, decode and a tree verify."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
-
 from test_qwen35 import CUDA_LOGIT_ATOL
 
 from pydflash import ggml
 from pydflash.gguf_io import GGUFFile
 from pydflash.models import load_target
-from pydflash.testing import write_llama_gguf
+from pydflash.testing import write_llama_gguf, write_qwen35_gguf
 
 # Q4_K_M: Q and K in Q4_K, V in Q6_K (fused: Q+K); Q8_0: all three fused. n_embd 256 fills whole K-quant blocks;
 # heads of 64 (CUDA's flash attention has no kernel for smaller ones).
@@ -19,9 +20,20 @@ CASES = {"qwen2-q4_k_m": dict(arch="qwen2", n_embd=256, n_ff=512, weight_type="Q
          "llama-q8_0": dict(arch="llama", n_embd=128, n_head=2, n_head_kv=1, n_ff=256, weight_type="Q8_0", seed=5),
          "qwen3-q8_0": dict(arch="qwen3", n_embd=128, n_ff=256, head_dim=64, weight_type="Q8_0", seed=6),
          "gemma3-q8_0": dict(arch="gemma3", n_layer=6, n_embd=128, n_head=2, n_head_kv=1, n_ff=256,
-                             weight_type="Q8_0", seed=7)}
-EXPECTED_GROUP = {"qwen2-q4_k_m": "attn_qk", "llama-q8_0": "attn_qkv", "qwen3-q8_0": "attn_qkv",
-                  "gemma3-q8_0": "attn_qkv"}
+                             weight_type="Q8_0", seed=7),
+         "qwen35-q8_0": dict(arch="qwen35", weight_type="Q8_0", seed=8)}
+# the fused weights of layer 0 (and, for qwen35, of its attention layer 3)
+EXPECTED = {"qwen2-q4_k_m": {0: ["attn_q+attn_k"]}, "llama-q8_0": {0: ["attn_q+attn_k+attn_v"]},
+            "qwen3-q8_0": {0: ["attn_q+attn_k+attn_v"]}, "gemma3-q8_0": {0: ["attn_q+attn_k+attn_v"]},
+            "qwen35-q8_0": {0: ["attn_qkv+attn_gate", "ssm_beta+ssm_alpha"], 3: ["attn_q+attn_k+attn_v"]}}
+
+
+def _write(path, case):
+    cfg = dict(CASES[case])
+    if cfg.pop("arch") == "qwen35":
+        write_qwen35_gguf(path, **cfg)
+    else:
+        write_llama_gguf(path, arch=CASES[case]["arch"], **cfg)
 
 
 def _run(path, device, prompt, steps):
@@ -44,27 +56,29 @@ def _mul_mats(target) -> int:
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_fused_qkv_logits_equal_unfused_bit_for_bit(tmp_path, monkeypatch, case, device):
+def test_fused_weights_give_the_unfused_logits(tmp_path, monkeypatch, case, device):
     """On CUDA the one-token steps use the same per-row kernel either way, but ggml's batched MMQ splits K over
     blocks by the matrix's row count (stream-k): there the CUDA Q8_0-class bound of test_qwen35 applies."""
     path = str(tmp_path / f"{case}.gguf")
-    write_llama_gguf(path, **CASES[case])
+    _write(path, case)
     prompt = [int(t) for t in np.random.default_rng(1).integers(0, 400, 40)]   # three micro-batches
     fused, got = _run(path, device, prompt, 8)
-    monkeypatch.setenv("PYDFLASH_FUSE_QKV", "0")
+    monkeypatch.setenv("PYDFLASH_FUSED_WEIGHTS", "0")
     plain, ref = _run(path, device, prompt, 8)
 
-    n_layer = fused.hp.n_layer
-    group = EXPECTED_GROUP[case]
-    assert sorted(k for k in fused.weights.fused if k.endswith(".weight")) == \
-        sorted(f"blk.{il}.{group}.weight" for il in range(n_layer))
+    for il, names in EXPECTED[case].items():
+        assert sorted(k for k in fused.weights.fused if k.startswith(f"blk.{il}.") and k.endswith(".weight")) == \
+            sorted(f"blk.{il}.{name}.weight" for name in names)
     assert plain.weights.fused == {}
-    # each projection of a fused group is a view of its rows, holding the file's bytes
+    # each fused weight is a view of its rows, holding the file's bytes
     gf = GGUFFile(path)
-    for name in ("blk.0.attn_q.weight", "blk.0.attn_k.weight", "blk.0.attn_v.weight"):
-        assert np.array_equal(fused.weights[name].numpy().reshape(-1), gf.data(gf.tensors[name]).reshape(-1)), name
-    # fewer matmuls per layer: 2 (Q+K) or 3 (Q+K+V) become one
-    assert _mul_mats(plain) - _mul_mats(fused) == n_layer * (len(group) - len("attn_") - 1)
+    for merged, members in fused.weights.fused.items():
+        for name in members:
+            on_device = np.ascontiguousarray(fused.weights[name].numpy()).reshape(-1).view(np.uint8)
+            assert np.array_equal(on_device, gf.data(gf.tensors[name]).reshape(-1)), name
+    # a group of k matrices is one matmul instead of k
+    saved = sum(len(members) - 1 for merged, members in fused.weights.fused.items() if merged.endswith(".weight"))
+    assert saved >= fused.hp.n_layer and _mul_mats(plain) - _mul_mats(fused) == saved
     if device == "cpu":
         assert np.array_equal(got, ref)
     else:
