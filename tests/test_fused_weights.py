@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from test_engine import CUDA_SHAPE   # a qwen35 shape CUDA's tree ops take
 from test_qwen35 import CUDA_LOGIT_ATOL
 
 from pydflash import ggml
@@ -21,11 +22,11 @@ CASES = {"qwen2-q4_k_m": dict(arch="qwen2", n_embd=256, n_ff=512, weight_type="Q
          "qwen3-q8_0": dict(arch="qwen3", n_embd=128, n_ff=256, head_dim=64, weight_type="Q8_0", seed=6),
          "gemma3-q8_0": dict(arch="gemma3", n_layer=6, n_embd=128, n_head=2, n_head_kv=1, n_ff=256,
                              weight_type="Q8_0", seed=7),
-         "qwen35-q8_0": dict(arch="qwen35", weight_type="Q8_0", seed=8)}
-# the fused weights of layer 0 (and, for qwen35, of its attention layer 3)
+         "qwen35-q8_0": dict(arch="qwen35", **dict(CUDA_SHAPE, weight_type="Q8_0", seed=8))}
+# the fused weights of layer 0 (and, for qwen35, of its attention layer 1)
 EXPECTED = {"qwen2-q4_k_m": {0: ["attn_q+attn_k"]}, "llama-q8_0": {0: ["attn_q+attn_k+attn_v"]},
             "qwen3-q8_0": {0: ["attn_q+attn_k+attn_v"]}, "gemma3-q8_0": {0: ["attn_q+attn_k+attn_v"]},
-            "qwen35-q8_0": {0: ["attn_qkv+attn_gate", "ssm_beta+ssm_alpha"], 3: ["attn_q+attn_k+attn_v"]}}
+            "qwen35-q8_0": {0: ["attn_qkv+attn_gate", "ssm_beta+ssm_alpha"], 1: ["attn_q+attn_k+attn_v"]}}
 
 
 def _write(path, case):
