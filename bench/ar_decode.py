@@ -4,7 +4,7 @@
 
 Each repetition starts from an empty cache, runs a --n-depth token prompt (0 = none, llama-bench's default), then
 times --n-gen single-token steps (the argmax is the only thing copied back per step), the engine's way (`ahead`:
-TargetRuntime.greedy_ahead, the next step queued while a token is read back, on models without recurrent layers)
+TargetRuntime.decode_ahead, the next step queued while a token is read back, on models without recurrent layers)
 and one step at a time (`step`). With --llama-bench, the same
 test runs through llama.cpp's own benchmark on the same file (flash attention on, all layers on the GPU) and the
 table gets its tokens/s and our ratio to it. --n-prompt N also times a prefill of N tokens (llama-bench's pp test)
@@ -28,10 +28,13 @@ except ImportError:      # running from a source checkout without installing
 
 def bench_pydflash(args) -> dict:
     from pydflash.models import load_target
+    from pydflash.sampling import Sampler, SamplingParams
 
     t0 = time.perf_counter()
     target = load_target(args.model, args.device, n_ctx=args.n_ctx, kv_type=args.kv, n_ubatch=args.n_ubatch,
                          progress=True)
+    temperature = getattr(args, "temperature", 0.0)     # (bench/real_models.py's runs have none: greedy)
+    target.enable_sampling(temperature > 0)
     load_s = time.perf_counter() - t0
     ways = ("ahead", "step") if target.decodes_ahead else ("step",)
     rates, pp_rates = {way: [] for way in ways}, []
@@ -50,13 +53,16 @@ def bench_pydflash(args) -> dict:
             if args.n_depth:
                 target.prefill(list(range(1, args.n_depth + 1)), return_logits=False)
                 token = target.argmax()
+            sampler = Sampler(SamplingParams(temperature=temperature, top_p=0.95, seed=rep)) if temperature else None
             target.backend.synchronize()
             t = time.perf_counter()
-            if way == "ahead":    # the engine's greedy AR: the next step queued while the host reads a token
-                for token in target.greedy_ahead(token, args.n_gen):
+            if way == "ahead":    # the engine's AR: the next step queued while the host reads a token
+                for token in target.decode_ahead(token, args.n_gen, sampler):
                     pass
-            else:                 # one step at a time, its argmax read before the next is queued
+            else:                 # one step at a time, its token read before the next is queued
                 for _ in range(args.n_gen):
+                    if sampler is not None:
+                        target.sample_inputs = sampler.for_context(())
                     token = target.step(token)
             dt = time.perf_counter() - t
             if rep:
@@ -125,6 +131,8 @@ def main(argv=None) -> int:
     p.add_argument("--kv", default="f16", choices=["f16", "q8_0", "q4_0", "tq3_0"])
     p.add_argument("--n-ctx", type=int, default=1024)
     p.add_argument("--n-ubatch", type=int, default=512)
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="sample (top-p 0.95, seeded) instead of greedy decoding; llama-bench stays its own tg test")
     p.add_argument("--llama-bench", help="path to llama-bench built from the same pinned llama.cpp")
     p.add_argument("--llama-cpp-python", action="store_true",
                    help="compare with llama.cpp via llama-cpp-python in-process instead (CPU runs)")
@@ -138,6 +146,7 @@ def main(argv=None) -> int:
     print("\n| engine | model | device | test | tok/s | ratio |\n|---|---|---|---|---|---|")
     from pydflash.models.layers import kernel_mode   # PYDFLASH_BITEXACT / PYDFLASH_QMATMUL
     test = f"tg{args.n_gen}" + (f" @ d{args.n_depth}" if args.n_depth else "") + f" kv {args.kv}"
+    test += f" T={args.temperature:g}" if args.temperature else ""
     test += "" if kernel_mode() == "ggml" else f" {kernel_mode()}"
     ratio = f"{ours['tok_s'] / ref['tok_s']:.3f}" if ref else "-"
     print(f"| pydflash ({ours['decode']}) | {name} | {ours['device']} | {test} | {ours['tok_s']:.2f} ± "

@@ -248,11 +248,12 @@ class Decoder:
         root, reused = prefill(self.target, self.draft, prompt_ids, self.prefix, sampler)
         t1 = time.perf_counter()
         run = _Run(context=prompt_ids + [root], sampler=sampler)
-        # greedy AR on a model that can take a queued step back: the next step runs while this one's token is
-        # handled (TargetRuntime.greedy_ahead)
+        # AR on a model that can take a queued step back, greedy or sampled without penalties: the next step runs
+        # while this one's token is handled (TargetRuntime.decode_ahead)
         ahead = None
-        if self.mode == "ar" and sampler is None and getattr(self.target, "decodes_ahead", False):
-            ahead = self.target.greedy_ahead(root, max_tokens - 1)
+        if self.mode == "ar" and getattr(self.target, "decodes_ahead", False) and \
+                (sampler is None or not sampler.params.penalised):
+            ahead = self.target.decode_ahead(root, max_tokens - 1, sampler)
         t_yield = 0.0        # time spent in the consumer between steps is not decode time
         settled = True       # the cache holds run.context[:-1] (false while a step is under way)
         try:

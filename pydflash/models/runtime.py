@@ -240,7 +240,7 @@ class _CommitGraph:
 
 
 class _AheadIO:
-    """greedy_ahead's host side: step inputs staged in page-locked memory (two halves: a step's half is rewritten
+    """decode_ahead's host side: step inputs staged in page-locked memory (two halves: a step's half is rewritten
     two steps later, after the step before it was waited for), and each step's argmax copied back into one of two
     slots, with an event behind it."""
 
@@ -340,8 +340,8 @@ class TargetRuntime:
         self.sampling_enabled = False     # graphs end in the on-device sampler (enable_sampling)
         self.sample_inputs = None         # sampling.StepInputs of the next prefill/step/verify (then cleared)
         self._last_sampled = False        # the last forward's sampler drew from given inputs
-        self._ahead = None                # greedy_ahead's staging buffers (_AheadIO), made on first use
-        self._fed_token = None            # i32 [1] on the device: the token of greedy_ahead's next step
+        self._ahead = None                # decode_ahead's staging buffers (_AheadIO), made on first use
+        self._fed_token = None            # i32 [1] on the device: the token of decode_ahead's next step
 
     def memory_plan(self, infos, n_cells: int, kv_type, n_ubatch: int) -> dict[str, int]:
         """Bytes a load would allocate, by part (the compute buffer estimated: the logits and a few activations
@@ -451,21 +451,28 @@ class TargetRuntime:
 
     @property
     def decodes_ahead(self) -> bool:
-        """Whether greedy_ahead applies: a model without recurrent layers, whose queued step can be taken back by
+        """Whether decode_ahead applies: a model without recurrent layers, whose queued step can be taken back by
         moving n_past (its KV row past n_past is never read, and is overwritten later)."""
         return not any(self.hp.recurrent)
 
-    def greedy_ahead(self, token: int, max_steps: int):
-        """Greedy decoding after `token` (run first): yields the next token of each of up to max_steps steps while
-        the step after it already runs on the device. The tokens stay on the device (each step's argmax is the
-        next step's input), so the host's work for a step, including this generator's consumer, overlaps the
-        device's; only the 4-byte argmax comes back, into page-locked memory. Closing the generator early (break,
-        close()) takes the queued step back: the cache then holds `token` and every yielded token but the last,
-        as after the same calls of `step`."""
+    def decode_ahead(self, token: int, max_steps: int, sampler=None):
+        """Decoding after `token` (run first): yields the next token of each of up to max_steps steps while the
+        step after it already runs on the device. The tokens stay on the device (each step's argmax, or its drawn
+        token, is the next step's input), so the host's work for a step, including this generator's consumer,
+        overlaps the device's; only the 4-byte token comes back, into page-locked memory. Closing the generator
+        early (break, close()) takes the queued step back: the cache then holds `token` and every yielded token
+        but the last, as after the same calls of `step`.
+
+        sampler: None (greedy), or a sampling.Sampler without penalties (with enable_sampling(True)): its draws then
+        need nothing from the host but the next uniform, taken in step order as `step` would take them (the
+        queued step that is taken back has drawn one more)."""
         if not self.decodes_ahead:
-            raise ValueError(f"{self.ARCH}: greedy_ahead needs a model without recurrent layers (use step)")
-        if self.sampling_enabled:
-            raise ValueError("greedy_ahead decodes greedily: enable_sampling(False) first")
+            raise ValueError(f"{self.ARCH}: decode_ahead needs a model without recurrent layers (use step)")
+        if (sampler is not None) != self.sampling_enabled:
+            raise ValueError("decode_ahead samples with enable_sampling(True) and a sampler, decodes greedily with "
+                             "enable_sampling(False) and none")
+        if sampler is not None and sampler.params.penalised:
+            raise ValueError("penalties read the last tokens on the host: sample with step instead")
         token = int(self._tokens([token])[0])
         if max_steps < 1:
             return
@@ -474,11 +481,11 @@ class TargetRuntime:
         ahead.stage_token(token)
         launched = taken = 0
         try:
-            self._launch_fed(ahead, 0)
+            self._launch_fed(ahead, 0, sampler)
             launched = 1
             while taken < max_steps:
                 if launched < max_steps:
-                    self._launch_fed(ahead, launched)
+                    self._launch_fed(ahead, launched, sampler)
                     launched += 1
                 next_token = ahead.wait(taken)
                 taken += 1
@@ -495,10 +502,10 @@ class TargetRuntime:
             self._fed_ctx = ggml.Context(n_tensors=1)
             self._fed_token = self._fed_ctx.new_tensor(ggml.Type.I32, (1,), name="fed_token")
             self._fed_buffer = self.backend.alloc_tensors(self._fed_ctx)
-            self._ahead = _AheadIO(self.backend, self._fed_token, 2 * n_cells * 2 + 256)
+            self._ahead = _AheadIO(self.backend, self._fed_token, 2 * n_cells * 2 + 1024)   # masks, sampler inputs
         return self._ahead
 
-    def _launch_fed(self, ahead: "_AheadIO", step: int) -> None:
+    def _launch_fed(self, ahead: "_AheadIO", step: int, sampler) -> None:
         """Queue one fed decode step at n_past (its inputs staged in half step % 2 of the page-locked buffer)."""
         n_past = self.cache.n_past
         n_kv = -(-(n_past + 1) // KV_BUCKET) * KV_BUCKET
@@ -511,8 +518,13 @@ class TargetRuntime:
             ahead.stage(g.kq_mask, g.causal_mask(n_past))
             if g.kq_mask_swa is not None:
                 ahead.stage(g.kq_mask_swa, g.window_mask(n_past, pos, self.hp.n_swa))
+        if sampler is not None:
+            inputs = sampler.for_context(())          # no penalties: no history, the next uniform
+            ahead.stage(g.sampler.hist, np.ascontiguousarray(inputs.hist, np.int32))
+            ahead.stage(g.sampler.params, inputs.params)
+            ahead.stage(g.sampler.rand, inputs.rand)
         self.backend.compute_async(g.graph)
-        ahead.fetch(g.argmax, step)
+        ahead.fetch(g.sampler.tokens if sampler is not None else g.argmax, step)
         self.cache.n_past = n_past + 1
 
     def enable_sampling(self, on: bool) -> None:
@@ -756,7 +768,7 @@ class TargetRuntime:
 
     def _build(self, n: int, n_kv: int, tree: bool = False, fed: bool = False) -> GraphInputs:
         """fed: a one-token decode whose token is the device-resident `_fed_token`, which the graph overwrites with
-        its own argmax at the end (greedy_ahead)."""
+        its own argmax (or drawn token) at the end (decode_ahead)."""
         hp, cache = self.hp, self.cache
         per_layer = self.GRAPH_TENSORS_PER_LAYER + (32 if layers.bitexact_enabled() else 0)   # + reshapes
         g = GraphInputs(n, n_kv, per_layer * hp.n_layer + 256, tree)
@@ -786,12 +798,12 @@ class TargetRuntime:
         out = self.output_norm(ctx, h)
         g.logits = layers.linear(ctx, self.weights["output.weight"], out).named("out.logits")  # [n_vocab, 1 or n]
         g.argmax = ggml.argmax_first(ctx, g.logits).named("out.argmax")
-        if fed:   # the next step's token, without a trip through the host
-            g.side_effects.append(ctx.cpy(g.argmax, self._fed_token).named("out.fed_token"))
-        outputs = g.side_effects + [g.logits, g.argmax]
         if self.sampling_enabled:   # the sampling hook: filter + draw per row on the device
             g.sampler = sampling.attach(ctx, g.logits)
-            outputs.append(g.sampler.tokens)
+        if fed:   # the next step's token, without a trip through the host
+            chosen = g.sampler.tokens if g.sampler is not None else g.argmax
+            g.side_effects.append(ctx.cpy(chosen, self._fed_token).named("out.fed_token"))
+        outputs = g.side_effects + [g.logits, g.argmax] + ([g.sampler.tokens] if g.sampler is not None else [])
         g.graph = ctx.graph(outputs)   # Allocator.allocate checks every node
         return g
 

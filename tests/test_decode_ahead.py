@@ -1,6 +1,7 @@
-"""Greedy decoding one step ahead (TargetRuntime.greedy_ahead): each step's argmax feeds the next step on the
-device while the host handles the token. Its tokens, and the cache it leaves, must be those of `step` called
-token by token (bit for bit on the CPU), whether it runs to the end or is closed early."""
+"""Decoding one step ahead (TargetRuntime.decode_ahead): each step's argmax (or drawn token) feeds the next step on
+the device while the host handles the token. Its tokens, and the cache it leaves, must be those of `step` called
+token by token (bit for bit on the CPU; the same seed draws the same tokens), whether it runs to the end or is
+closed early."""
 from __future__ import annotations
 
 import numpy as np
@@ -8,6 +9,7 @@ import pytest
 
 import pydflash
 from pydflash.engine import Decoder
+from pydflash.sampling import Sampler, SamplingParams
 from pydflash.models import load_target
 from pydflash.models.qwen2 import Qwen2Target
 from pydflash.testing import write_llama_gguf, write_qwen35_gguf
@@ -45,7 +47,7 @@ def _stepped(target, prompt, n):
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
 @pytest.mark.parametrize("n_prompt", [20, 250])   # 250: the steps cross the 256-cell KV bucket (a new graph)
-def test_greedy_ahead_equals_step_by_step(qwen2_64, n_prompt, device):
+def test_greedy_decode_ahead_equals_step_by_step(qwen2_64, n_prompt, device):
     """Bit for bit on CUDA too: the fed graph runs the same kernels as a decode step."""
     target = load_target(qwen2_64, device, n_ctx=N_CTX)
     prompt = _prompt(n_prompt)
@@ -54,7 +56,7 @@ def test_greedy_ahead_equals_step_by_step(qwen2_64, n_prompt, device):
 
     target.reset()
     root = int(target.prefill(prompt).argmax())
-    got = [root] + list(target.greedy_ahead(root, 20))
+    got = [root] + list(target.decode_ahead(root, 20))
     assert got == ref
     assert target.n_past == n_prompt + 20
     assert np.array_equal(target.decode(got[-1]), ref_next)
@@ -68,7 +70,7 @@ def test_closing_early_takes_the_queued_step_back(qwen2):
 
     target.reset()
     root = int(target.prefill(prompt).argmax())
-    ahead = target.greedy_ahead(root, 30)
+    ahead = target.decode_ahead(root, 30)
     got = [root] + [next(ahead) for _ in range(6)]
     ahead.close()                                 # step 7 was already queued
     assert got == ref
@@ -104,7 +106,7 @@ def test_recurrent_targets_step_instead(tmp_path):
     assert not target.decodes_ahead
     target.prefill([1, 2, 3])
     with pytest.raises(ValueError, match="recurrent"):
-        next(target.greedy_ahead(4, 3))
+        next(target.decode_ahead(4, 3))
 
 
 def test_generate_stream_stopped_by_the_consumer(qwen2):
@@ -120,3 +122,67 @@ def test_generate_stream_stopped_by_the_consumer(qwen2):
     r2 = engine.generate(p2, max_tokens=10)
     assert r2.stats["reused_tokens"] > len(prompt)
     assert r2.tokens == fresh.generate(p2, max_tokens=10).tokens
+
+
+SAMPLED = SamplingParams(temperature=0.9, top_k=40, top_p=0.95, min_p=0.02, seed=7)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_sampled_decode_ahead_equals_step_by_step(qwen2_64, device):
+    """Sampling without penalties runs ahead too: the same seed draws the same tokens as `step` with the sampler's
+    inputs set for each step, and the cache after them gives the same next logits."""
+    target = load_target(qwen2_64, device, n_ctx=N_CTX)
+    prompt = _prompt(30, seed=9)
+    target.enable_sampling(True)
+    sampler = Sampler(SAMPLED)
+    target.sample_inputs = sampler.for_context(prompt)
+    target.prefill(prompt, return_logits=False)
+    root = int(target.sampled()[0])
+    ref = [root]
+    for _ in range(24):
+        target.sample_inputs = sampler.for_context(prompt + ref)
+        ref.append(target.step(ref[-1]))
+    ref_next = target.decode(ref[-1])
+
+    target.reset()
+    sampler = Sampler(SAMPLED)
+    target.sample_inputs = sampler.for_context(prompt)
+    target.prefill(prompt, return_logits=False)
+    assert int(target.sampled()[0]) == root
+    got = [root] + list(target.decode_ahead(root, 24, sampler))
+    assert got == ref
+    assert len(set(got)) > 5                      # drawn, not the argmax chain
+    assert np.array_equal(target.decode(got[-1]), ref_next)
+
+
+def test_penalised_sampling_steps_instead(qwen2):
+    target = load_target(qwen2, "cpu", n_ctx=N_CTX)
+    target.enable_sampling(True)
+    target.prefill(_prompt(10))
+    with pytest.raises(ValueError, match="penalties"):
+        next(target.decode_ahead(3, 4, Sampler(SamplingParams(temperature=0.8, repeat_penalty=1.1, seed=1))))
+    with pytest.raises(ValueError, match="enable_sampling"):
+        next(target.decode_ahead(3, 4))          # greedy with the sampler's graphs
+
+
+@pytest.mark.parametrize("params", [SAMPLED, SamplingParams(temperature=0.7, repeat_penalty=1.2, seed=3)])
+def test_decoder_sampling_is_unchanged_by_running_ahead(qwen2, monkeypatch, params):
+    """The engine's sampled AR: with decoding ahead (no penalties) or stepping (penalties, or forced), the same
+    seed gives the same tokens."""
+    prompt = _prompt(30, seed=11)
+    calls = []
+    decode_ahead = Qwen2Target.decode_ahead
+
+    def counted(self, *args):
+        calls.append(args)
+        return decode_ahead(self, *args)
+
+    monkeypatch.setattr(Qwen2Target, "decode_ahead", counted)
+    runs = {}
+    for ahead in (True, False):
+        if not ahead:
+            monkeypatch.setattr(Qwen2Target, "decodes_ahead", False)
+        runs[ahead] = Decoder(load_target(qwen2, "cpu", n_ctx=N_CTX), mode="ar").generate_ids(
+            prompt, 30, sampling=params)[0]
+    assert runs[True] == runs[False]
+    assert len(calls) == (0 if params.penalised else 1)     # the first run went ahead unless penalised
