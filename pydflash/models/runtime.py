@@ -241,7 +241,7 @@ class _CommitGraph:
 
 class _AheadIO:
     """decode_ahead's host side: step inputs staged in page-locked memory (two halves: a step's half is rewritten
-    two steps later, after the step before it was waited for), and each step's argmax copied back into one of two
+    two steps later, after the step before it was waited for), and each step's token copied back into one of two
     slots, with an event behind it."""
 
     def __init__(self, backend: ggml.Backend, fed_token: ggml.Tensor, stage_bytes: int):
