@@ -139,19 +139,18 @@ def test_probe_names_the_first_differing_node(model, prompt, bitexact, monkeypat
     """pydflash.probe: with nothing changed every slot agrees on every kept node; with layer 2's FFN output nudged
     in decode graphs only, it names that node for every slot (everything before it agrees)."""
     from pydflash import probe
-    from pydflash.models import layers
     chain = [17, 50, 3, 99, 7]
     report = probe.first_divergence(Qwen35Target(model, "cpu", n_ctx=512, n_ubatch=64), prompt, chain)
     assert [d.node for d in report] == [None] * len(chain)
     assert min(d.checked for d in report) > 40          # every layer's named nodes took part
 
-    plain = layers.swiglu_ffn
+    plain = Qwen35Target.gated_ffn
 
-    def nudged(ctx, x, gate_w, up_w, down_w, name):
-        out = plain(ctx, x, gate_w, up_w, down_w, name + ".raw")
+    def nudged(self, ctx, x, prefix, glu, name):
+        out = plain(self, ctx, x, prefix, glu, name + ".raw")
         return ctx.scale(out, 1.0 + 2.0 ** -10 if name == "l2.ffn_out" and x.ne[1] == 1 else 1.0).named(name)
 
-    monkeypatch.setattr(layers, "swiglu_ffn", nudged)
+    monkeypatch.setattr(Qwen35Target, "gated_ffn", nudged)
     report = probe.first_divergence(Qwen35Target(model, "cpu", n_ctx=512, n_ubatch=64), prompt, chain)
     assert [d.node for d in report] == ["l2.ffn_out"] * len(chain)
     assert all(d.max_abs_diff > 0 for d in report)

@@ -123,14 +123,6 @@ def l2_norm(ctx: ggml.Context, x: ggml.Tensor, eps: float) -> ggml.Tensor:
     return ctx.scale(ctx.rms_norm(x, eps / d), 1.0 / math.sqrt(d))
 
 
-def swiglu_ffn(ctx: ggml.Context, x: ggml.Tensor, gate_w: ggml.Tensor, up_w: ggml.Tensor, down_w: ggml.Tensor,
-               name: str) -> ggml.Tensor:
-    """down(silu(gate x) * up x)."""
-    gate = linear(ctx, gate_w, x)
-    up = linear(ctx, up_w, x)
-    return linear(ctx, down_w, ctx.swiglu_split(gate, up)).named(name)
-
-
 def rope(ctx: ggml.Context, x: ggml.Tensor, pos: ggml.Tensor, *, n_rot: int, mode: int, base: float,
          n_ctx_train: int, freq_scale: float = 1.0) -> ggml.Tensor:
     """Rotary embedding of x [head_dim, n_head, n] at positions pos (i32 [n]), no YaRN extension."""

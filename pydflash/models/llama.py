@@ -122,20 +122,21 @@ class LlamaTarget(TargetRuntime):
         x = rms_norm(ctx, h, w[p + "attn_norm.weight"], hp.rms_eps, f"l{il}.attn_norm")
         h = ctx.add(self._attention(ctx, x, il, g), h).named(f"l{il}.attn_res")
         x = rms_norm(ctx, h, w[p + "ffn_norm.weight"], hp.rms_eps, f"l{il}.ffn_norm")
-        ffn = layers.swiglu_ffn(ctx, x, w[p + "ffn_gate.weight"], w[p + "ffn_up.weight"], w[p + "ffn_down.weight"],
-                                f"l{il}.ffn_out")
+        ffn = self.gated_ffn(ctx, x, p, ctx.swiglu_split, f"l{il}.ffn_out")
         return ctx.add(ffn, h).named(f"l{il}.out")
 
     def fused_weights(self, infos) -> dict[str, tuple[str, ...]]:
         """Q, K and V of a layer as one matrix where their types agree (else Q and K where theirs do), their
         biases likewise: one matmul (and one quantisation of the activations) instead of three, which is most
-        of a small model's decode time in kernel launches. Each output row is the same dot product as before,
-        so the logits do not change."""
+        of a small model's decode time in kernel launches; the FFN's gate and up likewise (used from two tokens
+        on: gated_ffn). Each output row is the same dot product as before, so the logits do not change."""
         if not fusing_enabled():
             return {}
         info, fused = {i.name: i for i in infos}, {}
         for il in range(self.hp.n_layer):
-            fused.update(fused_entries(info, fusable_prefix(info, tuple(f"blk.{il}.attn_{x}" for x in "qkv"))))
+            p = f"blk.{il}."
+            for bases in ((p + "attn_q", p + "attn_k", p + "attn_v"), (p + "ffn_gate", p + "ffn_up")):
+                fused.update(fused_entries(info, fusable_prefix(info, bases)))
         return fused
 
     def _qkv(self, ctx, x, il: int, n: int):

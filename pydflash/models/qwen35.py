@@ -167,14 +167,13 @@ class Qwen35Target(TargetRuntime):
             mix = self._attention(ctx, x, il, g)
         h = ctx.add(mix, h).named(f"l{il}.attn_res")
         x = rms_norm(ctx, h, w[p + "post_attention_norm.weight"], hp.rms_eps, f"l{il}.ffn_norm")
-        ffn = layers.swiglu_ffn(ctx, x, w[p + "ffn_gate.weight"], w[p + "ffn_up.weight"], w[p + "ffn_down.weight"],
-                                f"l{il}.ffn_out")
+        ffn = self.gated_ffn(ctx, x, p, ctx.swiglu_split, f"l{il}.ffn_out")
         return ctx.add(ffn, h).named(f"l{il}.out")
 
     def fused_weights(self, infos) -> dict[str, tuple[str, ...]]:
         """Per layer, the projections of the same input that share a type: attention Q(+gate), K, V (as the llama
-        family's); recurrent qkv with the output gate z, and beta with alpha. One matmul instead of two to four,
-        the same dot products (TargetRuntime.project)."""
+        family's); recurrent qkv with the output gate z, and beta with alpha; the FFN's gate and up (from two tokens
+        on: gated_ffn). One matmul instead of two to four, the same dot products (TargetRuntime.project)."""
         if not fusing_enabled():
             return {}
         info, fused = {i.name: i for i in infos}, {}
@@ -182,7 +181,7 @@ class Qwen35Target(TargetRuntime):
             p = f"blk.{il}."
             runs = [(p + "attn_qkv", p + "attn_gate"), (p + "ssm_beta", p + "ssm_alpha")] if self.hp.recurrent[il] \
                 else [(p + "attn_q", p + "attn_k", p + "attn_v")]
-            for bases in runs:
+            for bases in runs + [(p + "ffn_gate", p + "ffn_up")]:
                 fused.update(fused_entries(info, fusable_prefix(info, bases)))
         return fused
 

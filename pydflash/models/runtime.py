@@ -359,15 +359,20 @@ class TargetRuntime:
         fused_entries), from the file's TensorInfos; none by default."""
         return {}
 
-    def project(self, ctx: ggml.Context, x: ggml.Tensor, bases: list[str]) -> list[ggml.Tensor]:
+    def project(self, ctx: ggml.Context, x: ggml.Tensor, bases: list[str], fuse_one_token: bool = True
+                ) -> list[ggml.Tensor]:
         """x [n_in, n] through each weight of `bases` (names without '.weight'), its bias added where the file has
         one: [n_out, n] each. Weights that fused_weights fused take one matmul and one bias add together, and each
-        one's result is a row range (a view) of that output; a view is contiguous only for n = 1."""
+        one's result is a row range (a view) of that output; a view is contiguous only for n = 1.
+        fuse_one_token=False: for one token, one matmul per weight all the same (where a backend fuses the
+        separate products with what follows, as ggml-cuda does for an FFN's gate and up with the GLU)."""
         w, out = self.weights, {}
         for base in bases:
             if base in out:
                 continue
             merged = w.member_of.get(base + ".weight")
+            if merged and not fuse_one_token and x.ne[1] == 1:
+                merged = None
             members = w.fused[merged] if merged else (base + ".weight",)
             mbase = (merged or base + ".weight")[:-len(".weight")]
             y = layers.linear(ctx, w[mbase + ".weight"], x)
@@ -380,6 +385,13 @@ class TargetRuntime:
                     ctx.view_2d(y, rows, y.ne[1], y.nb[1], offset)
                 offset += rows * 4
         return [out[b] for b in bases]
+
+    def gated_ffn(self, ctx: ggml.Context, x: ggml.Tensor, prefix: str, glu, name: str) -> ggml.Tensor:
+        """down(glu(gate x, up x)) with the layer's ffn_gate / ffn_up / ffn_down weights (prefix 'blk.N.'); glu:
+        ctx.swiglu_split or ctx.geglu_split. Gate and up go through `project`: one matmul where fused, except for
+        one token, where ggml-cuda already runs both products and the GLU as one kernel."""
+        gate, up = self.project(ctx, x, [prefix + "ffn_gate", prefix + "ffn_up"], fuse_one_token=False)
+        return layers.linear(ctx, self.weights[prefix + "ffn_down.weight"], glu(gate, up)).named(name)
 
     def build_layer(self, ctx: ggml.Context, il: int, h: ggml.Tensor, g: GraphInputs) -> ggml.Tensor:
         """Add layer il to the graph: the residual stream h [n_embd, n] in, the layer's output out."""
