@@ -58,6 +58,14 @@ def _mul_mats(target) -> int:
     return sum(node.op in (ggml.Op.MUL_MAT, ggml.Op.QMATMUL) for node in target._last.graph.nodes())
 
 
+def _glu_behind_products(target) -> int:
+    """GLU nodes of the last graph whose two preceding nodes are weight matmuls."""
+    nodes = target._last.graph.nodes()
+    products = (ggml.Op.MUL_MAT, ggml.Op.QMATMUL)
+    return sum(n.op == ggml.Op.GLU and nodes[i - 1].op in products and nodes[i - 2].op in products
+               for i, n in enumerate(nodes))
+
+
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_fused_weights_give_the_unfused_logits(tmp_path, monkeypatch, case, device):
@@ -87,6 +95,9 @@ def test_fused_weights_give_the_unfused_logits(tmp_path, monkeypatch, case, devi
     fused.decode(5)
     plain.decode(5)
     assert _mul_mats(plain) - _mul_mats(fused) == saved - fused.hp.n_layer
+    # ... and, as in the unfused graph, each GLU right behind its two products: the consecutive nodes ggml-cuda
+    # fuses into one kernel at one token (a VIEW node of a weight in between would stop that)
+    assert _glu_behind_products(fused) == _glu_behind_products(plain) == fused.hp.n_layer
     if device == "cpu":
         assert np.array_equal(got, ref)
     else:

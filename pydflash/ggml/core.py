@@ -266,18 +266,19 @@ class Buffer:
     def clear(self, value: int = 0) -> None:
         lib.ggml_backend_buffer_clear(self._ptr, value)
 
-    def alias(self, tensor: "Tensor", of: "Tensor") -> "Tensor":
-        """Place `tensor` (a fresh tensor of a no-alloc context) on the bytes of `of`, a tensor of this buffer:
-        the same memory under another type and shape (e.g. quantized rows seen as 32-bit words, moved bit for
-        bit by get_rows/set_rows). `tensor` may not be larger than `of`."""
+    def alias(self, tensor: "Tensor", of: "Tensor", offset: int = 0) -> "Tensor":
+        """Place `tensor` (a fresh tensor of a no-alloc context) on the bytes of `of`, a tensor of this buffer, from
+        byte `offset` on: the same memory under another type and shape (e.g. quantized rows seen as 32-bit words,
+        moved bit for bit by get_rows/set_rows), or a part of it. Unlike a view, the alias is a leaf of the graphs
+        that read it (no VIEW node between it and its consumer). It may not reach past the end of `of`."""
         if tensor.is_allocated:
             raise GGMLError(f"tensor {tensor.name or '?'} already has memory")
         if of._ptr.buffer != self._ptr or of._ptr.data == ffi.NULL:
             raise GGMLError(f"tensor {of.name or '?'} is not in this buffer")
-        if tensor.nbytes > of.nbytes:
-            raise GGMLError(f"alias {tensor.name or '?'} ({tensor.nbytes} bytes) is larger than "
+        if offset < 0 or offset + tensor.nbytes > of.nbytes:
+            raise GGMLError(f"alias {tensor.name or '?'} ({tensor.nbytes} bytes at {offset}) does not fit in "
                             f"{of.name or '?'} ({of.nbytes} bytes)")
-        status = lib.ggml_backend_tensor_alloc(self._ptr, tensor._ptr, of._ptr.data)
+        status = lib.ggml_backend_tensor_alloc(self._ptr, tensor._ptr, ffi.cast("char *", of._ptr.data) + offset)
         if status != lib.GGML_STATUS_SUCCESS:
             raise GGMLError(f"could not place {tensor.name or '?'} on {of.name or '?'} (status {status})")
         return tensor

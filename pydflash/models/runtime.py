@@ -54,8 +54,10 @@ class TargetWeights:
 
     Without `output.weight` the LM head is the token embedding (tied embeddings). fused: merged name -> member
     names (same type, same row length): the members are laid out back to back as the rows of one tensor under
-    the merged name, and each member is a view of its rows, so one matmul computes all of them (e.g. Q, K and V
-    of a layer from one read of the activations: fewer, larger kernels for small batches)."""
+    the merged name, so one matmul computes all of them (e.g. Q, K and V of a layer from one read of the
+    activations: fewer, larger kernels for small batches). Each member is its own tensor placed on its rows
+    (Buffer.alias), not a view: a graph reading it alone sees a leaf, so backend fusions that match consecutive
+    nodes (ggml-cuda's gate/up/GLU at one token) still apply."""
 
     def __init__(self, gf: GGUFFile, specs: dict[str, TensorSpec], backend: ggml.Backend,
                  progress: bool | None = None, infos: list | None = None, fused: dict | None = None):
@@ -64,42 +66,37 @@ class TargetWeights:
             infos = self.check(gf, specs, backend)
         fused = fused or {}
         self.specs = {info.name: specs[info.name] for info in infos}
-        self._ctx = ggml.Context(n_tensors=max(len(infos) + len(fused), 1))
-        self.t = {}
-        by_name = {info.name: info for info in infos}
-        for merged, members in fused.items():
-            self.t.update(self._merge(merged, [by_name[m] for m in members]))
-        for info in infos:
-            if info.name not in self.t:
-                self.t[info.name] = self._ctx.new_tensor(info.type, info.ne, name=info.name[:63])
         self.fused = {merged: tuple(members) for merged, members in fused.items()}
         self.member_of = {m: merged for merged, members in self.fused.items() for m in members}
+        self._ctx = ggml.Context(n_tensors=max(len(infos) - len(self.member_of) + len(fused), 1))
+        self._member_ctx = ggml.Context(n_tensors=max(len(self.member_of), 1))   # placed in the fused tensors
+        by_name = {info.name: info for info in infos}
+        self.t = {}
+        for merged, members in self.fused.items():
+            self.t[merged] = self._merged_tensor(merged, [by_name[m] for m in members])
+        for info in infos:
+            ctx = self._member_ctx if info.name in self.member_of else self._ctx
+            self.t[info.name] = ctx.new_tensor(info.type, info.ne, name=info.name[:63])
         self.buffer = backend.alloc_tensors(self._ctx)
+        for merged, members in self.fused.items():   # each member: a leaf on its rows of the fused tensor
+            offset = 0
+            for m in members:
+                self.buffer.alias(self.t[m], self.t[merged], offset)
+                offset += by_name[m].nbytes
         upload(gf, [(info, self.t[info.name]) for info in infos], progress=progress)
         if "output.weight" not in self.t:
             self.t["output.weight"] = self.t["token_embd.weight"]
 
-    def _merge(self, merged: str, members: list) -> dict[str, ggml.Tensor]:
-        """One tensor holding the members' rows in order (vectors: their values), and a view per member."""
+    def _merged_tensor(self, merged: str, members: list) -> ggml.Tensor:
+        """One tensor with room for the members' rows in order (vectors: their values)."""
         first = members[0]
-        ctx, vector = self._ctx, len(first.ne) == 1
+        vector = len(first.ne) == 1
         if any(m.type != first.type or len(m.ne) != len(first.ne) or (not vector and m.ne[0] != first.ne[0])
                for m in members):
             raise ValueError(f"{merged}: fused tensors need one type and row length: "
                              f"{[(m.name, m.type.name, m.ne) for m in members]}")
-        if vector:
-            whole = ctx.new_tensor(first.type, (sum(m.ne[0] for m in members),), name=merged[:63])
-        else:
-            whole = ctx.new_tensor(first.type, (first.ne[0], sum(m.ne[1] for m in members)), name=merged[:63])
-        out, offset = {merged: whole}, 0
-        for m in members:
-            if vector:
-                view = ctx.view_1d(whole, m.ne[0], offset)
-            else:
-                view = ctx.view_2d(whole, m.ne[0], m.ne[1], whole.nb[1], offset)
-            out[m.name] = view.named(m.name[:63])
-            offset += m.nbytes
-        return out
+        ne = (sum(m.ne[0] for m in members),) if vector else (first.ne[0], sum(m.ne[1] for m in members))
+        return self._ctx.new_tensor(first.type, ne, name=merged[:63])
 
     @staticmethod
     def check(gf: GGUFFile, specs: dict[str, TensorSpec], backend: ggml.Backend) -> list:
