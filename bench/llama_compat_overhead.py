@@ -10,23 +10,18 @@ import argparse
 import os
 import statistics
 import sys
-import time
 
 try:
     import pydflash  # noqa: F401  (the installed package)
 except ImportError:      # running from a source checkout without installing
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+from _timing import call_times  # noqa: E402  (bench/_timing.py: this folder is on sys.path when run as a script)
+
 
 def timed(run, reps: int) -> float:
     """Median seconds of `run()` over reps, after one warm-up."""
-    run()
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        run()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return statistics.median(call_times(run, reps, warmup=1))
 
 
 def main(argv=None) -> int:
