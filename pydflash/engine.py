@@ -262,10 +262,8 @@ class Decoder:
             t_yield += time.perf_counter() - ty
             while not run.done:
                 settled = False
-                if ahead is not None:
-                    taken = self._ahead_step(run, ahead, max_tokens)
-                elif self.mode == "ar":
-                    taken = self._ar_step(run, max_tokens)
+                if self.mode == "ar":
+                    taken = self._ar_step(run, max_tokens, ahead)
                 else:
                     taken = self._spec_step(run, max_tokens)
                 settled = True       # (with `ahead`, once its queued step is taken back below)
@@ -286,17 +284,14 @@ class Decoder:
             if sampler is not None:
                 self.last_stats["sampling"] = dict(sampling.__dict__)
 
-    def _ar_step(self, run: _Run, max_tokens: int) -> list[int]:
-        if run.sampler is not None:
-            self.target.sample_inputs = run.sampler.for_context(run.context)
-        token = self.target.step(run.context[-1])
-        run.context.append(token)
-        run.steps += 1
-        run.committed_per_step.append(1)
-        return self._take(run, [token], max_tokens)
-
-    def _ahead_step(self, run: _Run, ahead, max_tokens: int) -> list[int]:
-        token = next(ahead)
+    def _ar_step(self, run: _Run, max_tokens: int, ahead=None) -> list[int]:
+        """One token: the next of `ahead` (TargetRuntime.decode_ahead) where it runs, else one step."""
+        if ahead is not None:
+            token = next(ahead)
+        else:
+            if run.sampler is not None:
+                self.target.sample_inputs = run.sampler.for_context(run.context)
+            token = self.target.step(run.context[-1])
         run.context.append(token)
         run.steps += 1
         run.committed_per_step.append(1)

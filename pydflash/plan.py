@@ -28,7 +28,7 @@ from dataclasses import dataclass, field, replace
 from . import ggml
 from .kv import KV_TYPES, kv_type_of
 from .models.dflash_draft import DEFAULT_WINDOW, DRAFT_MATRIX_TYPES
-from .models.runtime import KV_BUCKET, replay_width   # the target's KV cells are a multiple of KV_BUCKET
+from .models.runtime import KV_BUCKET, kv_cells, replay_width   # the target's KV cells: whole KV_BUCKETs
 
 AUTO_KV_ORDER = ("f16", "q8_0", "q4_0", "tq3_0")   # kv_type="auto": the first one the context fits in
 RESERVE = 512 << 20             # cuBLAS workspaces, CUDA graph memory, allocator rounding
@@ -141,10 +141,6 @@ class MemoryPlan:
             lines.append(f"  {'device memory':<{width}}  {fmt_bytes(self.vram):>11}  "
                          f"({fmt_bytes(self.vram - self.total)} left)")
         return "\n".join(lines)
-
-
-def kv_cells(n_ctx: int) -> int:
-    return -(-n_ctx // KV_BUCKET) * KV_BUCKET
 
 
 def kv_bytes(hp, n_ctx: int, kv_type) -> int:

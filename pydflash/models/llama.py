@@ -14,7 +14,7 @@ from ..gguf_io import GGUFError, GGUFFile
 from ..validate import MAX_CTX_TRAIN, MAX_LAYERS, MAX_SIZE, meta_float, meta_int, meta_str, vocab_rows
 from . import layers
 from .layers import linear, rms_norm
-from .runtime import GraphInputs, TargetRuntime, TensorSpec, fused_entries, fusable_prefix, fusing_enabled
+from .runtime import GraphInputs, TargetRuntime, TensorSpec
 
 
 @dataclass(frozen=True)
@@ -125,19 +125,13 @@ class LlamaTarget(TargetRuntime):
         ffn = self.gated_ffn(ctx, x, p, ctx.swiglu_split, f"l{il}.ffn_out")
         return ctx.add(ffn, h).named(f"l{il}.out")
 
-    def fused_weights(self, infos) -> dict[str, tuple[str, ...]]:
+    def fusion_candidates(self, il: int) -> list[tuple[str, ...]]:
         """Q, K and V of a layer as one matrix where their types agree (else Q and K where theirs do), their
         biases likewise: one matmul (and one quantisation of the activations) instead of three, which is most
         of a small model's decode time in kernel launches; the FFN's gate and up likewise (used from two tokens
         on: gated_ffn). Each output row is the same dot product as before, so the logits do not change."""
-        if not fusing_enabled():
-            return {}
-        info, fused = {i.name: i for i in infos}, {}
-        for il in range(self.hp.n_layer):
-            p = f"blk.{il}."
-            for bases in ((p + "attn_q", p + "attn_k", p + "attn_v"), (p + "ffn_gate", p + "ffn_up")):
-                fused.update(fused_entries(info, fusable_prefix(info, bases)))
-        return fused
+        p = f"blk.{il}."
+        return [(p + "attn_q", p + "attn_k", p + "attn_v"), (p + "ffn_gate", p + "ffn_up")]
 
     def _qkv(self, ctx, x, il: int, n: int):
         """Q [head_dim, n_head, n], K and V [head_dim, n_head_kv, n], biases added (TargetRuntime.project)."""

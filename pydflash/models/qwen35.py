@@ -17,7 +17,7 @@ from ..gguf_io import GGUFError, GGUFFile
 from ..validate import MAX_CTX_TRAIN, MAX_LAYERS, MAX_SIZE, meta_float, meta_int, meta_ints, vocab_rows
 from . import layers
 from .layers import linear, rms_norm
-from .runtime import GraphInputs, TargetRuntime, TensorSpec, fused_entries, fusable_prefix, fusing_enabled
+from .runtime import GraphInputs, TargetRuntime, TensorSpec
 
 ARCH = "qwen35"
 MAX_STATE = 1024           # GDN head size (Qwen3.5: 128); the state is state_size^2 per head
@@ -170,20 +170,15 @@ class Qwen35Target(TargetRuntime):
         ffn = self.gated_ffn(ctx, x, p, ctx.swiglu_split, f"l{il}.ffn_out")
         return ctx.add(ffn, h).named(f"l{il}.out")
 
-    def fused_weights(self, infos) -> dict[str, tuple[str, ...]]:
-        """Per layer, the projections of the same input that share a type: attention Q(+gate), K, V (as the llama
-        family's); recurrent qkv with the output gate z, and beta with alpha; the FFN's gate and up (from two tokens
-        on: gated_ffn). One matmul instead of two to four, the same dot products (TargetRuntime.project)."""
-        if not fusing_enabled():
-            return {}
-        info, fused = {i.name: i for i in infos}, {}
-        for il in range(self.hp.n_layer):
-            p = f"blk.{il}."
-            runs = [(p + "attn_qkv", p + "attn_gate"), (p + "ssm_beta", p + "ssm_alpha")] if self.hp.recurrent[il] \
-                else [(p + "attn_q", p + "attn_k", p + "attn_v")]
-            for bases in runs + [(p + "ffn_gate", p + "ffn_up")]:
-                fused.update(fused_entries(info, fusable_prefix(info, bases)))
-        return fused
+    def fusion_candidates(self, il: int) -> list[tuple[str, ...]]:
+        """Per layer, the projections of the same input: attention Q(+gate), K, V (as the llama family's);
+        recurrent qkv with the output gate z, and beta with alpha; the FFN's gate and up (from two tokens on:
+        gated_ffn). One matmul instead of two to four where their types agree, the same dot products
+        (TargetRuntime.project)."""
+        p = f"blk.{il}."
+        runs = [(p + "attn_qkv", p + "attn_gate"), (p + "ssm_beta", p + "ssm_alpha")] if self.hp.recurrent[il] \
+            else [(p + "attn_q", p + "attn_k", p + "attn_v")]
+        return runs + [(p + "ffn_gate", p + "ffn_up")]
 
     def _attention(self, ctx, x, il: int, g: GraphInputs):
         hp, w = self.hp, self.weights

@@ -32,6 +32,11 @@ PREFILL_TARGET_BATCHES = 16  # ... and double while a prompt would need more tha
 ROLES = ("embedding", "output", "matrix", "norm", "bias", "vector", "conv")
 
 
+def kv_cells(n: int) -> int:
+    """n positions rounded up to whole KV buckets: the cells a cache allocates, the cells a forward attends."""
+    return -(-n // KV_BUCKET) * KV_BUCKET
+
+
 @dataclass(frozen=True)
 class TensorSpec:
     """A tensor an architecture reads: its shape (ggml order) and its role.
@@ -140,7 +145,7 @@ def fused_entries(info: dict, bases: tuple[str, ...]) -> dict[str, tuple[str, ..
 
 
 def fusing_enabled() -> bool:
-    """PYDFLASH_FUSED_WEIGHTS=0 loads every weight as its own tensor (architectures' fused_weights return {})."""
+    """PYDFLASH_FUSED_WEIGHTS=0 loads every weight as its own tensor (TargetRuntime.fused_weights returns {})."""
     return layers.env_switch("PYDFLASH_FUSED_WEIGHTS", default="1")
 
 
@@ -308,7 +313,7 @@ class TargetRuntime:
         infos = TargetWeights.check(self.gguf, specs, self.backend)
         # cells rounded up to the bucket, so every attended window is a multiple of 256 (what the GPU flash
         # attention kernels want); positions past n_ctx are never written
-        n_cells = -(-n_ctx // KV_BUCKET) * KV_BUCKET
+        n_cells = kv_cells(n_ctx)
         # the whole plan against the device before anything is allocated: a damaged header or a huge n_ctx
         # fails here with the numbers, not in the allocator (or by exhausting the host)
         check_memory(self.backend, self.memory_plan(infos, n_cells, kv_type, n_ubatch),
@@ -351,10 +356,21 @@ class TargetRuntime:
 
     # --- what an architecture provides ---
 
+    def fusion_candidates(self, il: int) -> list[tuple[str, ...]]:
+        """Groups of layer il's weights (names without '.weight') that read the same input, in row order: their
+        leading run of one type and row length is loaded as one matrix (fused_weights); none by default."""
+        return []
+
     def fused_weights(self, infos) -> dict[str, tuple[str, ...]]:
-        """Weights to lay out as the rows of one tensor (TargetWeights' `fused`: see fusable_prefix and
-        fused_entries), from the file's TensorInfos; none by default."""
-        return {}
+        """TargetWeights' `fused` from the file's TensorInfos: every layer's fusion_candidates, each cut to the
+        run fusable_prefix allows; nothing with PYDFLASH_FUSED_WEIGHTS=0."""
+        if not fusing_enabled():
+            return {}
+        info, fused = {i.name: i for i in infos}, {}
+        for il in range(self.hp.n_layer):
+            for bases in self.fusion_candidates(il):
+                fused.update(fused_entries(info, fusable_prefix(info, bases)))
+        return fused
 
     def project(self, ctx: ggml.Context, x: ggml.Tensor, bases: list[str], fuse_one_token: bool = True
                 ) -> list[ggml.Tensor]:
@@ -517,16 +533,11 @@ class TargetRuntime:
     def _launch_fed(self, ahead: "_AheadIO", step: int, sampler) -> None:
         """Queue one fed decode step at n_past (its inputs staged in half step % 2 of the page-locked buffer)."""
         n_past = self.cache.n_past
-        n_kv = -(-(n_past + 1) // KV_BUCKET) * KV_BUCKET
+        n_kv = kv_cells(n_past + 1)
         g = self._graph((1, n_kv, "fed"), 1, n_kv, tree=False, fed=True)
         ahead.begin(step)
-        if g.pos is not None:
-            pos = np.array([n_past], dtype=np.int32)
-            ahead.stage(g.pos, self.rope_positions(pos))
-            ahead.stage(g.kv_rows, pos.astype(np.int64))
-            ahead.stage(g.kq_mask, g.causal_mask(n_past))
-            if g.kq_mask_swa is not None:
-                ahead.stage(g.kq_mask_swa, g.window_mask(n_past, pos, self.hp.n_swa))
+        for tensor, values in self._position_inputs(g, n_past):
+            ahead.stage(tensor, values)
         if sampler is not None:
             inputs = sampler.for_context(())          # no penalties: no history, the next uniform
             ahead.stage(g.sampler.hist, np.ascontiguousarray(inputs.hist, np.int32))
@@ -670,7 +681,7 @@ class TargetRuntime:
             raise ValueError("this verify runs chains only (enable_verify(tree=False)); got a branching tree")
         if n_past + n > self.cache.n_ctx or n_past + int(depths.max()) >= self.n_ctx:
             raise ValueError(f"context overflow: verify of {n} slots at position {n_past} exceeds n_ctx {self.n_ctx}")
-        n_kv = -(-(n_past + n) // KV_BUCKET) * KV_BUCKET
+        n_kv = kv_cells(n_past + n)
         g = self._graph(("verify", n, n_kv), n, n_kv, tree=True)
         g.tokens.set(tokens, self.backend)
         if g.parent is not None:
@@ -755,23 +766,30 @@ class TargetRuntime:
 
     def _forward(self, tokens: np.ndarray) -> None:
         n, n_past = tokens.size, self.cache.n_past
-        n_kv = -(-(n_past + n) // KV_BUCKET) * KV_BUCKET          # attended cells: a multiple of the bucket
+        n_kv = kv_cells(n_past + n)          # attended cells: a multiple of the bucket
         g = self._graph((n, n_kv), n, n_kv, tree=False)
-        pos = np.arange(n_past, n_past + n, dtype=np.int32)
         g.tokens.set(tokens, self.backend)
         if g.decode_parent is not None:
             g.decode_parent.set(_ROOT_PARENT, self.backend)
-        if g.pos is not None:
-            g.pos.set(self.rope_positions(pos), self.backend)
-            g.kv_rows.set(pos.astype(np.int64), self.backend)
-            g.kq_mask.set(g.causal_mask(n_past), self.backend)
-            if g.kq_mask_swa is not None:
-                g.kq_mask_swa.set(g.window_mask(n_past, pos, self.hp.n_swa), self.backend)
+        for tensor, values in self._position_inputs(g, n_past):
+            tensor.set(values, self.backend)
         self._set_sampler(g)
         self.backend.compute(g.graph)
         self.cache.n_past = n_past + n
         self._last = g
         self.n_captured = n
+
+    def _position_inputs(self, g: GraphInputs, n_past: int) -> list[tuple[ggml.Tensor, np.ndarray]]:
+        """What a forward of g's tokens at n_past uploads for its attention layers (none without): rope positions,
+        the KV rows it writes, the causal mask and, with sliding-window layers, their mask."""
+        if g.pos is None:
+            return []
+        pos = np.arange(n_past, n_past + g.n_tokens, dtype=np.int32)
+        out = [(g.pos, self.rope_positions(pos)), (g.kv_rows, pos.astype(np.int64)),
+               (g.kq_mask, g.causal_mask(n_past))]
+        if g.kq_mask_swa is not None:
+            out.append((g.kq_mask_swa, g.window_mask(n_past, pos, self.hp.n_swa)))
+        return out
 
     # --- graph construction ---
 
