@@ -21,6 +21,8 @@ try:
 except ImportError:      # running from a source checkout without installing
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+from _timing import call_times  # noqa: E402  (bench/_timing.py: this folder is on sys.path when run as a script)
+
 
 def write_sparse_27b(path: str) -> None:
     from pydflash import testing
@@ -46,12 +48,8 @@ def write_sparse_27b(path: str) -> None:
 
 
 def best(fn, repeat: int) -> float:
-    times = []
-    for _ in range(repeat):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return min(times)
+    """The fastest of `repeat` calls of fn, in seconds (no warm-up: the first call is a real load's)."""
+    return min(call_times(fn, repeat, warmup=0))
 
 
 def main(argv=None) -> int:
