@@ -37,26 +37,26 @@ static __device__ __forceinline__ void lse_add(lse_pair & p, float v) {
     }
 }
 
-static __device__ lse_pair block_lse(lse_pair p) {
-    __shared__ lse_pair warp_p[TOPK_WARPS];
-    __shared__ lse_pair total;
-    const int warp = threadIdx.x / WARP_SIZE, lane = threadIdx.x % WARP_SIZE;
+static __device__ __forceinline__ lse_pair warp_lse(lse_pair p) {
 #pragma unroll
     for (int offset = WARP_SIZE / 2; offset > 0; offset >>= 1) {
         const lse_pair o = {__shfl_xor_sync(0xFFFFFFFF, p.m, offset), __shfl_xor_sync(0xFFFFFFFF, p.s, offset)};
         p = lse_merge(p, o);
     }
+    return p;
+}
+
+static __device__ lse_pair block_lse(lse_pair p) {
+    __shared__ lse_pair warp_p[TOPK_WARPS];
+    __shared__ lse_pair total;
+    const int warp = threadIdx.x / WARP_SIZE, lane = threadIdx.x % WARP_SIZE;
+    p = warp_lse(p);
     if (lane == 0) {
         warp_p[warp] = p;
     }
     __syncthreads();
     if (warp == 0) {
-        p = lane < TOPK_WARPS ? warp_p[lane] : lse_pair{-INFINITY, 0.0f};
-#pragma unroll
-        for (int offset = WARP_SIZE / 2; offset > 0; offset >>= 1) {
-            const lse_pair o = {__shfl_xor_sync(0xFFFFFFFF, p.m, offset), __shfl_xor_sync(0xFFFFFFFF, p.s, offset)};
-            p = lse_merge(p, o);
-        }
+        p = warp_lse(lane < TOPK_WARPS ? warp_p[lane] : lse_pair{-INFINITY, 0.0f});
         if (lane == 0) {
             total = p;
         }
