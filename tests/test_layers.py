@@ -1,5 +1,6 @@
 """pydflash.models.layers.linear: which matmul each weight gets. By default (PYDFLASH_QMATMUL unset or auto) ggml's
-mul_mat, except Q4_K/Q6_K GPU weights times 4..8 columns, where ggml_qmatmul is the faster kernel; with
+mul_mat, except where ggml_qmatmul is the faster kernel on GPU weights (Q4_K at 4..24 columns, Q6_K at 4..8, any
+quantised matrix of at most 1024 rows from 9 columns on); with
 PYDFLASH_QMATMUL=1 quantised GPU weights with 1..48 columns take ggml_qmatmul, with 0 none does; the CPU keeps
 mul_mat (its SIMD kernels) always."""
 from __future__ import annotations
@@ -14,11 +15,11 @@ from pydflash.models.layers import linear
 NOT_QMATMUL_TYPES = [ggml.Type.F32, ggml.Type.F16, ggml.Type.Q4_0, ggml.Type.Q4_1]
 
 
-def _route(backend: ggml.Backend | None, wtype: ggml.Type, n_cols: int, x_ne2: int = 1) -> ggml.Op:
-    """The op linear picks for a [256, 32] weight of wtype (allocated on backend, or not at all for None) times
+def _route(backend: ggml.Backend | None, wtype: ggml.Type, n_cols: int, x_ne2: int = 1, rows: int = 32) -> ggml.Op:
+    """The op linear picks for a [256, rows] weight of wtype (allocated on backend, or not at all for None) times
     f32 x [256, n_cols, x_ne2]."""
     wctx = ggml.Context(n_tensors=1)
-    w = wctx.new_tensor(wtype, (256, 32), name="w")
+    w = wctx.new_tensor(wtype, (256, rows), name="w")
     buffer = backend.alloc_tensors(wctx) if backend is not None else None
     ctx = ggml.Context(n_tensors=4)
     op = linear(ctx, w, ctx.new_tensor(np.float32, (256, n_cols, x_ne2))).op
@@ -64,17 +65,26 @@ def test_opt_in_rule_for_device_weights(qmatmul_on, monkeypatch):
 
 
 def test_default_rule_for_device_weights(qmatmul_default, monkeypatch):
-    """auto: ggml_qmatmul only for Q4_K/Q6_K at 4..8 columns (where ggml's vector kernel re-decodes the weights
-    per column); 0: never."""
+    """auto: ggml_qmatmul for Q4_K at 4..24 columns and Q6_K at 4..8 (where ggml's vector kernel re-decodes the
+    weights per column, or its MMQ tiles are slower), and for any quantised matrix of at most
+    QMATMUL_SMALL_ROWS rows from 9 columns on (where ggml's stream-k fix-up outweighs the product); 0: never."""
     monkeypatch.setattr(layers, "_on_device", lambda w: True)
-    for wtype in (ggml.Type.Q4_K, ggml.Type.Q6_K):
-        assert [n for n in range(1, 49) if _route(None, wtype, n) == ggml.Op.QMATMUL] == [4, 5, 6, 7, 8]
-    for wtype in (ggml.Type.Q5_K, ggml.Type.Q8_0, *NOT_QMATMUL_TYPES):
-        assert all(_route(None, wtype, n) == ggml.Op.MUL_MAT for n in (1, 4, 8, 16))
+    large, small = layers.QMATMUL_SMALL_ROWS + 1, layers.QMATMUL_SMALL_ROWS
+    taken = {wtype: [n for n in range(1, 50) if _route(None, wtype, n, rows=large) == ggml.Op.QMATMUL]
+             for wtype in ggml.QMATMUL_TYPES}
+    assert taken == {ggml.Type.Q4_K: list(range(4, 25)), ggml.Type.Q6_K: [4, 5, 6, 7, 8],
+                     ggml.Type.Q5_K: [], ggml.Type.Q8_0: []}
+    for wtype in ggml.QMATMUL_TYPES:
+        small_taken = [n for n in range(1, 50) if _route(None, wtype, n, rows=small) == ggml.Op.QMATMUL]
+        assert small_taken == sorted(set(taken[wtype]) | set(range(9, 49)))   # 49: past the column limit
+    for wtype in NOT_QMATMUL_TYPES:
+        for rows in (small, large):
+            assert all(_route(None, wtype, n, rows=rows) == ggml.Op.MUL_MAT for n in (1, 4, 8, 16))
     monkeypatch.setenv("PYDFLASH_QMATMUL", "auto")
-    assert _route(None, ggml.Type.Q4_K, 8) == ggml.Op.QMATMUL
+    assert _route(None, ggml.Type.Q4_K, 8, rows=large) == ggml.Op.QMATMUL
     monkeypatch.setenv("PYDFLASH_QMATMUL", "0")
-    assert _route(None, ggml.Type.Q4_K, 8) == ggml.Op.MUL_MAT
+    assert _route(None, ggml.Type.Q4_K, 8, rows=large) == ggml.Op.MUL_MAT
+    assert _route(None, ggml.Type.Q4_K, 16, rows=small) == ggml.Op.MUL_MAT
     assert layers.kernel_mode() == "ggml"
 
 
@@ -87,11 +97,14 @@ def test_bad_switch_value_is_named(monkeypatch):
 @pytest.mark.cuda
 def test_default_gpu_weights_take_qmatmul_where_faster(qmatmul_default):
     backend = ggml.Backend("cuda")
+    large = layers.QMATMUL_SMALL_ROWS + 256
     for wtype in ggml.QMATMUL_TYPES:
-        assert _route(backend, wtype, 1) == ggml.Op.MUL_MAT
-        assert _route(backend, wtype, 16) == ggml.Op.MUL_MAT
-    assert _route(backend, ggml.Type.Q4_K, 8) == ggml.Op.QMATMUL
-    assert _route(backend, ggml.Type.Q8_0, 8) == ggml.Op.MUL_MAT
+        assert _route(backend, wtype, 1, rows=large) == ggml.Op.MUL_MAT
+        assert _route(backend, wtype, 32, rows=large) == ggml.Op.MUL_MAT
+        assert _route(backend, wtype, 16) == ggml.Op.QMATMUL          # 32 rows: ggml would split K (stream-k)
+    assert _route(backend, ggml.Type.Q4_K, 8, rows=large) == ggml.Op.QMATMUL
+    assert _route(backend, ggml.Type.Q4_K, 23, rows=large) == ggml.Op.QMATMUL
+    assert _route(backend, ggml.Type.Q8_0, 8, rows=large) == ggml.Op.MUL_MAT
 
 
 @pytest.mark.cuda

@@ -27,16 +27,26 @@ def env_switch(name: str, default: str = "0") -> bool:
     return value == "1"
 
 
-# Column counts at which ggml_qmatmul beats ggml's mul_mat, by weight type (H100, docs/benchmarks.md "Kernel
-# timings"): at 4-8 columns ggml's vector kernel re-decodes every weight per column and takes 1.3-2x our time
-# (Q4_K 0.51-0.78x, Q6_K 0.74-1.00x); at 1-2 columns they are level, from 16 on ggml's tiles are faster, and
-# for Q5_K / Q8_0 our kernel never wins. A 4-8 slot verify (DDTree budget 3-7) is where this pays.
-QMATMUL_FASTER_COLS = {ggml.Type.Q4_K: range(4, 9), ggml.Type.Q6_K: range(4, 9)}
+# Where ggml_qmatmul beats ggml's mul_mat (H100, docs/benchmarks.md "Which kernel a verify's matmuls take"). By
+# column count and type: at 4-8 columns ggml's vector kernel re-decodes every weight per column and takes 1.3-2x
+# our time (Q4_K 0.51-0.78x, Q6_K 0.74-1.00x); at 1-2 columns they are level; from 9 columns ggml's MMQ tiles take
+# over, and for Q4_K our kernel stays ahead up to 24 (a verify of a budget-22 tree); Q6_K and Q8_0 lose there.
+QMATMUL_FASTER_COLS = {ggml.Type.Q4_K: range(4, 25), ggml.Type.Q6_K: range(4, 9)}
+# And by shape: a matrix of at most this many rows fills at most 8 of MMQ's 128-row tiles, so from 9 columns ggml
+# splits its K over the SMs (stream-k) and the fix-up pass that adds the pieces costs 8-33 us, several times the
+# product (profiled on the 27B verify: a GDN layer's 96-row beta/alpha matrix 7.8 us + 32.7 us of fix-up).
+QMATMUL_SMALL_ROWS = 1024
+
+
+def qmatmul_faster(wtype: ggml.Type, n_rows: int, n_cols: int) -> bool:
+    """Whether ggml_qmatmul is the faster kernel for a quantised GPU weight of n_rows outputs times n_cols columns
+    (the `auto` rule of qmatmul_mode)."""
+    return n_cols in QMATMUL_FASTER_COLS.get(wtype, ()) or (n_cols > 8 and n_rows <= QMATMUL_SMALL_ROWS)
 
 
 def qmatmul_mode() -> str:
     """PYDFLASH_QMATMUL: unset or 'auto' (the default) sends quantised GPU weight matmuls through ggml_qmatmul only
-    where it is the faster kernel (QMATMUL_FASTER_COLS), '1' wherever it takes them (1..48 columns), '0' never.
+    where it is the faster kernel (qmatmul_faster), '1' wherever it takes them (1..48 columns), '0' never.
     PYDFLASH_BITEXACT=1 implies '1'. Read when a graph is built, so a change applies to graphs built after it."""
     if bitexact_enabled():
         return "1"
@@ -92,7 +102,7 @@ def linear(ctx: ggml.Context, w: ggml.Tensor, x: ggml.Tensor) -> ggml.Tensor:
     whatever the number of columns; ggml-ext.h says how). The weight must be allocated when the graph is built
     (model weights always are)."""
     mode = qmatmul_mode()
-    if mode != "0" and _takes_qmatmul(w, x) and (mode == "1" or x.ne[1] in QMATMUL_FASTER_COLS.get(w.type, ())):
+    if mode != "0" and _takes_qmatmul(w, x) and (mode == "1" or qmatmul_faster(w.type, w.ne[1], x.ne[1])):
         return ggml.qmatmul(ctx, w, x)
     if bitexact_enabled() and x.ne[1] <= ggml.QMATMUL_MAX_COLS and x.ne[2:] == (1, 1) and x.is_contiguous:
         # tokens as a batch of single columns: ggml then takes its matrix-vector kernel for every token count
