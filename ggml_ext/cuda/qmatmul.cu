@@ -194,22 +194,19 @@ static __global__ void qmm_quantize_x(const float * __restrict__ x, int8_t * __r
     }
 }
 
-// Row tiles per warp when the caller leaves the choice to the kernel, from the H100 sweep of every forced choice
-// (`bench/qmatmul.py --sweep`, docs/benchmarks.md): one up to 16 columns (up to 24 for Q6_K, whose super-blocks
-// already fill a warp's registers, and which is slowest at four), two above; four for short matrices (<= 6144
-// rows) of the other types from 9 columns on; one for matrices of at most 2048 rows (no more 16-row tiles than an
-// H100 has SMs: more tiles per warp would only leave SMs idle). Any choice gives the same bits.
+// Row tiles per warp when the caller leaves the choice to the kernel, from the H100 sweeps of every forced choice
+// (`bench/qmatmul.py --sweep`, docs/benchmarks.md): one for one column tile (up to 8 columns) and for matrices of
+// at most 2048 rows (no more 16-row tiles than an H100 has SMs: more tiles per warp would only leave SMs idle);
+// four for the other short matrices (<= 6144 rows) except Q6_K; two otherwise (with two CUDA blocks per SM up
+// to 24 columns: qmm_min_blocks). Any choice gives the same bits.
 static int qmm_auto_row_tiles(ggml_type type, int nt, int M) {
-    if (M <= 2048) {
+    if (nt == 1 || M <= 2048) {
         return 1;
     }
-    if (type == GGML_TYPE_Q6_K) {
-        return nt <= 3 ? 1 : 2;
-    }
-    if (nt >= 2 && M <= 6144) {
+    if (type != GGML_TYPE_Q6_K && M <= 6144) {
         return 4;
     }
-    return nt <= 2 ? 1 : 2;
+    return 2;
 }
 
 template <ggml_type type>

@@ -320,12 +320,14 @@ static __device__ __forceinline__ void qmm_prefetch_l2(const char * p) {
     asm volatile("prefetch.global.L2 [%0];" : : "l"(p));
 }
 
-// CUDA blocks of this kernel an SM must hold at once: two for RT = 2 up to 24 columns, where ptxas otherwise takes
-// 175-200 registers and one block (8 warps) per SM leaves the kernel waiting on latency (H100 profile: 12.5%
-// occupancy, an instruction every 2.3 cycles per scheduler); within 128 registers it spills at most 8 bytes there.
-// Elsewhere the registers the kernel wants (more tiles spill heavily at 128). Registers do not change the result.
+// CUDA blocks of this kernel an SM must hold at once (__launch_bounds__' second argument; 0: ptxas decides): two
+// for RT = 2 up to 24 columns, where ptxas otherwise takes 175-200 registers and one block (8 warps) per SM leaves
+// the kernel waiting on latency (H100 profile: 12.5% occupancy, an instruction every 2.3 cycles per scheduler);
+// within 128 registers it spills at most 8 bytes there. Not 1 elsewhere: that lets ptxas take up to twice the
+// registers of its own choice (Q6_K at one column: 133 instead of 68) and costs the one-column kernel a third of
+// its speed. Registers do not change the result.
 template <int NT, int RT> constexpr int qmm_min_blocks() {
-    return RT == 2 && NT <= 3 ? 2 : 1;
+    return RT == 2 && NT <= 3 ? 2 : 0;
 }
 
 // One CUDA block: 16 * RT rows starting at 16 * RT * blockIdx.x, all N columns (NT tiles of 8), QMM_MMA_WARPS warps
