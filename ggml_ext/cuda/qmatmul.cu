@@ -195,16 +195,17 @@ static __global__ void qmm_quantize_x(const float * __restrict__ x, int8_t * __r
 }
 
 // Row tiles per warp when the caller leaves the choice to the kernel, from the H100 sweeps of every forced choice
-// (`bench/qmatmul.py --sweep`, docs/benchmarks.md): one for one column tile (up to 8 columns) and for matrices of
-// at most 2048 rows (no more 16-row tiles than an H100 has SMs: more tiles per warp would only leave SMs idle);
-// four for the other short matrices (<= 6144 rows) except Q6_K; two otherwise (with two CUDA blocks per SM up
-// to 24 columns: qmm_min_blocks). Any choice gives the same bits.
+// (`bench/qmatmul.py --sweep`, docs/benchmarks.md "Which kernel a verify's matmuls take"): one for one column tile
+// (up to 8 columns) and for matrices of at most 2048 rows (no more 16-row tiles than an H100 has SMs: more tiles
+// per warp would only leave SMs idle); for the other short matrices (<= 6144 rows) four, or for Q6_K one up to 24
+// columns and two above; two otherwise (with two CUDA blocks per SM up to 24 columns: qmm_min_blocks). Any choice
+// gives the same bits.
 static int qmm_auto_row_tiles(ggml_type type, int nt, int M) {
     if (nt == 1 || M <= 2048) {
         return 1;
     }
-    if (type != GGML_TYPE_Q6_K && M <= 6144) {
-        return 4;
+    if (M <= 6144) {
+        return type != GGML_TYPE_Q6_K ? 4 : nt <= 3 ? 1 : 2;
     }
     return 2;
 }
