@@ -189,6 +189,29 @@ def test_q4_k_matrices_are_the_stored_values_quantized(which, request):
     assert n_q4_k == (len(types) if which == "pair_256" else draft.hp.n_layer)
 
 
+# The q4_k draft's logits against z-lab's float64 model: Q4_K's RMS weight error (0.079 s, above) is ~17x Q8_0's
+# (a step of 2.04 s / 127 over a 32-block, / sqrt(12): 0.0046 s); the activations entering a Q4_K product are rounded
+# to 8 bits per 256 values (Q8_K), as fine as Q8_0's. So at most ~17x the ~1e-2 expected of q8_0 (Q8_LOGIT_TOL's
+# reasoning), less where q8_0's error is the activations'.
+Q4_LOGIT_TOL = 0.17
+
+
+def test_q4_k_draft_logits_against_zlab(pair_256):
+    """Within Q4_LOGIT_TOL of z-lab's float64 model on the bf16 weights, and further from it than the q8_0 draft."""
+    tgt = Qwen35Target(pair_256[0], "cpu", n_ctx=256, capture_layers=CAPTURE)
+    features = np.random.default_rng(17).standard_normal((37, len(CAPTURE), tgt.hp.n_embd)).astype(np.float32)
+    want = Reference(pair_256[1], pair_256[0]).logits(features, 0, 123)
+    errors = {}
+    for weight_type in (None, "q8_0", "q4_k"):
+        draft = DFlashDraft(pair_256[1], tgt, weight_type=weight_type)
+        draft.append_features(features)
+        errors[weight_type] = _max_rel(draft.logits(last_token=123), want)
+    print(f"max |logit error| / max |logit|: bf16 {errors[None]:.2e}, q8_0 {errors['q8_0']:.2e}, "
+          f"q4_k {errors['q4_k']:.2e}")
+    assert errors[None] < LOGIT_TOL
+    assert errors[None] < errors["q8_0"] < errors["q4_k"] < Q4_LOGIT_TOL
+
+
 @pytest.fixture(scope="module")
 def reference_256(pair_256):
     prompt = [int(t) for t in np.random.default_rng(18).integers(3, 400, 30)]
