@@ -1,14 +1,16 @@
-"""What quantizing the draft's matrices at load (draft_type='q8_0') does to its proposals: the same draft loaded
-as stored (bf16) and as q8_0 on one target, fed the same context (the target's captured features of a prompt and
-of its greedy continuation), compared at every step.
+"""What quantizing the draft's matrices at load (draft_type='q8_0' or 'q4_k') does to its proposals: the same draft
+loaded as stored (bf16) and quantized on one target, fed the same context (the target's captured features of a
+prompt and of its greedy continuation), compared at every step.
 
-    python bench/draft_quant.py TARGET.gguf --draft DRAFT --device cuda [--n-steps 64] [--prompt-tokens 256]
+    python bench/draft_quant.py TARGET.gguf --draft DRAFT --device cuda [--draft-type q8_0|q4_k] [--n-steps 64]
+        [--prompt-tokens 256]
 
-Per step and block position: the logit error of q8_0 against stored (max |difference| / max |stored logit|), whether
+Per step and block position: the logit error of the quantized draft against stored (max |difference| / max |stored
+logit|), whether
 the top-1 proposal agrees, and how many of the top-8 candidates are shared. Then DDTree decoding with each draft
 (budget 22) on the same prompt: the tokens must equal plain decoding's (asserted) and the acceptance lengths are
 compared. Prints markdown. The weights' bytes on the device are printed beside (q8_0 holds 34 bytes per 32 values,
-bf16 64).
+q4_k 144 per 256, bf16 64 per 32).
 """
 from __future__ import annotations
 
@@ -28,8 +30,9 @@ TOP_K = 8
 
 def compare_proposals(target, drafts: dict, prompt: list[int], n_steps: int) -> dict:
     """Run the target greedily from `prompt`, appending its captured features to every draft; at each step
-    compare the drafts' logits for the block after the last token. Returns per-position statistics."""
-    stored, quant = drafts["stored"], drafts["q8_0"]
+    compare the drafts' logits for the block after the last token (drafts: "stored" and one quantized draft).
+    Returns per-position statistics."""
+    stored, quant = drafts["stored"], next(d for name, d in drafts.items() if name != "stored")
     target.reset()
     for d in drafts.values():
         d.reset()
@@ -62,6 +65,8 @@ def main(argv=None) -> int:
     ap.add_argument("--prompt-tokens", type=int, default=256)
     ap.add_argument("--n-gen", type=int, default=64, help="tokens decoded with each draft (default 64)")
     ap.add_argument("--budget", type=int, default=22)
+    ap.add_argument("--draft-type", default="q8_0", choices=["q8_0", "q4_k"],
+                    help="the quantized draft compared with the stored one (default q8_0)")
     args = ap.parse_args(argv)
 
     from pydflash import ggml
@@ -76,8 +81,9 @@ def main(argv=None) -> int:
     # the prompt in one micro-batch: the features of all its tokens are captured at once
     target = load_target(args.target, backend, n_ctx=n_ctx, n_ubatch=max(512, args.prompt_tokens),
                          capture_layers=draft_layer_ids(args.draft), progress=True)
+    quant = args.draft_type
     drafts = {"stored": DFlashDraft(args.draft, target, top_k=TOP_K),
-              "q8_0": DFlashDraft(args.draft, target, top_k=TOP_K, weight_type="q8_0")}
+              quant: DFlashDraft(args.draft, target, top_k=TOP_K, weight_type=quant)}
     rng = np.random.default_rng(0)
     prompt = [int(t) for t in rng.integers(1, min(target.hp.n_vocab, 30000), args.prompt_tokens)]
     stats = compare_proposals(target, drafts, prompt, args.n_steps)
@@ -92,10 +98,11 @@ def main(argv=None) -> int:
         acceptance[name] = run["acceptance_length"]
 
     size = {k: d.weights.buffer.nbytes for k, d in drafts.items()}
-    print(f"\n### Draft matrices q8_0 vs stored, {os.path.basename(args.target)} + "
+    types = sorted({t.type.name for t in drafts[quant].weights.t.values() if t.ne[1] > 1})   # matrices only
+    print(f"\n### Draft matrices {quant} vs stored, {os.path.basename(args.target)} + "
           f"{os.path.basename(args.draft.rstrip('/'))}, {backend.name}\n")
-    print(f"draft weights on the device: stored {fmt_bytes(size['stored'])}, q8_0 {fmt_bytes(size['q8_0'])} "
-          f"({size['q8_0'] / size['stored']:.3f}x)\n")
+    print(f"draft weights on the device: stored {fmt_bytes(size['stored'])}, {quant} {fmt_bytes(size[quant])} "
+          f"({size[quant] / size['stored']:.3f}x; quantized matrices: {', '.join(types)})\n")
     print(f"{args.n_steps} steps after a {args.prompt_tokens}-token prompt (target's greedy continuation)\n")
     print("| block position | max logit error / max logit (median, max) | top-1 agreement | top-8 shared |")
     print("|---|---|---|---|")
@@ -105,7 +112,7 @@ def main(argv=None) -> int:
               f"{overlap[:, j].mean():.2f} / {TOP_K} |")
     print(f"| all | {np.median(rel):.2e}, {rel.max():.2e} | {top1.mean():.3f} | {overlap.mean():.2f} / {TOP_K} |")
     print(f"\nDDTree (budget {args.budget}), {args.n_gen} tokens, both equal to plain decoding: acceptance length "
-          f"stored {acceptance['stored']:.2f}, q8_0 {acceptance['q8_0']:.2f}")
+          f"stored {acceptance['stored']:.2f}, {quant} {acceptance[quant]:.2f}")
     return 0
 
 

@@ -54,8 +54,8 @@ def main(argv=None) -> int:
     ap.add_argument("--ctx", type=int, default=2048, help="context positions in the draft cache")
     ap.add_argument("--window", type=int, default=2048, help="ring size W")
     ap.add_argument("--top-k", type=int, default=8)
-    ap.add_argument("--draft-type", default="stored", choices=["stored", "q8_0"],
-                    help="the draft's matrices as stored (bf16) or quantized to q8_0 at load")
+    ap.add_argument("--draft-type", default="stored", choices=["stored", "q8_0", "q4_k"],
+                    help="the draft's matrices as stored (bf16) or quantized to q8_0 / q4_k at load")
     ap.add_argument("--reps", type=int, default=50)
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--dir", default="/tmp/pydflash-draft-bench")

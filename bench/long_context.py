@@ -5,7 +5,7 @@ and the peak device memory of a long-context load against its memory plan.
         --depths 2048,8192,32768,131072,262144 [--llama-bench PATH]
     python bench/long_context.py prefill TARGET.gguf --device cuda --lengths 2048,8192,32768 [--llama-bench PATH]
     python bench/long_context.py memory  TARGET.gguf --draft DRAFT --device cuda --ctx 262144 --kv tq3_0 \
-        [--state-type replay|f16] [--draft-type q8_0]
+        [--state-type replay|f16] [--draft-type q8_0|q4_k]
 
 depth: one target allocated for the deepest depth, then at each depth the cache's fill is set to that depth
 (rows past a short real prompt stay zero: attention time depends on the attended length, not the values) and
@@ -242,8 +242,8 @@ def main(argv=None) -> int:
             s.add_argument("--state-type", default="f32", choices=["f32", "replay", "f16"],
                            help="the verify's node states (TargetRuntime.enable_verify; default f32)")
             s.add_argument("--f16-states", action="store_true", help="the same as --state-type f16")
-            s.add_argument("--draft-type", default="stored", choices=["stored", "q8_0"],
-                           help="the draft's matrices: as stored (default) or quantized to q8_0 at load")
+            s.add_argument("--draft-type", default="stored", choices=["stored", "q8_0", "q4_k"],
+                           help="the draft's matrices: as stored (default) or quantized to q8_0 / q4_k at load")
     args = p.parse_args(argv)
     return args.func(args)
 

@@ -27,7 +27,7 @@ MAX_BUDGET = 1024          # tree nodes / chain length per step
 MAX_TOKENS = 1 << 24
 MAX_SNAPSHOTS = 1 << 16    # saved prefix states (each one also bounded by prefix_bytes)
 STATE_TYPES = ("auto", "f32", "replay", "f16")   # the verify's node states (load's state_type)
-DRAFT_TYPES = ("auto", "stored", "q8_0")   # the draft's matrices on the device (load's draft_type)
+DRAFT_TYPES = ("auto", "stored", "q8_0", "q4_k")   # the draft's matrices on the device (load's draft_type)
 
 
 @dataclass
@@ -184,8 +184,10 @@ def load(target, draft=None, *, device: str = "auto", kv_type: str = "auto", max
     (docs/benchmarks.md, "Long context"); 'auto' (default): f32 (replay, exact on CPU and lossless on CUDA,
     has wrong verify logits past the root on CUDA for now, so it is used only when asked for).
     draft_type: the draft's matrices on the device: 'stored' (as in the file, bf16 for z-lab drafts), 'q8_0'
-    (quantized at load, ~53% of bf16: the proposals change slightly, the output never), or 'auto' (default):
-    'stored' unless q8_0 fits a longer context (or a finer KV type) in the memory plan."""
+    (quantized at load, ~53% of bf16: the proposals change slightly, the output never), 'q4_k' (~28% of bf16;
+    rows that are not whole 256-value blocks take q8_0; the proposals change more than with q8_0, the output
+    never; on CUDA its products take ggml_qmatmul at the draft's 15-16 columns), or 'auto' (default): 'stored'
+    unless q8_0 fits a longer context (or a finer KV type) in the memory plan (never q4_k)."""
     import sys
 
     from . import ggml, plan

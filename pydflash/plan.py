@@ -14,7 +14,7 @@ Parts (exact unless marked):
                        and conv input (f32)
   prefix snapshots     saved recurrent states for prefix reuse (pydflash.prefix_cache), as many as load keeps
   captured features    the draft's target layers, f32 x n_ubatch tokens
-  draft weights        matrices as stored (bf16), norms widened to f32
+  draft weights        matrices as stored (bf16) or quantized at load (draft_type q8_0, q4_k), norms widened to f32
   draft context ring   per draft layer, K and V (f16) of block + window rows, rounded up to the bucket
   compute (estimate)   the largest forward's scratch: see `compute_estimate`
   reserve              a fixed margin for the CUDA libraries' workspaces and allocator slack
@@ -27,7 +27,7 @@ from dataclasses import dataclass, field, replace
 
 from . import ggml
 from .kv import KV_TYPES, kv_type_of
-from .models.dflash_draft import DEFAULT_WINDOW, DRAFT_MATRIX_TYPES
+from .models.dflash_draft import DEFAULT_WINDOW, draft_matrix_type
 from .models.runtime import KV_BUCKET, kv_cells, replay_width   # the target's KV cells: whole KV_BUCKETs
 
 AUTO_KV_ORDER = ("f16", "q8_0", "q4_0", "tq3_0")   # kv_type="auto": the first one the context fits in
@@ -75,14 +75,16 @@ class DraftShape:
 
     @classmethod
     def from_hparams(cls, hp, stored_itemsize: int = 2, window: int = DRAFT_WINDOW,
-                     matrix_type: str | None = None) -> "DraftShape":
+                     matrix_type: str | None = None, path: str = "draft") -> "DraftShape":
         """Weights from the draft's tensor list: matrices `stored_itemsize` bytes per value, or quantized to
-        matrix_type at load ('q8_0': DFlashWeights), norms f32."""
-        def matrix_bytes(ne):
+        matrix_type at load ('q8_0' or 'q4_k', each matrix to the type DFlashWeights gives it: draft_matrix_type),
+        norms f32."""
+        def matrix_bytes(name, ne):
             if matrix_type is None:
                 return _count(ne) * stored_itemsize
-            return ggml.row_size(DRAFT_MATRIX_TYPES[matrix_type], ne[0]) * (_count(ne) // ne[0])
-        nbytes = sum(_count(ne) * 4 if len(ne) == 1 else matrix_bytes(ne) for ne in hp.tensor_shapes().values())
+            return ggml.row_size(draft_matrix_type(matrix_type, name, ne[0], path), ne[0]) * (_count(ne) // ne[0])
+        nbytes = sum(_count(ne) * 4 if len(ne) == 1 else matrix_bytes(name, ne)
+                     for name, ne in hp.tensor_shapes().items())
         return cls(hp.n_layer, hp.n_embd, hp.n_ff, hp.head_dim * hp.n_head_kv, hp.block_size, hp.n_feat, nbytes,
                    window)
 
@@ -95,7 +97,7 @@ class DraftShape:
         if path.endswith(".gguf"):             # matrices as stored (any type), norms widened to f32
             from .gguf_io import GGUFFile
             gf = GGUFFile(path)
-            shape = cls.from_hparams(DFlashHParams.from_gguf(gf), 2, window, matrix_type)
+            shape = cls.from_hparams(DFlashHParams.from_gguf(gf), 2, window, matrix_type, path)
             if matrix_type is not None:
                 return shape
             nbytes = sum(4 * _count(t.ne) if len(t.ne) == 1 else t.nbytes for t in gf.tensors.values())
@@ -106,7 +108,7 @@ class DraftShape:
             hp = DFlashHParams.from_config(json.load(f), config_path)
         tensors, _ = read_safetensors_header(weights_path)
         itemsizes = {t.nbytes // max(1, _count(t.ne)) for t in tensors.values() if _count(t.ne) > 1}
-        return cls.from_hparams(hp, max(itemsizes) if itemsizes else 2, window, matrix_type)
+        return cls.from_hparams(hp, max(itemsizes) if itemsizes else 2, window, matrix_type, weights_path)
 
 
 def _count(ne) -> int:
@@ -330,7 +332,8 @@ def plan_for_files(target, draft=None, *, vram=None, max_ctx="auto", kv_type="au
     """The plan for a target GGUF (a file name or a parsed GGUFFile) and an optional draft (folder or GGUF),
     fitted to `vram` bytes when given (then max_ctx / kv_type may be 'auto'); without vram, max_ctx and kv_type
     must be concrete. prefix_snapshots / prefix_bytes: the prefix cache's bound (load's arguments); draft_type:
-    None (the draft's matrices as stored) or a type of DRAFT_MATRIX_TYPES they are quantized to at load."""
+    None (the draft's matrices as stored) or a key of DRAFT_MATRIX_TYPES ('q8_0', 'q4_k') they are quantized to at
+    load."""
     hp, weight_bytes = target_shape(target)
     mode = mode or ("ddtree" if draft is not None else "ar")
     shape = DraftShape.from_path(draft, draft_window, draft_type) if (draft is not None and mode != "ar") else None
@@ -389,6 +392,9 @@ def plan_for_load(target, draft=None, *, vram, n_ubatch="auto", budget: int = 22
 # since its store copies took their destination's shape (vendor/patches/0003 too), on CUDA: its CUDA tests pass on
 # the H100 (2026-11-23, docs/benchmarks.md); its extra commit time is not measured yet.
 AUTO_STATE_TYPES = ("f32", "replay")
+# draft_type "auto" tries the draft as stored, then these. Not q4_k: it changes the proposals more than q8_0 and is
+# taken only when asked for (draft_type='q4_k').
+AUTO_DRAFT_TYPES = ("q8_0",)
 
 
 def _best_options(target, draft, vram, n_ubatch, budget, draft_type, state_type, args) -> tuple:
@@ -398,7 +404,7 @@ def _best_options(target, draft, vram, n_ubatch, budget, draft_type, state_type,
     speculative = draft is not None and args.get("mode") != "ar"
     if not speculative:
         return None, "f32" if state_type == "auto" else state_type
-    drafts = [None, *DRAFT_MATRIX_TYPES] if draft_type == "auto" else [draft_type]
+    drafts = [None, *AUTO_DRAFT_TYPES] if draft_type == "auto" else [draft_type]
     states = list(AUTO_STATE_TYPES) if state_type == "auto" else [state_type]
     options = [(d, st) for d in drafts for st in states]
     best, best_key, error = None, None, None

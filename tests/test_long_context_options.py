@@ -1,19 +1,21 @@
-"""The long-context memory options of `load`: the draft's matrices quantized to q8_0 at load (draft_type) and
-f16 verify node states (state_type), how the memory plan counts and picks them, and the CLI flags.
+"""The long-context memory options of `load`: the draft's matrices quantized to q8_0 or q4_k at load (draft_type)
+and f16 verify node states (state_type), how the memory plan counts and picks them, and the CLI flags.
 
-Oracles: float64 numpy for the q8_0 blocks on the device, z-lab's PyTorch draft (float64, bf16 weights) for the
-quantized draft's logits, plain AR decoding for the speculative output, sums by hand for the plan.
+Oracles: float64 numpy for the q8_0 blocks on the device, ggml's Q4_K quantizer and gguf-py's Q4_K decoder for the
+q4_k blocks, z-lab's PyTorch draft (float64, bf16 weights) for the quantized draft's logits, plain AR decoding for
+the speculative output, sums by hand for the plan.
 """
 from __future__ import annotations
 
 import os
 
+import gguf
 import numpy as np
 import pytest
 
 import pydflash
 from pydflash import cli, ggml, plan, testing
-from pydflash.models.dflash_draft import DFlashDraft, read_safetensors_header
+from pydflash.models.dflash_draft import DFlashDraft, DraftLoadError, read_safetensors_header
 from pydflash.models.qwen35 import Qwen35Target
 from test_dflash_draft import LOGIT_TOL, Reference, _max_rel
 
@@ -51,29 +53,38 @@ def dequantize_q8_0(raw: np.ndarray, n_per_row: int) -> np.ndarray:
     return (d * q).reshape(-1, n_per_row)
 
 
-def test_q8_0_matrices_are_the_stored_values_quantized(pair, target):
-    """Every matrix is Q8_0 on the device, each value within half a quantization step d (the block's max |value| /
-    127) of the bf16 value, plus the scale's rounding to f16 (relative 2^-11) times |q| <= 127; the norms stay f32
-    and exact."""
-    draft = DFlashDraft(pair[1], target, weight_type="q8_0")
-    tensors, mm = read_safetensors_header(os.path.join(pair[1], "model.safetensors"))
-    matrices = 0
+def stored_tensors(draft_dir):
+    """z-lab name -> (ne, the stored bf16 values as float64 rows [n_rows, ne[0]])."""
+    tensors, mm = read_safetensors_header(os.path.join(draft_dir, "model.safetensors"))
     for name, info in tensors.items():
         raw = np.asarray(mm[info.offset: info.offset + info.nbytes]).view(np.uint16)
-        stored = testing.bf16_to_f32(raw).astype(np.float64).reshape(-1, info.ne[0])
+        yield name, info.ne, testing.bf16_to_f32(raw).astype(np.float64).reshape(-1, info.ne[0])
+
+
+def check_q8_0(name, t, stored):
+    """Each value within half a quantization step d (the block's max |value| / 127) of the bf16 value, plus the
+    scale's rounding to f16 (relative 2^-11) times |q| <= 127."""
+    assert t.type == ggml.Type.Q8_0, name
+    blocks = stored.reshape(-1, 32)
+    got = dequantize_q8_0(t.numpy(), stored.shape[1]).reshape(-1, 32)
+    d = np.abs(blocks).max(axis=1, keepdims=True) / 127
+    err = np.abs(got - blocks)
+    assert (err <= d * (0.5 + 127 * 2 ** -11) + 1e-12).all(), name
+    assert np.median(err / d) < 0.3, name             # rounding to the nearest step: ~d/4 on average
+    assert err.max() > 0, name                       # quantized, not copied
+
+
+def test_q8_0_matrices_are_the_stored_values_quantized(pair, target):
+    """Every matrix is Q8_0 on the device (check_q8_0); the norms stay f32 and exact."""
+    draft = DFlashDraft(pair[1], target, weight_type="q8_0")
+    matrices = 0
+    for name, ne, stored in stored_tensors(pair[1]):
         t = draft.weights[name]
-        if len(info.ne) == 1:
+        if len(ne) == 1:
             assert t.type == ggml.Type.F32 and np.array_equal(t.numpy().reshape(stored.shape), stored), name
             continue
         matrices += 1
-        assert t.type == ggml.Type.Q8_0, name
-        blocks = stored.reshape(-1, 32)
-        got = dequantize_q8_0(t.numpy(), info.ne[0]).reshape(-1, 32)
-        d = np.abs(blocks).max(axis=1, keepdims=True) / 127
-        err = np.abs(got - blocks)
-        assert (err <= d * (0.5 + 127 * 2 ** -11) + 1e-12).all(), name
-        assert np.median(err / d) < 0.3, name             # rounding to the nearest step: ~d/4 on average
-        assert err.max() > 0, name                       # quantized, not copied
+        check_q8_0(name, t, stored)
     assert matrices == 1 + 7 * draft.hp.n_layer          # fc, then q, k, v, o, gate, up, down per layer
 
 
@@ -110,6 +121,144 @@ def test_q8_0_draft_is_lossless(pair, reference, mode):
     assert engine.generate(prompt, max_tokens=N_GEN).tokens == want
 
 
+# --- draft_type 'q4_k' ----------------------------------------------------------------------------------------
+
+# A Q4_K value is d*sc*q - dmin*m: per 256-value super-block f16 d and dmin, per 32-value sub-block 6-bit sc and m,
+# q in 0..15. ggml's quantizer (no importance matrix) ends by rounding every value to the nearest of its sub-block's
+# 16 grid points (clamped to the ends), so each decoded value is a nearest grid point. How good the grid is: for
+# N(0, s^2) weights a sub-block of 32 spans ~4.1 s (the expected max of 32 normals is 2.04 s), so the step is
+# ~4.1 s / 15 = 0.27 s and rounding to it leaves an RMS error of 0.27 s / sqrt(12) = 0.079 s; the scale search
+# only narrows the grid. Bound with a 25% margin:
+Q4_K_RMS_TOL = 0.1
+
+
+@pytest.fixture(scope="module")
+def pair_256(tmp_path_factory):
+    """A pair 256 wide, so that every draft matrix has rows of whole Q4_K blocks (fc 512, q/k/v/gate/up 256,
+    o 4 x 64 = 256, down n_ff 256)."""
+    d = tmp_path_factory.mktemp("lc_q4k")
+    target = d / "target.gguf"
+    testing.write_qwen35_gguf(target, seed=15, n_embd=256)
+    draft = d / "draft"
+    testing.write_dflash_draft(draft, target, target_layer_ids=list(CAPTURE), n_ff=256, seed=16)
+    return str(target), str(draft)
+
+
+def check_q4_k(name, t, stored):
+    """The bytes are ggml's Q4_K of the stored values (the load's row chunks change nothing); decoded by gguf-py,
+    each value is a nearest point of its sub-block's grid and the RMS error is within Q4_K_RMS_TOL of the RMS."""
+    assert t.type == ggml.Type.Q4_K, name
+    raw = t.numpy().reshape(len(stored), -1)
+    assert np.array_equal(raw, ggml.quantize(ggml.Type.Q4_K, stored.astype(np.float32))), name
+    got = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType.Q4_K).astype(np.float64).reshape(-1, 8, 32)
+    blocks = raw.reshape(-1, 144)
+    d = blocks[:, 0:2].copy().view(np.float16).astype(np.float64)
+    dmin = blocks[:, 2:4].copy().view(np.float16).astype(np.float64)
+    sc, m = gguf.quants.Q4_K.get_scale_min(blocks[:, 4:16])
+    step, low = (d * sc)[..., None], -(dmin * m)[..., None]        # [super-block, sub-block, 1]
+    want = stored.reshape(-1, 8, 32)
+    nearest = low + step * np.clip(np.round((want - low) / np.where(step > 0, step, 1)), 0, 15)
+    err = np.abs(got - want)
+    assert (err <= np.abs(nearest - want) + 1e-6 * np.abs(want).max()).all(), name
+    rms = np.sqrt(np.mean(err ** 2) / np.mean(want ** 2))
+    assert 0 < rms < Q4_K_RMS_TOL, (name, rms)
+
+
+@pytest.mark.parametrize("which", ["pair", "pair_256"])
+def test_q4_k_matrices_are_the_stored_values_quantized(which, request):
+    """q4_k: matrices with rows of whole 256-value blocks are Q4_K (check_q4_k), the others Q8_0 (check_q8_0); the
+    norms stay f32 and exact. The 64-wide pair has one Q4_K matrix per layer (o_proj: 4 heads x 64), the 256-wide
+    pair only Q4_K matrices."""
+    draft_dir = request.getfixturevalue(which)[1]
+    tgt = request.getfixturevalue("target") if which == "pair" else \
+        Qwen35Target(request.getfixturevalue(which)[0], "cpu", n_ctx=256, capture_layers=CAPTURE)
+    draft = DFlashDraft(draft_dir, tgt, weight_type="q4_k")
+    types = {}
+    for name, ne, stored in stored_tensors(draft_dir):
+        t = draft.weights[name]
+        if len(ne) == 1:
+            assert t.type == ggml.Type.F32 and np.array_equal(t.numpy().reshape(stored.shape), stored), name
+            continue
+        types[name] = t.type
+        if ne[0] % 256 == 0:
+            check_q4_k(name, t, stored)
+        else:
+            check_q8_0(name, t, stored)
+    n_q4_k = list(types.values()).count(ggml.Type.Q4_K)
+    assert len(types) == 1 + 7 * draft.hp.n_layer
+    assert n_q4_k == (len(types) if which == "pair_256" else draft.hp.n_layer)
+
+
+# The q4_k draft's logits against z-lab's float64 model: Q4_K's RMS weight error (0.079 s, above) is ~17x Q8_0's
+# (a step of 2.04 s / 127 over a 32-block, / sqrt(12): 0.0046 s); the activations entering a Q4_K product are rounded
+# to 8 bits per 256 values (Q8_K), as fine as Q8_0's. So at most ~17x the ~1e-2 expected of q8_0 (Q8_LOGIT_TOL's
+# reasoning), less where q8_0's error is the activations'.
+Q4_LOGIT_TOL = 0.17
+
+
+def test_q4_k_draft_logits_against_zlab(pair_256):
+    """Within Q4_LOGIT_TOL of z-lab's float64 model on the bf16 weights, and further from it than the q8_0 draft."""
+    tgt = Qwen35Target(pair_256[0], "cpu", n_ctx=256, capture_layers=CAPTURE)
+    features = np.random.default_rng(17).standard_normal((37, len(CAPTURE), tgt.hp.n_embd)).astype(np.float32)
+    want = Reference(pair_256[1], pair_256[0]).logits(features, 0, 123)
+    errors = {}
+    for weight_type in (None, "q8_0", "q4_k"):
+        draft = DFlashDraft(pair_256[1], tgt, weight_type=weight_type)
+        draft.append_features(features)
+        errors[weight_type] = _max_rel(draft.logits(last_token=123), want)
+    print(f"max |logit error| / max |logit|: bf16 {errors[None]:.2e}, q8_0 {errors['q8_0']:.2e}, "
+          f"q4_k {errors['q4_k']:.2e}")
+    assert errors[None] < LOGIT_TOL
+    assert errors[None] < errors["q8_0"] < errors["q4_k"] < Q4_LOGIT_TOL
+
+
+@pytest.fixture(scope="module")
+def reference_256(pair_256):
+    prompt = [int(t) for t in np.random.default_rng(18).integers(3, 400, 30)]
+    ar = pydflash.load(pair_256[0], device="cpu", max_ctx=512, tokenizer=False)
+    return prompt, ar.generate(prompt, max_tokens=N_GEN).tokens
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["chain", "ddtree"])
+def test_q4_k_draft_is_lossless(pair_256, reference_256, mode):
+    prompt, want = reference_256
+    engine = pydflash.load(*pair_256, device="cpu", max_ctx=512, tokenizer=False, mode=mode, draft_type="q4_k")
+    weights = engine.decoder.draft.draft.weights
+    assert {weights[n].type for n in weights.t if weights[n].ne[1] > 1} == {ggml.Type.Q4_K}
+    assert engine.target.memory_plan.draft_type == "q4_k"
+    assert engine.generate(prompt, max_tokens=N_GEN).tokens == want
+
+
+@pytest.mark.parametrize("which", ["pair", "pair_256"])
+def test_q4_k_draft_planned_as_allocated(which, request):
+    """The plan counts each matrix in the type the load gives it (Q4_K, or Q8_0 where the rows are not whole
+    256-value blocks): within the buffer's per-tensor alignment of what is allocated, and below the q8_0 draft's."""
+    pair_ = request.getfixturevalue(which)
+    plans = {}
+    for draft_type in ("q4_k", "q8_0"):
+        engine = pydflash.load(*pair_, device="cpu", max_ctx=512, tokenizer=False, draft_type=draft_type)
+        d, p = engine.decoder.draft.draft, engine.target.memory_plan
+        assert p.draft_type == draft_type
+        assert p.parts["draft weights"] <= d.weights.buffer.nbytes <= p.parts["draft weights"] + 64 * len(d.weights.t)
+        plans[draft_type] = p.parts["draft weights"]
+    assert plans["q4_k"] < plans["q8_0"]
+
+
+def test_q4_k_rows_of_neither_block_are_refused(pair, target, tmp_path):
+    """o_proj rows of 4 heads x 36 = 144 values: not whole Q4_K (256) nor Q8_0 (32) blocks. The plan and the load
+    refuse them by tensor name; as stored they load."""
+    draft_dir = tmp_path / "odd"
+    testing.write_dflash_draft(draft_dir, pair[0], target_layer_ids=list(CAPTURE), head_dim=36, seed=9)
+    message = r"tensor 'layers.0.self_attn.o_proj.weight' has rows of 144 values; q4_k needs a multiple of 256 " \
+              r"\(or of 32, for q8_0\)"
+    with pytest.raises(DraftLoadError, match=message):
+        plan.DraftShape.from_path(draft_dir, matrix_type="q4_k")
+    with pytest.raises(DraftLoadError, match=message):
+        DFlashDraft(draft_dir, target, weight_type="q4_k")
+    assert DFlashDraft(draft_dir, target).weights["layers.0.self_attn.o_proj.weight"].type == ggml.Type.BF16
+
+
 def test_load_state_type_reaches_the_verify(pair, reference):
     """state_type='f16' makes f16 node-state stores (half of f32's bytes, as planned); its output is checked
     against AR's margins in tests/test_engine.py (test_ddtree_f16_states)."""
@@ -131,7 +280,7 @@ def test_load_refuses_bad_options(pair):
         pydflash.load(pair[0], device="cpu", max_ctx=256, tokenizer=False, state_type="f16")
     with pytest.raises(ValueError, match=r"state_type = 'bf16': expected one of 'auto', 'f32', 'replay', 'f16'"):
         pydflash.load(*pair, device="cpu", max_ctx=256, tokenizer=False, state_type="bf16")
-    with pytest.raises(ValueError, match=r"draft_type = 'q4_0': expected one of 'auto', 'stored', 'q8_0'"):
+    with pytest.raises(ValueError, match=r"draft_type = 'q4_0': expected one of 'auto', 'stored', 'q8_0', 'q4_k'"):
         pydflash.load(*pair, device="cpu", max_ctx=256, tokenizer=False, draft_type="q4_0")
 
 
@@ -294,6 +443,17 @@ def test_27b_q8_0_draft_bytes_by_hand(pair_27b):
 
 
 @pytest.mark.slow
+def test_27b_q4_k_draft_bytes_by_hand(pair_27b):
+    """Every matrix of the 27B draft has rows of whole Q4_K blocks (5120 = 20 x 256, 4096 = 16 x 256, 17408 = 68 x
+    256, fc's 5 x 5120): 144 bytes per 256 values; the norms stay f32."""
+    E, F, L = 5120, 17408, 5
+    matrix_values = 5 * E * E + L * (E * 4096 + 2 * E * 1024 + 4096 * E + 3 * E * F)
+    norm_values = 2 * E + L * (2 * E + 2 * 128)
+    shape = plan.DraftShape.from_path(pair_27b[1], matrix_type="q4_k")
+    assert shape.weight_bytes == matrix_values // 256 * 144 + 4 * norm_values
+
+
+@pytest.mark.slow
 def test_27b_plan_picks_q8_0_draft_only_where_it_buys_context(pair_27b):
     """24 GiB: the bf16 draft leaves ~32K positions of tq3_0, a q8_0 one ~115K, so auto takes q8_0; 48 GiB holds
     the training context in f16 either way, so auto keeps the draft as stored."""
@@ -374,6 +534,7 @@ def test_memory_flags_parse():
                     ["serve", "--target", "t.gguf"]):
         args = parse(command + ["--state-type", "f16", "--draft-type", "q8_0"])
         assert (args.state_type, args.draft_type) == ("f16", "q8_0")
+        assert parse(command + ["--draft-type", "q4_k"]).draft_type == "q4_k"
         default = parse(command)
         assert (default.state_type, default.draft_type) == ("auto", "auto")
     assert parse(["run", "-m", "t.gguf", "-c", "4096"]).max_ctx == 4096

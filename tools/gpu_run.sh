@@ -276,5 +276,14 @@ phase tq3attn_bench 500 python3 "$src/bench/tq3_attention.py" --device cuda --n-
     --ctx 2048 8192 32768 131072 262144
 phase tq3attn_bench_scalar 300 env PYDFLASH_TQ3_FA_SCALAR=1 python3 "$src/bench/tq3_attention.py" --device cuda \
     --n-q 1 --types TQ3_0 --ctx 2048 32768 131072
+# the draft's matrices in q4_k (issue 15; ONLY=draftq_): draft step and 8-position commit on the 27B draft shape
+# with stored, q8_0 and q4_k matrices (q4_k's products take ggml_qmatmul at 15-16 columns), then q4_k's proposals
+# against stored on the 27B-shaped pair
+for t in stored q8_0 q4_k; do
+    phase draftq_step_$t 120 python3 "$src/bench/draft_step.py" --device cuda --ctx 2048 --window 2048 --top-k 8 \
+        --reps 50 --dir "$data/dfb" --draft-type $t
+done
+phase draftq_quant_q4_k 90 lcq 90 python3 "$src/bench/draft_quant.py" "$data/q27.gguf" --draft "$data/d27" \
+    --device cuda --n-steps 32 --n-gen 32 --draft-type q4_k
 echo "all phases done" | tee -a "$logs/summary.md"
 finish 0

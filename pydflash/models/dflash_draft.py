@@ -449,16 +449,35 @@ def _to_f32(raw: np.ndarray, src_type: ggml.Type) -> np.ndarray:
 
 
 # draft_type -> the type the draft's matrices are quantized to at load (None: as stored)
-DRAFT_MATRIX_TYPES = {"q8_0": ggml.Type.Q8_0}
+DRAFT_MATRIX_TYPES = {"q8_0": ggml.Type.Q8_0, "q4_k": ggml.Type.Q4_K}
+# A matrix whose rows do not fill its draft_type's blocks takes this type instead (Q4_K's blocks hold 256 values;
+# a draft 64 or 128 wide still gets Q4_K where its rows allow and Q8_0, 32-value blocks, elsewhere).
+DRAFT_FALLBACK_TYPES = {ggml.Type.Q4_K: ggml.Type.Q8_0}
+
+
+def draft_matrix_type(matrix_type: str, name: str, n_per_row: int, path: str) -> ggml.Type:
+    """The type a draft matrix with rows of n_per_row values is quantized to at load for draft_type matrix_type
+    (one of DRAFT_MATRIX_TYPES): that type where the rows are whole blocks of it, else its fallback type where they
+    are whole blocks of that; a DraftLoadError naming the tensor otherwise. Load and memory plan both use it."""
+    wanted = DRAFT_MATRIX_TYPES[matrix_type]
+    fallback = DRAFT_FALLBACK_TYPES.get(wanted)
+    for type_ in (wanted, fallback):
+        if type_ is not None and n_per_row % ggml.block_size(type_) == 0:
+            return type_
+    need = f"a multiple of {ggml.block_size(wanted)}"
+    if fallback is not None:
+        need += f" (or of {ggml.block_size(fallback)}, for {fallback.name.lower()})"
+    raise DraftLoadError(f"{path}: tensor {name!r} has rows of {n_per_row} values; {matrix_type} needs {need}")
 
 
 class DFlashWeights:
     """The draft's tensors in one device buffer, by z-lab name.
 
     Matrices keep their stored type (bf16 for z-lab drafts; f16 on a backend without bf16 matrix products),
-    or with matrix_type 'q8_0' are quantized on the host as they are uploaded (about half the bytes of bf16: the
-    draft's proposals change slightly, the verified output does not); the 1-D norm weights are widened to f32 on
-    the host because ggml's elementwise ops want f32 operands.
+    or with matrix_type 'q8_0' or 'q4_k' are quantized on the host as they are uploaded (q8_0: 53% of bf16's bytes,
+    q4_k: 28%, its matrices with rows that are not whole 256-value blocks in q8_0: draft_matrix_type; the draft's
+    proposals change slightly, the verified output does not); the 1-D norm weights are widened to f32 on the host
+    because ggml's elementwise ops want f32 operands.
     """
 
     def __init__(self, hp: DFlashHParams, backend: ggml.Backend, sources: dict, read, path: str,
@@ -468,7 +487,6 @@ class DFlashWeights:
         if matrix_type is not None and matrix_type not in DRAFT_MATRIX_TYPES:
             raise ValueError(f"draft weight type {matrix_type!r}: expected one of {sorted(DRAFT_MATRIX_TYPES)} "
                              f"or None (as stored)")
-        quant = DRAFT_MATRIX_TYPES.get(matrix_type)
         shapes = hp.tensor_shapes()
         extra = sorted(set(sources) - set(shapes))
         if extra:
@@ -490,11 +508,8 @@ class DFlashWeights:
             src_type = ggml.Type(sources[name][0])
             if len(ne) == 1:
                 dst_type = ggml.Type.F32
-            elif quant is not None:
-                if ne[0] % ggml.block_size(quant):
-                    raise DraftLoadError(f"{path}: tensor {name!r} has rows of {ne[0]} values; {matrix_type} "
-                                         f"needs a multiple of {ggml.block_size(quant)}")
-                dst_type = quant
+            elif matrix_type is not None:
+                dst_type = draft_matrix_type(matrix_type, name, ne[0], path)
             elif src_type == ggml.Type.BF16 and not bf16_ok:
                 dst_type = ggml.Type.F16
             else:
@@ -509,7 +524,7 @@ class DFlashWeights:
                 for start in range(0, raw.nbytes, chunk):
                     self.t[name].set_bytes(raw[start: start + chunk], start)
                 continue
-            if dst_type == quant:
+            if dst_type in DRAFT_MATRIX_TYPES.values():   # quantized here, by row chunks
                 self._upload_quantized(self.t[name], raw, src_type)
                 continue
             values = _to_f32(raw, src_type)
@@ -727,7 +742,7 @@ class DFlashDraft:
     path: a z-lab folder, a (config.json, model.safetensors) pair, or a llama.cpp `dflash` GGUF.
     target: a loaded Qwen35Target (its token embedding and LM head are used in place, and its backend).
     window: context positions kept (the ring); top_k: candidates per block position returned by `propose`.
-    weight_type: None (matrices as stored) or 'q8_0' (quantized at load: DFlashWeights).
+    weight_type: None (matrices as stored), 'q8_0' or 'q4_k' (quantized at load: DFlashWeights).
     """
 
     def __init__(self, path, target, *, window: int = DEFAULT_WINDOW, top_k: int = 8, weight_type: str | None = None):
@@ -870,6 +885,8 @@ class DFlashDraft:
 
     def _build_append(self, m: int, src) -> _Graph:
         """Context rows: c = rmsnorm(fc . features) * hidden_norm; per layer K, V of c into the ring."""
+        # the weight products go through `linear` (ggml_qmatmul for quantized CUDA weights where it is faster,
+        # mul_mat elsewhere): the draft's weights are allocated before any graph is built, as linear needs
         hp, w, cache = self.hp, self.weights, self.cache
         g = _Graph(16 * hp.n_layer + 32)
         ctx = g.ctx
@@ -881,13 +898,13 @@ class DFlashDraft:
             feat = ctx.get_rows(src, idx).named("draft.ctx.feat")                  # [n_feat E, m]
         pos = g.inputs["pos"] = ctx.new_tensor(ggml.Type.I32, (m,), name="draft.inp.ctx_pos").mark_input()
         rows = g.inputs["rows"] = ctx.new_tensor(ggml.Type.I64, (m,), name="draft.inp.ctx_rows").mark_input()
-        c = self._norm(ctx, ctx.mul_mat(w["fc.weight"], feat), w["hidden_norm.weight"], "draft.ctx.c")  # [E, m]
+        c = self._norm(ctx, linear(ctx, w["fc.weight"], feat), w["hidden_norm.weight"], "draft.ctx.c")  # [E, m]
         writes = []
         for il in range(hp.n_layer):
             p = f"layers.{il}.self_attn."
-            k = ctx.reshape_3d(ctx.mul_mat(w[p + "k_proj.weight"], c), hp.head_dim, hp.n_head_kv, m)
+            k = ctx.reshape_3d(linear(ctx, w[p + "k_proj.weight"], c), hp.head_dim, hp.n_head_kv, m)
             k = self._rope(ctx, self._norm(ctx, k, w[p + "k_norm.weight"], f"draft.l{il}.ctx_k_norm"), pos)
-            v = ctx.mul_mat(w[p + "v_proj.weight"], c)                             # [hd n_kv, m]
+            v = linear(ctx, w[p + "v_proj.weight"], c)                             # [hd n_kv, m]
             writes.append(ctx.set_rows(cache.k[il], ctx.reshape_2d(k, hp.head_dim * hp.n_head_kv, m), rows)
                           .named(f"draft.l{il}.ctx_k_write"))
             writes.append(ctx.set_rows(cache.v[il], v, rows).named(f"draft.l{il}.ctx_v_write"))
@@ -914,11 +931,11 @@ class DFlashDraft:
         for il in range(hp.n_layer):
             p = f"layers.{il}."
             x = self._norm(ctx, h, w[p + "input_layernorm.weight"], f"draft.l{il}.attn_norm")
-            q = ctx.reshape_3d(ctx.mul_mat(w[p + "self_attn.q_proj.weight"], x), hd, hp.n_head, B)
+            q = ctx.reshape_3d(linear(ctx, w[p + "self_attn.q_proj.weight"], x), hd, hp.n_head, B)
             q = self._rope(ctx, self._norm(ctx, q, w[p + "self_attn.q_norm.weight"], f"draft.l{il}.q_norm"), pos)
-            k = ctx.reshape_3d(ctx.mul_mat(w[p + "self_attn.k_proj.weight"], x), hd, hp.n_head_kv, B)
+            k = ctx.reshape_3d(linear(ctx, w[p + "self_attn.k_proj.weight"], x), hd, hp.n_head_kv, B)
             k = self._rope(ctx, self._norm(ctx, k, w[p + "self_attn.k_norm.weight"], f"draft.l{il}.k_norm"), pos)
-            v = ctx.mul_mat(w[p + "self_attn.v_proj.weight"], x)                   # [hd n_kv, B]
+            v = linear(ctx, w[p + "self_attn.v_proj.weight"], x)                   # [hd n_kv, B]
             # the block's K/V go to the scratch rows 0..B-1; read the first n_attn rows through the writes
             k_all = ctx.set_rows(cache.k[il], ctx.reshape_2d(k, row, B), block_rows)
             v_all = ctx.set_rows(cache.v[il], v, block_rows)
@@ -929,11 +946,11 @@ class DFlashDraft:
                                      ctx.permute(vt, 0, 2, 1, 3), mask, 1.0 / math.sqrt(hd), 0.0, 0.0)
             att.accumulate_f32()
             att = ctx.reshape_2d(att, hd * hp.n_head, B).named(f"draft.l{il}.attn")
-            h = ctx.add(ctx.mul_mat(w[p + "self_attn.o_proj.weight"], att), h).named(f"draft.l{il}.attn_res")
+            h = ctx.add(linear(ctx, w[p + "self_attn.o_proj.weight"], att), h).named(f"draft.l{il}.attn_res")
             x = self._norm(ctx, h, w[p + "post_attention_layernorm.weight"], f"draft.l{il}.ffn_norm")
-            gate = ctx.mul_mat(w[p + "mlp.gate_proj.weight"], x)
-            up = ctx.mul_mat(w[p + "mlp.up_proj.weight"], x)
-            ffn = ctx.mul_mat(w[p + "mlp.down_proj.weight"], ctx.swiglu_split(gate, up))
+            gate = linear(ctx, w[p + "mlp.gate_proj.weight"], x)
+            up = linear(ctx, w[p + "mlp.up_proj.weight"], x)
+            ffn = linear(ctx, w[p + "mlp.down_proj.weight"], ctx.swiglu_split(gate, up))
             h = ctx.add(ffn, h).named(f"draft.l{il}.out")
 
         tail = ctx.view_2d(h, E, B - 1, h.nb[1], h.nb[1])                           # block positions 1..B-1
