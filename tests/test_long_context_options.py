@@ -104,21 +104,33 @@ def test_q8_0_draft_logits_against_zlab(pair, target):
     assert errors[None] < errors["q8_0"] < Q8_LOGIT_TOL
 
 
+def _ar_reference(target: str, seed: int) -> tuple[list[int], list[int]]:
+    """A random 30-token prompt and plain decoding's N_GEN tokens after it."""
+    prompt = [int(t) for t in np.random.default_rng(seed).integers(3, 400, 30)]
+    ar = pydflash.load(target, device="cpu", max_ctx=512, tokenizer=False)
+    return prompt, ar.generate(prompt, max_tokens=N_GEN).tokens
+
+
+def _assert_lossless(pair, reference, mode: str, draft_type: str) -> dict:
+    """chain/ddtree with the draft's matrices as draft_type give plain decoding's tokens; returns the draft's
+    weights (name -> tensor) for the caller's checks of their types."""
+    prompt, want = reference
+    engine = pydflash.load(*pair, device="cpu", max_ctx=512, tokenizer=False, mode=mode, draft_type=draft_type)
+    assert engine.target.memory_plan.draft_type == draft_type
+    assert engine.generate(prompt, max_tokens=N_GEN).tokens == want
+    return engine.decoder.draft.draft.weights.t
+
+
 @pytest.fixture(scope="module")
 def reference(pair):
-    prompt = [int(t) for t in np.random.default_rng(8).integers(3, 400, 30)]
-    ar = pydflash.load(pair[0], device="cpu", max_ctx=512, tokenizer=False)
-    return prompt, ar.generate(prompt, max_tokens=N_GEN).tokens
+    return _ar_reference(pair[0], 8)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["chain", "ddtree"])
 def test_q8_0_draft_is_lossless(pair, reference, mode):
-    prompt, want = reference
-    engine = pydflash.load(*pair, device="cpu", max_ctx=512, tokenizer=False, mode=mode, draft_type="q8_0")
-    assert engine.decoder.draft.draft.weights["fc.weight"].type == ggml.Type.Q8_0
-    assert engine.target.memory_plan.draft_type == "q8_0"
-    assert engine.generate(prompt, max_tokens=N_GEN).tokens == want
+    weights = _assert_lossless(pair, reference, mode, "q8_0")
+    assert weights["fc.weight"].type == ggml.Type.Q8_0
 
 
 # --- draft_type 'q4_k' ----------------------------------------------------------------------------------------
@@ -214,20 +226,14 @@ def test_q4_k_draft_logits_against_zlab(pair_256):
 
 @pytest.fixture(scope="module")
 def reference_256(pair_256):
-    prompt = [int(t) for t in np.random.default_rng(18).integers(3, 400, 30)]
-    ar = pydflash.load(pair_256[0], device="cpu", max_ctx=512, tokenizer=False)
-    return prompt, ar.generate(prompt, max_tokens=N_GEN).tokens
+    return _ar_reference(pair_256[0], 18)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["chain", "ddtree"])
 def test_q4_k_draft_is_lossless(pair_256, reference_256, mode):
-    prompt, want = reference_256
-    engine = pydflash.load(*pair_256, device="cpu", max_ctx=512, tokenizer=False, mode=mode, draft_type="q4_k")
-    weights = engine.decoder.draft.draft.weights
-    assert {weights[n].type for n in weights.t if weights[n].ne[1] > 1} == {ggml.Type.Q4_K}
-    assert engine.target.memory_plan.draft_type == "q4_k"
-    assert engine.generate(prompt, max_tokens=N_GEN).tokens == want
+    weights = _assert_lossless(pair_256, reference_256, mode, "q4_k")
+    assert {t.type for t in weights.values() if t.ne[1] > 1} == {ggml.Type.Q4_K}
 
 
 @pytest.mark.parametrize("which", ["pair", "pair_256"])
