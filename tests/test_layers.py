@@ -1,5 +1,5 @@
 """pydflash.models.layers.linear: which matmul each weight gets. By default (PYDFLASH_QMATMUL unset or auto) ggml's
-mul_mat, except where ggml_qmatmul is the faster kernel on GPU weights (Q4_K at 4..24 columns, Q6_K at 4..8, any
+mul_mat, except where ggml_qmatmul is the faster kernel on GPU weights (Q4_K/Q5_K at 4..24 columns, Q6_K at 4..8, any
 quantised matrix of at most 1024 rows from 9 columns on, Q6_K LM heads at 9..24); with
 PYDFLASH_QMATMUL=1 quantised GPU weights with 1..48 columns take ggml_qmatmul, with 0 none does; the CPU keeps
 mul_mat (its SIMD kernels) always."""
@@ -65,15 +65,15 @@ def test_opt_in_rule_for_device_weights(qmatmul_on, monkeypatch):
 
 
 def test_default_rule_for_device_weights(qmatmul_default, monkeypatch):
-    """auto: ggml_qmatmul for Q4_K at 4..24 columns and Q6_K at 4..8 (where ggml's vector kernel re-decodes the
+    """auto: ggml_qmatmul for Q4_K/Q5_K at 4..24 columns and Q6_K at 4..8 (where ggml's vector kernel re-decodes the
     weights per column, or its MMQ tiles are slower), Q6_K LM heads at 9..24, and for any quantised matrix of at most
     QMATMUL_SMALL_ROWS rows from 9 columns on (where ggml's stream-k fix-up outweighs the product); 0: never."""
     monkeypatch.setattr(layers, "_on_device", lambda w: True)
     large, small = layers.QMATMUL_SMALL_ROWS + 1, layers.QMATMUL_SMALL_ROWS
     taken = {wtype: [n for n in range(1, 50) if _route(None, wtype, n, rows=large) == ggml.Op.QMATMUL]
              for wtype in ggml.QMATMUL_TYPES}
-    assert taken == {ggml.Type.Q4_K: list(range(4, 25)), ggml.Type.Q6_K: [4, 5, 6, 7, 8],
-                     ggml.Type.Q5_K: [], ggml.Type.Q8_0: []}
+    assert taken == {ggml.Type.Q4_K: list(range(4, 25)), ggml.Type.Q5_K: list(range(4, 25)),
+                     ggml.Type.Q6_K: [4, 5, 6, 7, 8], ggml.Type.Q8_0: []}
     for wtype in ggml.QMATMUL_TYPES:
         small_taken = [n for n in range(1, 50) if _route(None, wtype, n, rows=small) == ggml.Op.QMATMUL]
         assert small_taken == sorted(set(taken[wtype]) | set(range(9, 49)))   # 49: past the column limit
