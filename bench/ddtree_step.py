@@ -130,6 +130,8 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("target")
     p.add_argument("--draft", help="DFlash draft directory (else an oracle test double; draft time not measured)")
+    p.add_argument("--draft-type", default="stored", choices=["stored", "q8_0", "q4_k"],
+                   help="the draft's matrices as stored or quantized at load (load's draft_type)")
     p.add_argument("--device", default="auto")
     p.add_argument("--budget", type=int, default=22)
     p.add_argument("--seed-chain", action="store_true")
@@ -158,7 +160,9 @@ def main(argv=None) -> int:
     gap = logit_gap(target, prompt, ar_tokens, args.budget + 1)
     sizes = bench_verify_sizes(target, prompt, args.reps, rng)
     if args.draft:
-        draft, draft_kind = _load_draft(args.draft, target), "DFlash draft " + os.path.basename(args.draft.rstrip("/"))
+        weight_type = None if args.draft_type == "stored" else args.draft_type
+        draft = _load_draft(args.draft, target, weight_type=weight_type)
+        draft_kind = f"DFlash draft {os.path.basename(args.draft.rstrip('/'))} ({args.draft_type} matrices)"
     else:
         errors = range(len(prompt), len(prompt) + args.n_gen + 64, args.error_every)
         draft = OracleDraft(prompt + ar_tokens, target.hp.n_vocab, error_positions=errors)

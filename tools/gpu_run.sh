@@ -285,5 +285,7 @@ for t in stored q8_0 q4_k; do
 done
 phase draftq_quant_q4_k 90 lcq 90 python3 "$src/bench/draft_quant.py" "$data/q27.gguf" --draft "$data/d27" \
     --device cuda --n-steps 32 --n-gen 32 --draft-type q4_k
+phase draftq_ddtree_q4_k 240 python3 "$src/bench/ddtree_step.py" "$data/q27.gguf" --draft "$data/d27" --device cuda \
+    --budget 22 --n-gen 64 --reps 5 --draft-type q4_k
 echo "all phases done" | tee -a "$logs/summary.md"
 finish 0
