@@ -83,9 +83,10 @@ def test_real_qwen2_1_5b_cuda_greedy_matches_llama_cpp_cuda(tmp_path, monkeypatc
     what is compared is the graph; the fused matrices alone move MMQ's rounding by up to 0.36 per step, measured):
     against llama.cpp on the CPU the gap is that of the kernels, not of the model (0.32-0.50 per step on these
     logits, which reach ~±30: docs/benchmarks.md); on the same device and kernels test_qwen35's CUDA Q8_0-class
-    bound applies. Fed llama.cpp's tokens, every step's logits within it. Then the default mode (fused matrices; ggml_qmatmul for some products of
-    4-48 columns, prefill micro-batches too, within its own bounds: tests/test_qmatmul.py): its greedy tokens equal
-    llama.cpp's until the first near-tie (a step whose top-2 margin in llama.cpp is under twice the bound)."""
+    bound applies. Fed llama.cpp's tokens, every step's logits within it. Then the default mode (fused matrices;
+    ggml_qmatmul for some products of 4-48 columns, prefill micro-batches too, within its own bounds:
+    tests/test_qmatmul.py): its greedy tokens equal llama.cpp's until the first near-tie (a step whose top-2 margin
+    in llama.cpp is under twice the bound)."""
     atol, median_atol = CUDA_LOGIT_ATOL["Q8_0"], CUDA_MEDIAN_ATOL["Q8_0"]
     prompts = []
     monkeypatch.setenv("PYDFLASH_QMATMUL", "0")
