@@ -39,16 +39,24 @@ def as_q8(x: np.ndarray) -> np.ndarray:
 
 
 class QMatmul:
-    """One weight matrix on a backend; `run(x)` computes qmatmul(w, x) for x [N, K] (numpy order)."""
+    """One weight matrix on a backend; `run(x)` computes qmatmul(w, x) for x [N, K] (numpy order), `run_mul_mat(x)`
+    ggml's mul_mat(w, x)."""
 
     def __init__(self, backend: ggml.Backend, wtype: ggml.Type, w_data: np.ndarray, K: int, M: int):
         self.backend, self.wtype, self.w_data, self.K, self.M = backend, wtype, w_data, K, M
 
     def run(self, x: np.ndarray, row_tiles: int = 0) -> np.ndarray:
+        return self._compute(x, lambda ctx, w, xt: ggml.qmatmul(ctx, w, xt, row_tiles=row_tiles))
+
+    def run_mul_mat(self, x: np.ndarray) -> np.ndarray:
+        """On CUDA: ggml's vector kernel up to 8 columns, its MMQ tiles above."""
+        return self._compute(x, lambda ctx, w, xt: ctx.mul_mat(w, xt))
+
+    def _compute(self, x: np.ndarray, product) -> np.ndarray:
         ctx = ggml.Context(n_tensors=4, graph_size=4)
         w = ctx.new_tensor(self.wtype, (self.K, self.M), name="w").mark_input()
         xt = ctx.new_tensor(np.float32, (self.K, x.shape[0]), name="x").mark_input()
-        graph = ctx.graph(ggml.qmatmul(ctx, w, xt, row_tiles=row_tiles))
+        graph = ctx.graph(product(ctx, w, xt))
         ggml.Allocator(self.backend).allocate(graph)
         w.set(self.w_data)
         xt.set(np.ascontiguousarray(x, dtype=np.float32))
@@ -115,20 +123,6 @@ def test_qmatmul_row_tiles_change_no_bit(rng, wtype):
             assert np.array_equal(got, auto[:n]), f"{wtype.name}: row_tiles={rt}, N={n} changed the result"
 
 
-def _ggml_mul_mat(backend: ggml.Backend, op: QMatmul, x: np.ndarray) -> np.ndarray:
-    """ggml's own mul_mat of the same weights and x [N, K] (on CUDA: its vector kernel up to 8 columns, MMQ tiles
-    above)."""
-    ctx = ggml.Context(n_tensors=4, graph_size=4)
-    w = ctx.new_tensor(op.wtype, (op.K, op.M), name="w").mark_input()
-    xt = ctx.new_tensor(np.float32, (op.K, x.shape[0]), name="x").mark_input()
-    graph = ctx.graph(ctx.mul_mat(w, xt))
-    ggml.Allocator(backend).allocate(graph)
-    w.set(op.w_data)
-    xt.set(np.ascontiguousarray(x, dtype=np.float32))
-    backend.compute(graph)
-    return graph.outputs[0].numpy().reshape(x.shape[0], op.M)
-
-
 @pytest.mark.cuda
 @pytest.mark.parametrize("wtype", TYPES, ids=[t.name for t in TYPES])
 def test_qmatmul_error_no_larger_than_ggml_mul_mat(rng, wtype):
@@ -144,7 +138,7 @@ def test_qmatmul_error_no_larger_than_ggml_mul_mat(rng, wtype):
         x = rng.standard_normal((n, op.K)).astype(np.float32)
         x[:, [5, 300, 1000]] *= 30.0
         exact = x.astype(np.float64) @ w_ref.T
-        ours, ggmls = rel_err(op.run(x), exact), rel_err(_ggml_mul_mat(backend, op, x), exact)
+        ours, ggmls = rel_err(op.run(x), exact), rel_err(op.run_mul_mat(x), exact)
         print(f"{wtype.name} N={n}: relative error ggml_qmatmul {ours:.3e}, ggml mul_mat {ggmls:.3e}")
         assert ours <= 1.1 * ggmls, f"{wtype.name} N={n}: ggml_qmatmul {ours:.3e} against mul_mat {ggmls:.3e}"
 
