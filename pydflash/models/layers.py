@@ -32,7 +32,7 @@ def env_switch(name: str, default: str = "0") -> bool:
 # 0.45-0.90x its time, Q5_K 0.56-0.80x, Q6_K 0.57-1.13x); at 1-2 columns ggml's is faster; from 9 columns ggml's
 # MMQ tiles take over, and for Q4_K/Q5_K our kernel stays ahead up to 24 (0.77-0.98x: a verify of a budget-22
 # tree), level or behind above; Q6_K and Q8_0 lose there.
-QMATMUL_FASTER_COLS = {ggml.Type.Q4_K: range(1, 25), ggml.Type.Q5_K: range(1, 25), ggml.Type.Q6_K: range(4, 9)}
+QMATMUL_FASTER_COLS = {ggml.Type.Q4_K: range(4, 25), ggml.Type.Q5_K: range(4, 25), ggml.Type.Q6_K: range(4, 9)}
 # And by shape: a matrix of at most this many rows fills at most 8 of MMQ's 128-row tiles, so from 9 columns ggml
 # splits its K over the SMs (stream-k) and the fix-up pass that adds the pieces costs more than the product (27B
 # verify profile: a GDN layer's 96-row beta/alpha matrix 7.8 us + 32.7 us of fix-up; ours 0.30-0.48x, and 0.71-0.93x
