@@ -135,7 +135,9 @@ def main(argv=None) -> int:
     p.add_argument("--device", default="auto")
     p.add_argument("--budget", type=int, default=22)
     p.add_argument("--seed-chain", action="store_true")
-    p.add_argument("--f16-states", action="store_true", help="f16 tree-node recurrent states (default f32)")
+    p.add_argument("--state-type", default="f32", choices=["f32", "f16", "replay"],
+                   help="the tree nodes' recurrent states (TargetRuntime.enable_verify's state_type)")
+    p.add_argument("--f16-states", action="store_true", help="the same as --state-type f16")
     p.add_argument("--n-gen", type=int, default=128)
     p.add_argument("--n-prompt", type=int, default=64)
     p.add_argument("--reps", type=int, default=10)
@@ -167,7 +169,7 @@ def main(argv=None) -> int:
         errors = range(len(prompt), len(prompt) + args.n_gen + 64, args.error_every)
         draft = OracleDraft(prompt + ar_tokens, target.hp.n_vocab, error_positions=errors)
         draft_kind = f"oracle test double (wrong every {args.error_every}th position; draft time not measured)"
-    state_type = "f16" if args.f16_states else "f32"
+    state_type = "f16" if args.f16_states else args.state_type
     tokens, stats = bench_steps(target, draft, prompt, args.n_gen, args.budget, args.seed_chain, state_type)
 
     name = os.path.basename(args.target)
