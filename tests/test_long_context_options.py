@@ -339,7 +339,7 @@ def test_replay_state_equals_ar_bit_for_bit(engine_model, mode, budget):
 
 
 TREE_PARENTS = [-1, 0, 1, 0, 3, 2, 4, 5, 4, 8, -1, -1]   # two branches under the root, two padding slots
-COMMIT_PATHS = ([0, 1, 2], [0, 3, 4, 8, 9], [0, 1, 2, 5, 7])   # a chain prefix, then off-chain paths (KV moved)
+COMMIT_PATHS = ([0, 1, 2], [0, 3, 4, 8, 9], [0, 1, 2, 5, 7], [0])   # a chain prefix, off-chain paths (KV moved), the root
 
 
 @pytest.mark.slow
@@ -349,7 +349,8 @@ def test_replay_commit_equals_f32_store_commit(backend, tmp_path):
     windows agree (CPU: bit for bit; CUDA: the tree kernel and upstream's chain kernel round differently, so
     within STATE_ATOL). Before the store copies had their destination's shape, CUDA's copy packed every slot's
     gate and beta into slot 0's row, so the replay kept gate 0 / beta 0 for every later slot and skipped their
-    steps: the states moved by O(0.1)."""
+    steps: the states moved by O(0.1). The replay commits run 4, 8, 8 and 1 steps (replay_steps: the path rounded up
+    to a power of two, padded with steps that change nothing), in one commit graph per step count."""
     from test_engine import CUDA_SHAPE, STATE_ATOL, cache_state
     gguf = tmp_path / "b.gguf"
     testing.write_qwen35_gguf(gguf, **CUDA_SHAPE)
@@ -372,6 +373,8 @@ def test_replay_commit_equals_f32_store_commit(backend, tmp_path):
             target.commit(commit_path)
             steps.append((logits, cache_state(target)))
         runs[state_type] = steps
+        if state_type == "replay":
+            assert sorted(key for key in target._commit_graphs) == [(False, 1), (False, 4), (True, 8)]
     exact = backend.name.lower().startswith("cpu")
     for i, ((logits_f32, want), (logits, got)) in enumerate(zip(runs["f32"], runs["replay"])):
         # CUDA: the committed states differ by rounding (up to STATE_ATOL on unit-scale states), and so may the logits
