@@ -177,6 +177,34 @@ def test_chain_equals_gated_delta_net(backend, rng, n_t, n_s, S_v, kda):
     assert rel_err(inter_states(inter, n_t)[:, -1], final_up) < 1e-6
 
 
+def reloaded_nodes(parents: np.ndarray) -> list[int]:
+    """Nodes whose state a later node starts from without directly following them (the tree walk reloads it)."""
+    return sorted({int(p) for t, p in enumerate(parents) if p >= 0 and p != t - 1})
+
+
+@pytest.mark.parametrize("kind", ["ddtree", "bushy", "padded", "chain"])
+def test_o_only_gives_the_same_o(backend, rng, kind):
+    """ggml_gated_delta_net_tree_o (the caller reads only o): o bit for bit as the full op gives it, and as the
+    reference; of the node states, those a later node reloads are written (the walk needs them) and right."""
+    n_t, H, H_k, S_v = 23, 4, 2, 128
+    parents = make_tree(kind, n_t, rng)
+    inputs = with_parents(gdn_inputs(rng, S_v, H, n_t, 1, H_k=H_k), parents)
+    o_full, _ = run_tree(backend, inputs)
+
+    def build(ctx, t):
+        out = ggml.gated_delta_net_tree(ctx, *(t[n] for n in NAMES), o_only=True)
+        skip_unless_supported(backend, out)
+        return out
+    o, states = split_tree_output(run_graph(backend, build, inputs), 1, n_t, H, S_v)
+    np.testing.assert_array_equal(o, o_full)
+    o_ref, states_ref = gated_delta_net_tree_ref(**inputs)
+    assert rel_err(o, o_ref) < TOL
+    reloaded = reloaded_nodes(parents)
+    assert (kind == "chain") == (reloaded == [])
+    if reloaded:
+        assert rel_err(states[:, reloaded], states_ref[:, reloaded]) < TOL
+
+
 # --- the persist op ---------------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("kda", [False, True], ids=["scalar_g", "kda"])

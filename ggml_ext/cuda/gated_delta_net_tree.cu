@@ -12,7 +12,7 @@
 // synchronisation is needed). After each node the column is stored to the node states (the output tail, or
 // `inter` in f32 or f16, with 16-byte stores; with f16 the registers keep the rounded values, so children start
 // from what is stored, as on the CPU). The node-state stores dominate the memory traffic: 23 nodes of the 27B
-// layer are 72 MB in f32, 36 MB in f16.
+// layer are 72 MB in f32, 36 MB in f16; ggml_gated_delta_net_tree_o stores only the states a later node reloads.
 
 #include "ggml-ext-cuda.cuh"
 #include "../src/tree-walk.h"
@@ -24,6 +24,7 @@
 // with 4 or 8 warps were within 5% of each other; 32 rows and 4 warps keeps the most columns per warp.
 #define GDN_TREE_RPL   32
 #define GDN_TREE_WARPS 4
+#define GDN_TREE_MASK_WORDS 8   // o only: trees of up to 256 nodes skip the stores no node reloads (larger: store all)
 
 namespace {
 
@@ -42,6 +43,7 @@ struct gdn_tree_args {
     int64_t node_s1, node_s2, node_s3;                     // in elements: per head, node, sequence
     int64_t par_s1;                                        // in ints: per sequence
     float scale;
+    bool o_only;           // ggml_gated_delta_net_tree_o: store only the node states that the walk reloads
 };
 
 // A lane's 32 rows of a column are NCH chunks of CH consecutive rows, CH = 16 bytes of the node type (4 f32 or
@@ -157,6 +159,7 @@ gdn_tree_kernel(const gdn_tree_args a) {
     __shared__ float sv[TC][CB];
     __shared__ float sb[TC];
     __shared__ int   sp[TC];
+    __shared__ uint32_t reloaded[GDN_TREE_MASK_WORDS];   // o only: bit t = a later node starts from node t's state
 
     const int h    = blockIdx.x;
     const int s    = blockIdx.y;
@@ -179,6 +182,23 @@ gdn_tree_kernel(const gdn_tree_args a) {
     const float * committed = a.state + (((int64_t) s * a.H + h) * S_v + col) * S_v + seg * CH;
     node_t      * nodes     = (node_t *) a.nodes + s * a.node_s3 + h * a.node_s1 + col * S_v + seg * CH;
     float       * o         = a.o + gb * S_v + col;
+
+    // o only: which node states a later node reloads (it is not its parent's direct successor); the others, chain
+    // links and leaves, are never read back, so their stores (most of this kernel's traffic) are skipped
+    const bool store_all = !a.o_only || a.n_t > 32 * GDN_TREE_MASK_WORDS;
+    if (!store_all) {
+        for (int i = tid; i < GDN_TREE_MASK_WORDS; i += NT) {
+            reloaded[i] = 0;
+        }
+        __syncthreads();
+        for (int t = tid; t < a.n_t; t += NT) {
+            const int p = ggml_ext_parent(par, t);
+            if (p >= 0 && p != t - 1) {
+                atomicOr(&reloaded[p / 32], 1u << (p % 32));
+            }
+        }
+        // (the chunk loop's first __syncthreads orders these writes before the reads below)
+    }
 
     float S[RPL];  // S[c*CH + e] is row (c*LPC + seg)*CH + e of the column
 
@@ -261,7 +281,9 @@ gdn_tree_kernel(const gdn_tree_args a) {
             if (seg == 0) {
                 o[(int64_t) t * a.H * S_v] = oq * a.scale;
             }
-            store_rows<VEC, CH, LPC, RPL>(nodes + t * a.node_s2, S);
+            if (store_all || (reloaded[t / 32] >> (t % 32)) & 1) {
+                store_rows<VEC, CH, LPC, RPL>(nodes + t * a.node_s2, S);
+            }
         }
     }
 }
@@ -329,6 +351,7 @@ static void gdn_tree(ggml_backend_cuda_context & ctx, ggml_tensor * dst, const g
     a.sv1 = v->nb[1] / sizeof(float); a.sv2 = v->nb[2] / sizeof(float); a.sv3 = v->nb[3] / sizeof(float);
     a.par_s1 = parent->nb[1] / sizeof(int);
     a.scale  = 1.0f / sqrtf((float) S_v);
+    a.o_only = inter == nullptr && dst->op_params[0] == 1;
 
     const bool kda = g->ne[0] == S_v;
     cudaStream_t stream = ctx.stream();

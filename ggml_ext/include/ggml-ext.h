@@ -127,6 +127,21 @@ GGML_API struct ggml_tensor * ggml_gated_delta_net_tree(
         struct ggml_tensor  * state,
         struct ggml_tensor  * parent);
 
+// ggml_gated_delta_net_tree for a caller that reads only o: of the node states in the output's tail, only those
+// the walk itself reloads (nodes with a child that does not directly follow them) are sure to be written; the
+// others may be left as they were. On CUDA, where storing every node's state is most of the op's memory
+// traffic, that skips the stores of chain links and leaves (a speculative verify whose commit replays the
+// accepted path instead of copying a stored state). The o part is the same, bit for bit.
+GGML_API struct ggml_tensor * ggml_gated_delta_net_tree_o(
+        struct ggml_context * ctx,
+        struct ggml_tensor  * q,
+        struct ggml_tensor  * k,
+        struct ggml_tensor  * v,
+        struct ggml_tensor  * g,
+        struct ggml_tensor  * beta,
+        struct ggml_tensor  * state,
+        struct ggml_tensor  * parent);
+
 // ggml_gated_delta_net_tree whose node states live in a persistent tensor instead of the output:
 //   inter  f32 or f16 [S_v*S_v, H_v, n_t_max, n_s], contiguous, n_t_max >= n_t
 // Node t's state is written to inter[:, :, t, s]; a node whose parent p is not -1 starts from

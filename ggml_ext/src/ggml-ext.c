@@ -120,6 +120,20 @@ struct ggml_tensor * ggml_gated_delta_net_tree(
     return ggml_ext_gdn_tree_op(result, GGML_OP_GATED_DELTA_NET_TREE, q, k, v, g, beta, state, parent);
 }
 
+struct ggml_tensor * ggml_gated_delta_net_tree_o(
+        struct ggml_context * ctx,
+        struct ggml_tensor  * q,
+        struct ggml_tensor  * k,
+        struct ggml_tensor  * v,
+        struct ggml_tensor  * g,
+        struct ggml_tensor  * beta,
+        struct ggml_tensor  * state,
+        struct ggml_tensor  * parent) {
+    struct ggml_tensor * result = ggml_gated_delta_net_tree(ctx, q, k, v, g, beta, state, parent);
+    result->op_params[0] = 1;   // o only (the CPU writes every node state regardless)
+    return result;
+}
+
 struct ggml_tensor * ggml_gated_delta_net_tree_persist(
         struct ggml_context * ctx,
         struct ggml_tensor  * q,

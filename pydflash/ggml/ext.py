@@ -107,14 +107,16 @@ def _check_gdn_tree(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, st
 
 
 def gated_delta_net_tree(ctx: Context, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor,
-                         parent: Tensor) -> Tensor:
+                         parent: Tensor, o_only: bool = False) -> Tensor:
     """The gated delta rule over a token tree. Shapes as `ctx.gated_delta_net` (q, k [S_v, H_k, n_t, n_s_qk],
     v [S_v, H_v, n_t, n_s], g [1 or S_v, H_v, n_t, n_s], beta [1, H_v, n_t, n_s], state [S_v, S_v, H_v, n_s])
     plus parent i32 [n_t, n_s] (set it with `set_parents`). Returns f32 [S_v*H_v, n_t*n_s*(1+S_v)]: o
-    [S_v, H_v, n_t, n_s], then every node's state [S_v*S_v, H_v, n_t, n_s]."""
+    [S_v, H_v, n_t, n_s], then every node's state [S_v*S_v, H_v, n_t, n_s]. o_only: the caller reads only o,
+    so of the node states only those a later node reloads are sure to be written (the same o; on CUDA the
+    other stores are skipped)."""
     _check_gdn_tree(q, k, v, g, beta, state, parent)
-    return Tensor(lib.ggml_gated_delta_net_tree(ctx._ptr, q._ptr, k._ptr, v._ptr, g._ptr, beta._ptr, state._ptr,
-                                                parent._ptr), ctx)
+    op = lib.ggml_gated_delta_net_tree_o if o_only else lib.ggml_gated_delta_net_tree
+    return Tensor(op(ctx._ptr, q._ptr, k._ptr, v._ptr, g._ptr, beta._ptr, state._ptr, parent._ptr), ctx)
 
 
 def gated_delta_net_tree_persist(ctx: Context, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,

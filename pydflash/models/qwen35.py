@@ -248,8 +248,8 @@ class Qwen35Target(TargetRuntime):
             o = ctx.view_4d(res, d_v, h_v, n, 1, d_v * 4, d_v * h_v * 4, d_v * h_v * n * 4, 0)
             new_state = ctx.view_1d(res, d_v * d_v * h_v, d_v * h_v * n * 4)
             side_effects.append(ctx.cpy(new_state, ssm).named(f"l{il}.gdn.state_out"))
-        elif self.replay:   # node states stay in this graph; the store keeps what commit replays them from
-            res = ggml.gated_delta_net_tree(ctx, q, k, v, gk, beta, state, parent)
+        elif self.replay:   # node states only where the tree walk reloads them; the store keeps what commit replays
+            res = ggml.gated_delta_net_tree(ctx, q, k, v, gk, beta, state, parent, o_only=True)
             o = ctx.view_4d(res, d_v, h_v, n, 1, d_v * 4, d_v * h_v * 4, d_v * h_v * n * 4, 0)
             # Each source as a [width, n] matrix, the shape of its destination rows: CUDA copies those row by row.
             # A [1, h_v, n] gate or beta would take ggml-cuda's transposed copy, which ignores the destination's
