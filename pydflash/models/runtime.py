@@ -336,7 +336,7 @@ class TargetRuntime:
         self.tree_state_op = None         # the tree delta-rule op writing slot_states (None: chains only)
         self.replay = False               # state_type 'replay': slot_states hold each slot's delta-rule inputs
         self._trees = False               # verify accepts branching trees (else chains only)
-        self._commit_graphs: dict[bool, _CommitGraph] = {}
+        self._commit_graphs: dict[tuple[bool, int | None], _CommitGraph] = {}   # (KV compacted, replay steps)
         self._commit_allocator = ggml.Allocator(self.backend)
         self._last: GraphInputs | None = None
         self.sampling_enabled = False     # graphs end in the on-device sampler (enable_sampling)
@@ -717,7 +717,8 @@ class TargetRuntime:
         if cg.conv_cols is not None:
             d = self.hp.ssm_d_conv - 1
             if cg.replay_slots is not None:
-                cg.replay_slots.set(np.array(path + [n] * (steps - len(path)), np.int32), self.backend)   # n: zero column
+                padded = path + [n] * (steps - len(path))          # n: the store's zero column
+                cg.replay_slots.set(np.array(padded, np.int32), self.backend)
             else:
                 column = path[-1] if self.tree_state_op is not None else n - 1 - path[-1]   # snapshots: newest first
                 cg.state_slot.set(np.array([column], np.int32), self.backend)
