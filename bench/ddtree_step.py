@@ -127,15 +127,16 @@ def bench_steps(target, draft, prompt, n_gen, budget, seed_chain, state_type):
 
 
 def main(argv=None) -> int:
+    from pydflash.api import DRAFT_TYPES, STATE_TYPES   # load's choices; "auto" is load's own
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("target")
     p.add_argument("--draft", help="DFlash draft directory (else an oracle test double; draft time not measured)")
-    p.add_argument("--draft-type", default="stored", choices=["stored", "q8_0", "q4_k"],
+    p.add_argument("--draft-type", default="stored", choices=[t for t in DRAFT_TYPES if t != "auto"],
                    help="the draft's matrices as stored or quantized at load (load's draft_type)")
     p.add_argument("--device", default="auto")
     p.add_argument("--budget", type=int, default=22)
     p.add_argument("--seed-chain", action="store_true")
-    p.add_argument("--state-type", default="f32", choices=["f32", "f16", "replay"],
+    p.add_argument("--state-type", default="f32", choices=[t for t in STATE_TYPES if t != "auto"],
                    help="the tree nodes' recurrent states (TargetRuntime.enable_verify's state_type)")
     p.add_argument("--f16-states", action="store_true", help="the same as --state-type f16")
     p.add_argument("--n-gen", type=int, default=128)

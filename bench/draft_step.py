@@ -49,12 +49,13 @@ def percentile(xs, q):
 
 
 def main(argv=None) -> int:
+    from pydflash.api import DRAFT_TYPES   # load's choices; "auto" is load's own
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--ctx", type=int, default=2048, help="context positions in the draft cache")
     ap.add_argument("--window", type=int, default=2048, help="ring size W")
     ap.add_argument("--top-k", type=int, default=8)
-    ap.add_argument("--draft-type", default="stored", choices=["stored", "q8_0", "q4_k"],
+    ap.add_argument("--draft-type", default="stored", choices=[t for t in DRAFT_TYPES if t != "auto"],
                     help="the draft's matrices as stored (bf16) or quantized to q8_0 / q4_k at load")
     ap.add_argument("--reps", type=int, default=50)
     ap.add_argument("--warmup", type=int, default=5)

@@ -213,6 +213,8 @@ def cmd_memory(args) -> int:
 
 
 def main(argv=None) -> int:
+    from pydflash.api import DRAFT_TYPES, STATE_TYPES   # load's choices; "auto" is load's own
+    state_types, draft_types = [t for t in STATE_TYPES if t != "auto"], [t for t in DRAFT_TYPES if t != "auto"]
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="what", required=True)
     for name, fn in (("depth", cmd_depth), ("prefill", cmd_prefill), ("memory", cmd_memory)):
@@ -227,7 +229,7 @@ def main(argv=None) -> int:
         s.set_defaults(func=fn)
         if name == "depth":
             s.add_argument("--depths", default="2048,8192,32768,131072")
-            s.add_argument("--state-type", default="f32", choices=["f32", "replay", "f16"],
+            s.add_argument("--state-type", default="f32", choices=state_types,
                            help="the verify's node states (default f32)")
             s.add_argument("--n-gen", type=int, default=64, help="AR steps timed per depth")
             s.add_argument("--n-steps", type=int, default=16, help="DDTree steps timed per depth")
@@ -239,10 +241,10 @@ def main(argv=None) -> int:
         if name == "memory":
             s.add_argument("--ctx", type=int, default=262144)
             s.add_argument("--ubatch", type=int, default=512)
-            s.add_argument("--state-type", default="f32", choices=["f32", "replay", "f16"],
+            s.add_argument("--state-type", default="f32", choices=state_types,
                            help="the verify's node states (TargetRuntime.enable_verify; default f32)")
             s.add_argument("--f16-states", action="store_true", help="the same as --state-type f16")
-            s.add_argument("--draft-type", default="stored", choices=["stored", "q8_0", "q4_k"],
+            s.add_argument("--draft-type", default="stored", choices=draft_types,
                            help="the draft's matrices: as stored (default) or quantized to q8_0 / q4_k at load")
     args = p.parse_args(argv)
     return args.func(args)
