@@ -390,7 +390,8 @@ def plan_for_load(target, draft=None, *, vram, n_ubatch="auto", budget: int = 22
 
 # state_type "auto" tries these, in this order. Never f16 (it may change the output). Replay is exact on the CPU and,
 # since its store copies took their destination's shape (vendor/patches/0003 too), on CUDA: its CUDA tests pass on
-# the H100 (2026-11-23, docs/benchmarks.md); its extra commit time is not measured yet.
+# the H100 (2026-11-23, docs/benchmarks.md); its step takes the time f32's does (docs/benchmarks.md, "Replayed states
+# at the speed of stored ones"), its commit a little more on long accepted paths, so f32 comes first.
 AUTO_STATE_TYPES = ("f32", "replay")
 # draft_type "auto" tries the draft as stored, then these. Not q4_k: it changes the proposals more than q8_0 and is
 # taken only when asked for (draft_type='q4_k').
