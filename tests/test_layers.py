@@ -1,6 +1,7 @@
 """pydflash.models.layers.linear: which matmul each weight gets. By default (PYDFLASH_QMATMUL unset or auto) ggml's
 mul_mat, except where ggml_qmatmul is the faster kernel on GPU weights (Q4_K/Q5_K at 4..24 columns, Q6_K at 4..8, any
-quantised matrix of at most 1024 rows from 9 columns on, Q6_K LM heads at 9..24); with
+quantised matrix of at most 1024 rows from 9 columns on, Q6_K LM heads at 9..24, and on GPUs with its streaming
+kernel Q4_K/Q5_K/Q6_K matrices of more than 1024 rows at one column); with
 PYDFLASH_QMATMUL=1 quantised GPU weights with 1..48 columns take ggml_qmatmul, with 0 none does; the CPU keeps
 mul_mat (its SIMD kernels) always."""
 from __future__ import annotations
@@ -36,6 +37,31 @@ def qmatmul_on(monkeypatch):
 @pytest.fixture
 def qmatmul_default(monkeypatch):
     monkeypatch.delenv("PYDFLASH_QMATMUL", raising=False)
+
+
+def test_one_column_rule(qmatmul_default, monkeypatch):
+    """auto at one column: ggml_qmatmul for Q4_K/Q5_K/Q6_K matrices of more than QMATMUL_SMALL_ROWS rows on a GPU
+    with the streaming kernel (layers._streams), ggml's vector kernel everywhere else."""
+    monkeypatch.setattr(layers, "_on_device", lambda w: True)
+    large, small = layers.QMATMUL_SMALL_ROWS + 1, layers.QMATMUL_SMALL_ROWS
+    for streams in (True, False):
+        monkeypatch.setattr(layers, "_streams", lambda w, streams=streams: streams)
+        taken = {wtype: [rows for rows in (small, large) if _route(None, wtype, 1, rows=rows) == ggml.Op.QMATMUL]
+                 for wtype in ggml.QMATMUL_TYPES}
+        want = [large] if streams else []
+        assert taken == {ggml.Type.Q4_K: want, ggml.Type.Q5_K: want, ggml.Type.Q6_K: want, ggml.Type.Q8_0: []}
+        assert _route(None, ggml.Type.Q4_K, 2, rows=large) == ggml.Op.MUL_MAT   # two columns: ggml's, either way
+
+
+def test_streams_is_false_off_a_streaming_gpu():
+    """The capability query: no weight buffer, or a CPU one, never takes the streaming kernel (the CPU registry has
+    no "ggml_ext_qmatmul_streams" proc address)."""
+    wctx = ggml.Context(n_tensors=1)
+    w = wctx.new_tensor(ggml.Type.Q4_K, (256, 8), name="w")
+    assert layers._streams(w) is False
+    buffer = ggml.Backend("cpu").alloc_tensors(wctx)
+    assert layers._streams(w) is False
+    buffer.close()
 
 
 @pytest.mark.parametrize("wtype", [*ggml.QMATMUL_TYPES, ggml.Type.F32])

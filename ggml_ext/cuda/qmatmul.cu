@@ -19,7 +19,7 @@
 #include "ggml-ext.h"
 #include "quantize.cuh"
 #include "vecdotq.cuh"
-#include "qmatmul_mma.cuh"
+#include "qmatmul_stream.cuh"
 
 #define QMM_WARPS     4
 #define QMM_THREADS   (QMM_WARPS * WARP_SIZE)
@@ -161,6 +161,14 @@ extern template void qmm_mma_run<GGML_TYPE_Q4_K>(const qmm_args & p, int nt, int
 extern template void qmm_mma_run<GGML_TYPE_Q5_K>(const qmm_args & p, int nt, int rt, cudaStream_t stream);
 extern template void qmm_mma_run<GGML_TYPE_Q6_K>(const qmm_args & p, int nt, int rt, cudaStream_t stream);
 extern template void qmm_mma_run<GGML_TYPE_Q8_0>(const qmm_args & p, int nt, int rt, cudaStream_t stream);
+extern template void qms_run<GGML_TYPE_Q4_K>(const qmm_args & p, int device, cudaStream_t stream);
+extern template void qms_run<GGML_TYPE_Q5_K>(const qmm_args & p, int device, cudaStream_t stream);
+extern template void qms_run<GGML_TYPE_Q6_K>(const qmm_args & p, int device, cudaStream_t stream);
+
+bool ggml_ext_cuda_qmatmul_streams(int device) {
+    const int cc = ggml_cuda_info().devices[device].cc;
+    return GGML_CUDA_CC_IS_NVIDIA(cc) && ggml_cuda_highest_compiled_arch(cc) >= GGML_CUDA_CC_HOPPER;
+}
 
 // Activations as the kernel reads them (qmatmul_mma.cuh, "Activations"): one warp per column and 32 values
 static __global__ void qmm_quantize_x(const float * __restrict__ x, int8_t * __restrict__ yq, float2 * __restrict__ yds,
@@ -228,6 +236,14 @@ static void qmatmul_mma(ggml_backend_cuda_context & ctx, const ggml_tensor * w, 
     const qmm_args p = {(const char *) w->data, yq, yds, (float *) dst->data, (int) (K / ggml_blck_size(w->type)),
                         K, M, N, npad, (int) (dst->nb[1] / sizeof(float))};
     const int forced = dst->op_params[0];   // row_tiles (ggml_qmatmul): 0 = choose here
+    if constexpr (type != GGML_TYPE_Q8_0) {
+        // one column, the kernel's choice: the streaming matrix-vector kernel of the same bits on Hopper
+        if (N == 1 && forced == 0 && ggml_ext_cuda_qmatmul_streams(ctx.device) &&
+            qms_run_smem<type>(K) <= ggml_cuda_info().devices[ctx.device].smpbo) {
+            qms_run<type>(p, ctx.device, stream);
+            return;
+        }
+    }
     const int rt = forced > 0 ? forced : qmm_auto_row_tiles(type, nt, M);
     qmm_mma_run<type>(p, nt, rt, stream);
 }

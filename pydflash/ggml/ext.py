@@ -146,6 +146,22 @@ QMATMUL_TYPES = (Type.Q4_K, Type.Q5_K, Type.Q6_K, Type.Q8_0)
 QMATMUL_MAX_COLS = 48
 # Values of qmatmul's row_tiles (ggml-ext.h): 0 = the kernel chooses.
 QMATMUL_ROW_TILES = (0, 1, 2, 4)
+# Weight types of qmatmul's streaming one-column kernel (ggml_ext/cuda/qmatmul_stream.cuh).
+QMATMUL_STREAM_TYPES = (Type.Q4_K, Type.Q5_K, Type.Q6_K)
+_streams: dict[int, bool] = {}
+
+
+def qmatmul_streams(device) -> bool:
+    """Whether ggml_qmatmul multiplies one column of a QMATMUL_STREAM_TYPES weight on `device` (a
+    ggml_backend_dev_t) with its streaming kernel (Hopper and later: the CUDA registry answers through the
+    proc address "ggml_ext_qmatmul_streams"); elsewhere one column takes its tensor-core kernel, slower than
+    ggml's own vector kernel."""
+    key = int(ffi.cast("uintptr_t", device))
+    if key not in _streams:
+        ask = lib.ggml_backend_reg_get_proc_address(lib.ggml_backend_dev_backend_reg(device),
+                                                    b"ggml_ext_qmatmul_streams")
+        _streams[key] = ask != ffi.NULL and bool(ffi.cast("bool (*)(ggml_backend_dev_t)", ask)(device))
+    return _streams[key]
 
 
 def qmatmul(ctx: Context, w: Tensor, x: Tensor, row_tiles: int = 0) -> Tensor:

@@ -27,11 +27,13 @@ def env_switch(name: str, default: str = "0") -> bool:
     return value == "1"
 
 
-# Where ggml_qmatmul beats ggml's mul_mat (H100, docs/benchmarks.md "Which kernel a verify's matmuls take"). By
-# column count and type: at 4-8 columns ggml's vector kernel re-decodes every weight per column (ours: Q4_K
-# 0.45-0.90x its time, Q5_K 0.56-0.80x, Q6_K 0.57-1.13x); at 1-2 columns ggml's is faster; from 9 columns ggml's
-# MMQ tiles take over, and for Q4_K/Q5_K our kernel stays ahead up to 24 (0.77-0.98x: a verify of a budget-22
-# tree), level or behind above; Q6_K and Q8_0 lose there.
+# Where ggml_qmatmul beats ggml's mul_mat (H100, docs/benchmarks.md "Which kernel a verify's matmuls take" and
+# "A one-column kernel that streams"). By column count and type: at one column, on GPUs where it streams
+# (ggml.qmatmul_streams: Hopper), matrices of more than QMATMUL_SMALL_ROWS rows (Q4_K/Q5_K 0.70-0.88x ggml's vector
+# kernel's time, Q6_K LM head 0.69x; smaller ones are ggml's); at 2 columns ggml's is faster; at 4-8 columns ggml's
+# vector kernel re-decodes every weight per column (ours: Q4_K 0.45-0.90x its time, Q5_K 0.56-0.80x, Q6_K
+# 0.57-1.13x); from 9 columns ggml's MMQ tiles take over, and for Q4_K/Q5_K our kernel stays ahead up to 24
+# (0.77-0.98x: a verify of a budget-22 tree), level or behind above; Q6_K and Q8_0 lose there.
 QMATMUL_FASTER_COLS = {ggml.Type.Q4_K: range(4, 25), ggml.Type.Q5_K: range(4, 25), ggml.Type.Q6_K: range(4, 9)}
 # And by shape: a matrix of at most this many rows fills at most 8 of MMQ's 128-row tiles, so from 9 columns ggml
 # splits its K over the SMs (stream-k) and the fix-up pass that adds the pieces costs more than the product (27B
@@ -43,9 +45,11 @@ QMATMUL_SMALL_ROWS = 1024
 QMATMUL_LM_HEAD_ROWS = 131072
 
 
-def qmatmul_faster(wtype: ggml.Type, n_rows: int, n_cols: int) -> bool:
+def qmatmul_faster(wtype: ggml.Type, n_rows: int, n_cols: int, streams: bool = False) -> bool:
     """Whether ggml_qmatmul is the faster kernel for a quantised GPU weight of n_rows outputs times n_cols columns
-    (the `auto` rule of qmatmul_mode)."""
+    (the `auto` rule of qmatmul_mode); streams: the weight's GPU has its one-column streaming kernel."""
+    if n_cols == 1:
+        return streams and wtype in ggml.QMATMUL_STREAM_TYPES and n_rows > QMATMUL_SMALL_ROWS
     if n_cols in QMATMUL_FASTER_COLS.get(wtype, ()):
         return True
     if wtype == ggml.Type.Q6_K and n_rows >= QMATMUL_LM_HEAD_ROWS and 9 <= n_cols <= 24:
@@ -87,12 +91,26 @@ def kernel_mode() -> str:
     return "bit-exact" if bitexact_enabled() else {"1": "qmatmul", "0": "ggml", "auto": "auto"}[mode]
 
 
-def _on_device(w: ggml.Tensor) -> bool:
-    """True when the weight lives in a buffer that is not host memory (a GPU backend's)."""
+def _buffer_of(w: ggml.Tensor):
     ptr = w._ptr
     while ptr.view_src != ffi.NULL:
         ptr = ptr.view_src
-    return ptr.buffer != ffi.NULL and not lib.ggml_backend_buffer_is_host(ptr.buffer)
+    return ptr.buffer
+
+
+def _on_device(w: ggml.Tensor) -> bool:
+    """True when the weight lives in a buffer that is not host memory (a GPU backend's)."""
+    buffer = _buffer_of(w)
+    return buffer != ffi.NULL and not lib.ggml_backend_buffer_is_host(buffer)
+
+
+def _streams(w: ggml.Tensor) -> bool:
+    """True when the device holding the weight runs ggml_qmatmul's one-column streaming kernel."""
+    buffer = _buffer_of(w)
+    if buffer == ffi.NULL:
+        return False
+    device = lib.ggml_backend_buft_get_device(lib.ggml_backend_buffer_get_type(buffer))
+    return device != ffi.NULL and ggml.qmatmul_streams(device)
 
 
 def _takes_qmatmul(w: ggml.Tensor, x: ggml.Tensor) -> bool:
@@ -111,7 +129,8 @@ def linear(ctx: ggml.Context, w: ggml.Tensor, x: ggml.Tensor) -> ggml.Tensor:
     whatever the number of columns; ggml-ext.h says how). The weight must be allocated when the graph is built
     (model weights always are)."""
     mode = qmatmul_mode()
-    if mode != "0" and _takes_qmatmul(w, x) and (mode == "1" or qmatmul_faster(w.type, w.ne[1], x.ne[1])):
+    if mode != "0" and _takes_qmatmul(w, x) and (
+            mode == "1" or qmatmul_faster(w.type, w.ne[1], x.ne[1], x.ne[1] == 1 and _streams(w))):
         return ggml.qmatmul(ctx, w, x)
     if bitexact_enabled() and x.ne[1] <= ggml.QMATMUL_MAX_COLS and x.ne[2:] == (1, 1) and x.is_contiguous:
         # tokens as a batch of single columns: ggml then takes its matrix-vector kernel for every token count

@@ -1,0 +1,269 @@
+// A kernel lab for ggml_qmatmul's one-column path, without building pydflash: one nvcc call on the GPU machine
+// (seconds, where the whole build takes minutes), then the streaming kernel (ggml_ext/cuda/qmatmul_stream.cuh) at
+// several of its shapes (rows per group, stages, units per stage, persistent or not) against the tensor-core
+// kernel it must match to the bit (qmatmul_mma.cuh) and against a plain read of the same bytes. Set
+// QMM_LAB_PROFILE=1 to run each kernel once, untimed, under Nsight Compute.
+//
+//   nvcc -std=c++17 -O3 -arch=sm_90 -o /tmp/qmm_lab tools/qmm_lab.cu -DGGML_USE_CUDA \
+//        -Iggml_ext/include -Iggml_ext/cuda -I$GGML/include -I$GGML/src -I$GGML/src/ggml-cuda
+//   /tmp/qmm_lab [shape ...]        (shapes: the names in SHAPES below; default all)
+//
+// Weights are random bytes with sane f16 scales (the kernels' speed does not depend on the values), tiled over
+// enough copies (>= 400 MB) that every timed call reads DRAM, not the 50 MB L2; each kernel runs in a CUDA graph
+// of one launch per copy; the time is the median over repetitions, per launch.
+
+#include "qmatmul_stream.cuh"
+
+#include <algorithm>
+#include <cstdio>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#define CK(x) do { cudaError_t e_ = (x); if (e_ != cudaSuccess) { \
+    fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); exit(1); } } while (0)
+
+// ggml-cuda.cu's, which the lab does not link: CUDA_CHECK (in ggml_cuda_kernel_launch) reports through it
+void ggml_cuda_error(const char * stmt, const char * func, const char * file, int line, const char * msg) {
+    fprintf(stderr, "CUDA error %s at %s (%s:%d): %s\n", msg, func, file, line, stmt);
+    exit(1);
+}
+
+struct shape { const char * name; int K, M; ggml_type type; };
+static const shape SHAPES[] = {
+    {"ffn_gate_up", 5120, 34816, GGML_TYPE_Q4_K},
+    {"gdn_qkv_z",   5120, 16384, GGML_TYPE_Q4_K},
+    {"attn_qk",     5120, 13312, GGML_TYPE_Q4_K},
+    {"gdn_out",     6144,  5120, GGML_TYPE_Q4_K},
+    {"ffn_down",   17408,  5120, GGML_TYPE_Q6_K},
+    {"lm_head",     5120, 248320, GGML_TYPE_Q6_K},
+    {"attn_v",      5120,  1024, GGML_TYPE_Q6_K},
+    {"ffn_up_q5k",  5120, 17408, GGML_TYPE_Q5_K},
+};
+
+static bool profile = getenv("QMM_LAB_PROFILE") != nullptr;   // one call per kernel, no timing (for ncu)
+
+static uint64_t rng = 0x9E3779B97F4A7C15ull;
+static uint32_t rnd() { rng ^= rng << 13; rng ^= rng >> 7; rng ^= rng << 17; return (uint32_t) rng; }
+
+static int block_bytes(ggml_type t) {
+    return t == GGML_TYPE_Q4_K ? 144 : t == GGML_TYPE_Q5_K ? 176 : 210;
+}
+
+static void fill_weights(std::vector<char> & w, ggml_type t, size_t n_blocks) {
+    const int bs = block_bytes(t);
+    uint32_t * p = (uint32_t *) w.data();
+    for (size_t i = 0; i < w.size() / 4; ++i) p[i] = rnd();
+    for (size_t b = 0; b < n_blocks; ++b) {
+        char * blk = w.data() + b * bs;
+        const half d = __float2half(0.001f + 0.01f * (rnd() % 1000) / 1000.0f);
+        const half m = __float2half(0.001f + 0.01f * (rnd() % 1000) / 1000.0f);
+        if (t == GGML_TYPE_Q6_K) {
+            memcpy(blk + 208, &d, 2);
+        } else {
+            memcpy(blk, &d, 2);
+            memcpy(blk + 2, &m, 2);
+        }
+    }
+}
+
+static __global__ void read_kernel(const uint4 * p, size_t n, unsigned * out) {
+    unsigned x = 0;
+    for (size_t i = blockIdx.x * (size_t) blockDim.x + threadIdx.x; i < n; i += (size_t) gridDim.x * blockDim.x) {
+        const uint4 v = p[i];
+        x ^= v.x ^ v.y ^ v.z ^ v.w;
+    }
+    if (x == 0x12345678u) out[0] = x;   // keeps the loads
+}
+
+// median time per launch (us) of `launch(copy)` for every copy, in one graph
+template <typename F> static double time_graph(F launch, int copies, cudaStream_t st, int reps = 10) {
+    cudaGraph_t g;
+    cudaGraphExec_t ge;
+    CK(cudaStreamBeginCapture(st, cudaStreamCaptureModeGlobal));
+    for (int c = 0; c < copies; ++c) launch(c);
+    CK(cudaStreamEndCapture(st, &g));
+    CK(cudaGraphInstantiate(&ge, g, 0));
+    cudaEvent_t e0, e1;
+    CK(cudaEventCreate(&e0));
+    CK(cudaEventCreate(&e1));
+    std::vector<float> t;
+    for (int r = 0; r < reps + 2; ++r) {
+        CK(cudaEventRecord(e0, st));
+        CK(cudaGraphLaunch(ge, st));
+        CK(cudaEventRecord(e1, st));
+        CK(cudaEventSynchronize(e1));
+        float ms;
+        CK(cudaEventElapsedTime(&ms, e0, e1));
+        if (r >= 2) t.push_back(ms);
+    }
+    std::sort(t.begin(), t.end());
+    CK(cudaGraphExecDestroy(ge));
+    CK(cudaGraphDestroy(g));
+    return 1000.0 * t[t.size() / 2] / copies;
+}
+
+template <ggml_type type, int R, int S>
+static void run_stream(const qms_args & a, int n_sm, bool persist, cudaStream_t st) {
+    const size_t smem = qms_smem_bytes<R, S>(a);
+    CK(cudaFuncSetAttribute(qms_gemv<type, R, S>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int) smem));
+    int per_sm = 0;
+    CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, qms_gemv<type, R, S>, QMS_SLOTS * R, smem));
+    const int n_groups = (a.M + R - 1) / R;
+    const int grid = persist ? std::min(n_groups, std::max(1, per_sm) * n_sm) : n_groups;
+    qms_gemv<type, R, S><<<grid, QMS_SLOTS * R, smem, st>>>(a);
+}
+
+struct candidate { std::string name; double us; bool same; };
+
+template <ggml_type type, int R, int S>
+static void try_stream(std::vector<candidate> & out, qms_args a, const std::vector<const char *> & Ws, float * dst,
+                       const std::vector<float> & ref, int chunk, bool persist, int n_sm, cudaStream_t st) {
+    a.chunk = chunk;
+    a.pitch = qms_pitch<type>(chunk);
+    const size_t smem = qms_smem_bytes<R, S>(a);
+    if (smem > 227 * 1024) return;
+    int per_sm = 0;
+    CK(cudaFuncSetAttribute(qms_gemv<type, R, S>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int) smem));
+    CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, qms_gemv<type, R, S>, QMS_SLOTS * R, smem));
+    char name[96];
+    snprintf(name, sizeof name, "R%d S%d C%d %s (%d/SM, %zu KB)", R, S, chunk, persist ? "persist" : "grid",
+             per_sm, smem / 1024);
+    CK(cudaMemset(dst, 0, ref.size() * 4));
+    a.W = Ws[0];
+    run_stream<type, R, S>(a, n_sm, persist, st);
+    CK(cudaStreamSynchronize(st));
+    CK(cudaGetLastError());
+    std::vector<float> got(ref.size());
+    CK(cudaMemcpy(got.data(), dst, got.size() * 4, cudaMemcpyDeviceToHost));
+    const bool same = memcmp(got.data(), ref.data(), got.size() * 4) == 0;
+    if (!same) {
+        int bad = 0;
+        for (size_t i = 0; i < ref.size(); ++i) bad += memcmp(&got[i], &ref[i], 4) != 0;
+        size_t i = 0;
+        while (memcmp(&got[i], &ref[i], 4) == 0) ++i;
+        printf("    %s: %d of %zu rows differ, first %zu: %.9g vs %.9g\n", name, bad, ref.size(), i, got[i], ref[i]);
+    }
+    const double us = profile ? 0.0 : time_graph([&](int c) {
+        qms_args b = a; b.W = Ws[c]; run_stream<type, R, S>(b, n_sm, persist, st);
+    }, (int) Ws.size(), st);
+    out.push_back({name, us, same});
+}
+
+template <ggml_type type> static void run_shape(const shape & sh, int n_sm, double read_gbs, cudaStream_t st) {
+    const int bs = block_bytes(type);
+    const int nb = sh.K / QK_K;
+    const size_t bytes = (size_t) sh.M * nb * bs;
+    const int copies = (int) std::max<size_t>(1, (400u << 20) / bytes + 1);
+    std::vector<char> hw(bytes);
+    fill_weights(hw, type, (size_t) sh.M * nb);
+    std::vector<const char *> Ws(copies);
+    for (int c = 0; c < copies; ++c) {
+        char * d;
+        CK(cudaMalloc(&d, bytes));
+        CK(cudaMemcpy(d, hw.data(), bytes, cudaMemcpyHostToDevice));
+        Ws[c] = d;
+    }
+    const int npad = 8;
+    std::vector<int8_t> hq((size_t) npad * sh.K, 0);
+    std::vector<float2> hds((size_t) sh.K / QK8_1 * npad, make_float2(0, 0));
+    for (int kb = 0; kb < sh.K / QK8_1; ++kb) {
+        int s = 0;
+        for (int i = 0; i < QK8_1; ++i) {
+            const int v = (int) (rnd() % 255) - 127;
+            hq[kb * QK8_1 + i] = (int8_t) v;
+            s += v;
+        }
+        const float d = 0.001f + 0.05f * (rnd() % 1000) / 1000.0f;
+        hds[(size_t) kb * npad] = make_float2(d, d * s);
+    }
+    int8_t * yq;
+    float2 * yds;
+    float * dst;
+    CK(cudaMalloc(&yq, hq.size()));
+    CK(cudaMalloc(&yds, hds.size() * sizeof(float2)));
+    CK(cudaMalloc(&dst, (size_t) sh.M * 4 * 8));
+    CK(cudaMemcpy(yq, hq.data(), hq.size(), cudaMemcpyHostToDevice));
+    CK(cudaMemcpy(yds, hds.data(), hds.size() * sizeof(float2), cudaMemcpyHostToDevice));
+
+    // the reference: the tensor-core kernel at one column tile, one row tile
+    qmm_args m = {Ws[0], yq, yds, dst, nb, sh.K, sh.M, 1, npad, sh.M};
+    auto mma = [&](const qmm_args & q) {
+        qmm_mma<type, 1, 1><<<(q.M + QMM_MMA_ROWS - 1) / QMM_MMA_ROWS, dim3(WARP_SIZE, QMM_MMA_WARPS), 0, st>>>(
+            q.W, q.yq, q.yds, q.dst, q.nb, q.K, q.M, q.N, q.npad, q.stride_col_dst);
+    };
+    mma(m);
+    CK(cudaStreamSynchronize(st));
+    CK(cudaGetLastError());
+    std::vector<float> ref(sh.M);
+    CK(cudaMemcpy(ref.data(), dst, ref.size() * 4, cudaMemcpyDeviceToHost));
+    std::vector<candidate> cands;
+    cands.push_back({"read (same bytes)", time_graph([&](int c) {
+        read_kernel<<<n_sm * 8, 256, 0, st>>>((const uint4 *) Ws[c], bytes / 16, (unsigned *) dst);
+    }, copies, st), true});
+    cands.push_back({"mma", profile ? 0.0 : time_graph([&](int c) { qmm_args q = m; q.W = Ws[c]; mma(q); }, copies, st), true});
+    qms_args a = {Ws[0], yq, yds, dst, nb, sh.M, npad, 8, 0};
+    // (R, S): rows per group, stages; then the chunk and grid
+    try_stream<type, 16, 3>(cands, a, Ws, dst, ref, 8, true, n_sm, st);
+    try_stream<type, 16, 2>(cands, a, Ws, dst, ref, 8, true, n_sm, st);
+    try_stream<type, 16, 4>(cands, a, Ws, dst, ref, 8, true, n_sm, st);
+    try_stream<type, 8, 3>(cands, a, Ws, dst, ref, 8, true, n_sm, st);
+    try_stream<type, 8, 4>(cands, a, Ws, dst, ref, 8, true, n_sm, st);
+    try_stream<type, 8, 6>(cands, a, Ws, dst, ref, 8, true, n_sm, st);
+    try_stream<type, 32, 2>(cands, a, Ws, dst, ref, 8, true, n_sm, st);
+    try_stream<type, 32, 3>(cands, a, Ws, dst, ref, 8, true, n_sm, st);
+    try_stream<type, 16, 3>(cands, a, Ws, dst, ref, 8, false, n_sm, st);
+    try_stream<type, 8, 4>(cands, a, Ws, dst, ref, 16, true, n_sm, st);
+    try_stream<type, 16, 2>(cands, a, Ws, dst, ref, 16, true, n_sm, st);
+    printf("%s %dx%d %s, %.1f MB, %d copies (read bandwidth %.0f GB/s):\n", sh.name, sh.M, sh.K,
+           type == GGML_TYPE_Q4_K ? "Q4_K" : type == GGML_TYPE_Q5_K ? "Q5_K" : "Q6_K", bytes / 1e6, copies, read_gbs);
+    for (const candidate & c : cands) {
+        printf("  %-14s %8.1f us %7.0f GB/s %5.1f%% of read  %s\n", c.name.c_str(), c.us, bytes / c.us / 1e3,
+               100.0 * bytes / c.us / 1e3 / read_gbs, c.same ? "bit-identical" : "DIFFERS");
+    }
+    fflush(stdout);
+    for (const char * w : Ws) CK(cudaFree((void *) w));
+    CK(cudaFree(yq));
+    CK(cudaFree(yds));
+    CK(cudaFree(dst));
+}
+
+int main(int argc, char ** argv) {
+    cudaDeviceProp prop;
+    CK(cudaGetDeviceProperties(&prop, 0));
+    printf("device: %s, %d SMs\n", prop.name, prop.multiProcessorCount);
+    cudaStream_t st;
+    CK(cudaStreamCreate(&st));
+
+    // the card's read bandwidth: a plain streaming read of 1 GB in 4 buffers; and a device-to-device copy
+    const size_t rb = 256u << 20;
+    std::vector<const char *> bufs(4);
+    for (auto & b : bufs) { char * d; CK(cudaMalloc(&d, rb)); CK(cudaMemset(d, 1, rb)); b = d; }
+    unsigned * sink;
+    CK(cudaMalloc(&sink, 4));
+    const double read_us = time_graph([&](int c) {
+        read_kernel<<<prop.multiProcessorCount * 8, 256, 0, st>>>((const uint4 *) bufs[c], rb / 16, sink);
+    }, 4, st);
+    const double read_gbs = rb / read_us / 1e3;
+    char * cdst;
+    CK(cudaMalloc(&cdst, rb));
+    const double copy_us = time_graph([&](int c) {
+        CK(cudaMemcpyAsync(cdst, bufs[c], rb, cudaMemcpyDeviceToDevice, st));
+    }, 4, st);
+    printf("read %.0f GB/s; device copy %.0f GB/s read (+ as much written)\n\n", read_gbs, rb / copy_us / 1e3);
+    for (auto & b : bufs) CK(cudaFree((void *) b));
+    CK(cudaFree(cdst));
+
+    for (const shape & sh : SHAPES) {
+        bool want = argc < 2;
+        for (int i = 1; i < argc; ++i) want |= strcmp(argv[i], sh.name) == 0;
+        if (!want) continue;
+        switch (sh.type) {
+            case GGML_TYPE_Q4_K: run_shape<GGML_TYPE_Q4_K>(sh, prop.multiProcessorCount, read_gbs, st); break;
+            case GGML_TYPE_Q5_K: run_shape<GGML_TYPE_Q5_K>(sh, prop.multiProcessorCount, read_gbs, st); break;
+            case GGML_TYPE_Q6_K: run_shape<GGML_TYPE_Q6_K>(sh, prop.multiProcessorCount, read_gbs, st); break;
+            default: break;
+        }
+    }
+    return 0;
+}
