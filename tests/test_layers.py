@@ -127,10 +127,15 @@ def test_bad_switch_value_is_named(monkeypatch):
 
 @pytest.mark.cuda
 def test_default_gpu_weights_take_qmatmul_where_faster(qmatmul_default):
+    """The rule on a real GPU weight: one column takes ggml_qmatmul where the device streams (Hopper: the real
+    capability query, not a stand-in), and for the stream types only."""
     backend = ggml.Backend("cuda")
     large = layers.QMATMUL_SMALL_ROWS + 256
+    streams = ggml.qmatmul_streams(backend._dev)
     for wtype in ggml.QMATMUL_TYPES:
-        assert _route(backend, wtype, 1, rows=large) == ggml.Op.MUL_MAT
+        one_column = ggml.Op.QMATMUL if streams and wtype in ggml.QMATMUL_STREAM_TYPES else ggml.Op.MUL_MAT
+        assert _route(backend, wtype, 1, rows=large) == one_column
+        assert _route(backend, wtype, 1, rows=layers.QMATMUL_SMALL_ROWS) == ggml.Op.MUL_MAT
         assert _route(backend, wtype, 32, rows=large) == ggml.Op.MUL_MAT
         assert _route(backend, wtype, 16) == ggml.Op.QMATMUL          # 32 rows: ggml would split K (stream-k)
     assert _route(backend, ggml.Type.Q4_K, 8, rows=large) == ggml.Op.QMATMUL
