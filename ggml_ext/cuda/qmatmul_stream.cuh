@@ -74,6 +74,55 @@ static __device__ __forceinline__ void qms_bulk_copy(void * smem, const void * g
 #endif
 }
 
+// Warp 0 asks the TMA for rows [row0, row0 + n_rows) of W (rows past M are skipped), units [u0, u0 + nu), into
+// buf: local row i at i * pitch, its bytes from the 16-byte boundary at or before its first byte (Q6_K rows start
+// at 8-byte ones); the weights' last bytes past the last 16-byte boundary are copied by hand. Completion is
+// counted on bar (one arrival: lane 0's, with the byte count).
+static __device__ __forceinline__ void qms_ask(const char * W, int64_t row_bytes, int M, int bs, int row0, int n_rows,
+                                               int u0, int nu, char * buf, int pitch, uint64_t * bar) {
+    const int lane = threadIdx.x % WARP_SIZE;
+    const int64_t total = row_bytes * M;
+    auto span = [&](int i, int64_t & a0, int & bytes, int64_t & tail) {   // local row i's copy
+        const int64_t start = (int64_t) (row0 + i) * row_bytes + (int64_t) u0 * bs;
+        a0 = start & ~(int64_t) 15;
+        const int64_t end = min((start + (int64_t) nu * bs + 15) & ~(int64_t) 15, total);
+        bytes = (int) ((end - a0) & ~(int64_t) 15);
+        tail  = end - a0 - bytes;
+    };
+    const int n = min(n_rows, M - row0);
+    int sum = 0;
+    for (int i = lane; i < n; i += WARP_SIZE) {
+        int64_t a0, tail;
+        int bytes;
+        span(i, a0, bytes, tail);
+        sum += bytes;
+    }
+#pragma unroll
+    for (int o = WARP_SIZE / 2; o > 0; o /= 2) {
+        sum += __shfl_xor_sync(0xffffffff, sum, o);
+    }
+    if (lane == 0) {
+        qms_bar_expect(bar, sum);
+    }
+    __syncwarp();
+    for (int i = lane; i < n; i += WARP_SIZE) {
+        int64_t a0, tail;
+        int bytes;
+        span(i, a0, bytes, tail);
+        if (bytes > 0) {
+            qms_bulk_copy(buf + i * pitch, W + a0, bytes, bar);
+        }
+        for (int64_t j = 0; j < tail; ++j) {
+            buf[i * pitch + bytes + j] = W[a0 + bytes + j];
+        }
+    }
+}
+
+// Where local row i's unit u0 starts in a stage buffer
+static __device__ __forceinline__ int qms_row_offset(int64_t row, int64_t row_bytes, int u0, int bs) {
+    return (int) ((row * row_bytes + (int64_t) u0 * bs) & 15);
+}
+
 // --- One K unit of one row: the chain --------------------------------------------------------------------------
 
 template <ggml_type type> struct qms_block_bytes;
@@ -220,17 +269,15 @@ struct qms_args {
 template <ggml_type type, int ROWS, int STAGES>
 static __global__ void __launch_bounds__(QMS_SLOTS * ROWS)
 qms_gemv(const qms_args p) {
-    static_assert(ROWS <= WARP_SIZE, "one lane per row asks for the row's chunk");
     constexpr int bs = qms_block_bytes<type>::value;
     constexpr int threads = QMS_SLOTS * ROWS;
     extern __shared__ __align__(128) char qms_smem[];
     __shared__ uint64_t bar[STAGES];
 
-    const int tid = threadIdx.x, lane = tid % WARP_SIZE;
+    const int tid = threadIdx.x;
     const int n_units  = p.nb;                 // K-quant blocks are the units
     const int n_chunks = (n_units + p.chunk - 1) / p.chunk;
     const int64_t row_bytes = (int64_t) p.nb * bs;
-    const int64_t total     = row_bytes * p.M;
     const int n_groups = (p.M + ROWS - 1) / ROWS;
     const int g0 = (int) ((int64_t) blockIdx.x * n_groups / gridDim.x);
     const int g1 = (int) ((int64_t) (blockIdx.x + 1) * n_groups / gridDim.x);
@@ -244,38 +291,11 @@ qms_gemv(const qms_args p) {
     }
     __syncthreads();
 
-    // warp 0: lane r asks for row r's chunk, rounded out to 16-byte boundaries (Q6_K rows start at 8-byte ones);
-    // the weights' last bytes past the last 16-byte boundary are copied by hand
-    int ig = g0, ic = 0;   // the next item to ask for
+    int ig = g0, ic = 0;   // the next item to ask for (warp 0)
     auto issue = [&](int k) {
-        const int stage = k % STAGES;
-        char * buf = qms_smem + stage * stage_bytes;
-        const int u0 = p.chunk * ic, nu = min(p.chunk, n_units - u0);
-        const int row = ig * ROWS + lane;
-        int bytes = 0;
-        int64_t a0 = 0, tail = 0;
-        if (lane < ROWS && row < p.M) {
-            const int64_t start = row * row_bytes + (int64_t) u0 * bs;
-            a0 = start & ~(int64_t) 15;
-            const int64_t end = min(((start + (int64_t) nu * bs + 15) & ~(int64_t) 15), total);
-            bytes = (int) ((end - a0) & ~(int64_t) 15);
-            tail = end - a0 - bytes;
-        }
-        int sum = bytes;
-#pragma unroll
-        for (int o = WARP_SIZE / 2; o > 0; o /= 2) {
-            sum += __shfl_xor_sync(0xffffffff, sum, o);
-        }
-        if (lane == 0) {
-            qms_bar_expect(&bar[stage], sum);
-        }
-        __syncwarp();
-        if (bytes > 0) {
-            qms_bulk_copy(buf + lane * p.pitch, p.W + a0, bytes, &bar[stage]);
-        }
-        for (int64_t i = 0; i < tail; ++i) {
-            buf[lane * p.pitch + bytes + i] = p.W[a0 + bytes + i];
-        }
+        const int u0 = p.chunk * ic;
+        qms_ask(p.W, row_bytes, p.M, bs, ig * ROWS, ROWS, u0, min(p.chunk, n_units - u0),
+                qms_smem + (k % STAGES) * stage_bytes, p.pitch, &bar[k % STAGES]);
         if (++ic == n_chunks) {
             ic = 0;
             ++ig;
@@ -310,7 +330,7 @@ qms_gemv(const qms_args p) {
         const int u0 = p.chunk * c, nu = min(p.chunk, n_units - u0);
         if (row < p.M) {
             const char * b = qms_smem + (i % STAGES) * stage_bytes + r * p.pitch +
-                             (int) ((row * row_bytes + (int64_t) u0 * bs) & 15);
+                             qms_row_offset(row, row_bytes, u0, bs);
             for (int j = slot; j < nu; j += QMS_SLOTS) {   // u0 is a multiple of 8: unit u0 + j is slot j % 8's
                 const int u = u0 + j;
                 qms_unit<type>::run(b + j * bs, ys + u * QMS_Y_PITCH, ds + u * QMS_D_PITCH, acc);
@@ -375,4 +395,122 @@ void qms_run(const qmm_args & m, int device, cudaStream_t stream) {
     const int grid = std::min(n_groups, std::max(per_sm, 1) * ggml_cuda_info().devices[device].nsm);
     ggml_cuda_kernel_launch(kernel, ggml_cuda_kernel_launch_params(dim3(grid), dim3(QMS_SLOTS * QMS_RUN_ROWS), smem, stream),
                             p);
+}
+
+// --- Several columns: the tensor-core kernel's units, from a ring of TMA stages ---------------------------------
+//
+// qmm_mma's warps, its units (qmm_unit: warp w takes units w, w + 8, ... of its rows) and its warp-order combine,
+// with the weights streamed as above: a CUDA block owns a contiguous range of row groups of 16 RT rows, a stage is
+// a group times 8 units (one per warp), warp 0 asks the TMA for stages STAGES - 1 ahead. Same bits as qmm_mma.
+
+template <ggml_type type, int NT, int RT, int STAGES>
+static __global__ void __launch_bounds__(QMM_MMA_WARPS * WARP_SIZE, RT == 1 ? 2 : 1)
+qms_mma(const char * __restrict__ W, const int8_t * __restrict__ yq, const float2 * __restrict__ yds,
+        float * __restrict__ dst, int nb, int K, int M, int N, int npad, int stride_col_dst, int pitch) {
+    constexpr int ROWS = QMM_MMA_ROWS * RT;
+    constexpr int bs = qms_block_bytes<type>::value;
+    constexpr int chunk = QMM_MMA_WARPS;
+    extern __shared__ __align__(128) char qms_smem[];
+    __shared__ uint64_t bar[STAGES];
+    __shared__ float partial[QMM_MMA_WARPS][NT * 4][WARP_SIZE];
+
+    const int lane = threadIdx.x, warp = threadIdx.y;
+    const int g = lane / 4, t4 = lane % 4;
+    const int n_units  = nb;
+    const int n_chunks = (n_units + chunk - 1) / chunk;
+    const int64_t row_bytes = (int64_t) nb * bs;
+    const int n_groups = (M + ROWS - 1) / ROWS;
+    const int g0 = (int) ((int64_t) blockIdx.x * n_groups / gridDim.x);
+    const int g1 = (int) ((int64_t) (blockIdx.x + 1) * n_groups / gridDim.x);
+    const int n_items = (g1 - g0) * n_chunks;
+    const int stage_bytes = ROWS * pitch;
+
+    if (warp == 0 && lane < STAGES) {
+        qms_bar_init(&bar[lane]);
+    }
+    __syncthreads();
+    int ig = g0, ic = 0;   // the next item to ask for (warp 0)
+    auto issue = [&](int k) {
+        const int u0 = chunk * ic;
+        qms_ask(W, row_bytes, M, bs, ig * ROWS, ROWS, u0, min(chunk, n_units - u0), qms_smem + (k % STAGES) * stage_bytes,
+                pitch, &bar[k % STAGES]);
+        if (++ic == n_chunks) {
+            ic = 0;
+            ++ig;
+        }
+    };
+    if (warp == 0) {
+        for (int k = 0; k < min(STAGES - 1, n_items); ++k) {
+            issue(k);
+        }
+    }
+    ggml_cuda_pdl_sync();
+
+    qmm_cols<NT> x;
+    x.col0 = yq + (size_t) g * K;
+    x.K    = K;
+    x.ds   = yds + 2 * t4;
+    x.npad = npad;
+
+    int gi = g0, c = 0;   // the item computed
+    float acc[RT][NT][4] = {};
+    for (int i = 0; i < n_items; ++i) {
+        qms_bar_wait(&bar[i % STAGES], (i / STAGES) & 1);
+        __syncthreads();   // (item i - 1's buffer is free for item i + STAGES - 1)
+        if (warp == 0 && i + STAGES - 1 < n_items) {
+            issue(i + STAGES - 1);
+        }
+        const int u0 = chunk * c, u = u0 + warp;
+        if (u < n_units) {
+            // rows[r][h]: local row 16 r + 8 h + g (rows past M read a copied row, never stored), placed so that
+            // qmm_unit's `rows[r][h] + u * bs` lands on unit u in the stage
+            const char * buf = qms_smem + (i % STAGES) * stage_bytes;
+            const char * rows[RT][2];
+#pragma unroll
+            for (int r = 0; r < RT; ++r) {
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    const int row = min(gi * ROWS + QMM_MMA_ROWS * r + 8 * h + g, M - 1);
+                    const int local = row - gi * ROWS;
+                    rows[r][h] = buf + local * pitch + qms_row_offset(row, row_bytes, u0, bs) - (int64_t) u0 * bs;
+                }
+            }
+            qmm_unit<type, NT, RT>::run(rows, u, nb, x, t4, acc);
+        }
+        if (++c == n_chunks) {   // the warps' partial sums in warp order, one row tile at a time (as qmm_mma)
+            const int r0 = gi * ROWS;
+#pragma unroll
+            for (int r = 0; r < RT; ++r) {
+                __syncthreads();   // the previous tile's (or group's) partial sums have been read
+#pragma unroll
+                for (int t = 0; t < NT; ++t) {
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) {
+                        partial[warp][t * 4 + e][lane] = acc[r][t][e];
+                        acc[r][t][e] = 0.0f;
+                    }
+                }
+                __syncthreads();
+                for (int e = warp; e < NT * 4; e += QMM_MMA_WARPS) {
+                    float sum = partial[0][e][lane];
+#pragma unroll
+                    for (int w = 1; w < QMM_MMA_WARPS; ++w) {
+                        sum = __fadd_rn(sum, partial[w][e][lane]);
+                    }
+                    const int row = r0 + QMM_MMA_ROWS * r + 8 * ((e % 4) / 2) + g;
+                    const int col = 8 * (e / 4) + 2 * t4 + e % 2;
+                    if (row < M && col < N) {
+                        dst[(size_t) col * stride_col_dst + row] = sum;
+                    }
+                }
+            }
+            c = 0;
+            ++gi;
+        }
+    }
+}
+
+// stage bytes per row for the tensor-core variant (8 units a stage)
+template <ggml_type type> static int qms_mma_pitch() {
+    return qms_pitch<type>(QMM_MMA_WARPS);
 }
