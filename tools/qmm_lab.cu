@@ -208,6 +208,9 @@ template <ggml_type type> static void run_shape(const shape & sh, int n_sm, doub
     try_stream<type, 16, 2>(cands, a, Ws, dst, ref, 8, true, n_sm, st);
     try_stream<type, 16, 4>(cands, a, Ws, dst, ref, 8, true, n_sm, st);
     try_stream<type, 8, 3>(cands, a, Ws, dst, ref, 8, true, n_sm, st);
+    try_stream<type, 4, 3>(cands, a, Ws, dst, ref, 8, true, n_sm, st);
+    try_stream<type, 4, 4>(cands, a, Ws, dst, ref, 8, true, n_sm, st);
+    try_stream<type, 4, 6>(cands, a, Ws, dst, ref, 8, true, n_sm, st);
     try_stream<type, 8, 4>(cands, a, Ws, dst, ref, 8, true, n_sm, st);
     try_stream<type, 8, 6>(cands, a, Ws, dst, ref, 8, true, n_sm, st);
     try_stream<type, 32, 2>(cands, a, Ws, dst, ref, 8, true, n_sm, st);
@@ -226,109 +229,6 @@ template <ggml_type type> static void run_shape(const shape & sh, int n_sm, doub
     CK(cudaFree(yq));
     CK(cudaFree(yds));
     CK(cudaFree(dst));
-}
-
-// --- several columns: the streaming tensor-core kernel (qms_mma) against qmm_mma ------------------------------
-
-template <ggml_type type, int NT, int RT>
-static void launch_mma(const qmm_args & q, cudaStream_t st) {
-    qmm_mma<type, NT, RT><<<(q.M + QMM_MMA_ROWS * RT - 1) / (QMM_MMA_ROWS * RT), dim3(WARP_SIZE, QMM_MMA_WARPS), 0, st>>>(
-        q.W, q.yq, q.yds, q.dst, q.nb, q.K, q.M, q.N, q.npad, q.stride_col_dst);
-}
-
-template <ggml_type type, int NT, int RT, int S>
-static void launch_qms_mma(const qmm_args & q, int n_sm, cudaStream_t st) {
-    const int pitch = qms_mma_pitch<type>();
-    const size_t smem = (size_t) S * QMM_MMA_ROWS * RT * pitch;
-    auto kernel = qms_mma<type, NT, RT, S>;
-    CK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int) smem));
-    int per_sm = 0;
-    CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, QMM_MMA_WARPS * WARP_SIZE, smem));
-    const int n_groups = (q.M + QMM_MMA_ROWS * RT - 1) / (QMM_MMA_ROWS * RT);
-    const int grid = std::min(n_groups, std::max(1, per_sm) * n_sm);
-    kernel<<<grid, dim3(WARP_SIZE, QMM_MMA_WARPS), smem, st>>>(q.W, q.yq, q.yds, q.dst, q.nb, q.K, q.M, q.N, q.npad,
-                                                               q.stride_col_dst, pitch);
-}
-
-template <ggml_type type, int NT>
-static void run_cols(const shape & sh, int N, int n_sm, cudaStream_t st) {
-    const int bs = block_bytes(type);
-    const int nb = sh.K / QK_K;
-    const size_t bytes = (size_t) sh.M * nb * bs;
-    const int copies = (int) std::max<size_t>(1, (400u << 20) / bytes + 1);
-    std::vector<char> hw(bytes);
-    fill_weights(hw, type, (size_t) sh.M * nb);
-    std::vector<const char *> Ws(copies);
-    for (int c = 0; c < copies; ++c) {
-        char * d;
-        CK(cudaMalloc(&d, bytes));
-        CK(cudaMemcpy(d, hw.data(), bytes, cudaMemcpyHostToDevice));
-        Ws[c] = d;
-    }
-    const int npad = 8 * NT;
-    std::vector<int8_t> hq((size_t) npad * sh.K, 0);
-    std::vector<float2> hds((size_t) sh.K / QK8_1 * npad, make_float2(0, 0));
-    for (int col = 0; col < N; ++col) {
-        for (int kb = 0; kb < sh.K / QK8_1; ++kb) {
-            int sum = 0;
-            for (int i = 0; i < QK8_1; ++i) {
-                const int v = (int) (rnd() % 255) - 127;
-                hq[(size_t) col * sh.K + kb * QK8_1 + i] = (int8_t) v;
-                sum += v;
-            }
-            const float d = 0.001f + 0.05f * (rnd() % 1000) / 1000.0f;
-            hds[(size_t) kb * npad + col] = make_float2(d, d * sum);
-        }
-    }
-    int8_t * yq;
-    float2 * yds;
-    float * dst;
-    CK(cudaMalloc(&yq, hq.size()));
-    CK(cudaMalloc(&yds, hds.size() * sizeof(float2)));
-    CK(cudaMalloc(&dst, (size_t) sh.M * N * 4));
-    CK(cudaMemcpy(yq, hq.data(), hq.size(), cudaMemcpyHostToDevice));
-    CK(cudaMemcpy(yds, hds.data(), hds.size() * sizeof(float2), cudaMemcpyHostToDevice));
-    qmm_args m = {Ws[0], yq, yds, dst, nb, sh.K, sh.M, N, npad, sh.M};
-    launch_mma<type, NT, 1>(m, st);
-    CK(cudaStreamSynchronize(st));
-    CK(cudaGetLastError());
-    std::vector<float> ref((size_t) sh.M * N), got(ref.size());
-    CK(cudaMemcpy(ref.data(), dst, ref.size() * 4, cudaMemcpyDeviceToHost));
-    std::vector<candidate> cands;
-    auto timed = [&](const char * name, auto launch) {
-        CK(cudaMemset(dst, 0, ref.size() * 4));
-        launch(m);
-        CK(cudaStreamSynchronize(st));
-        CK(cudaGetLastError());
-        CK(cudaMemcpy(got.data(), dst, got.size() * 4, cudaMemcpyDeviceToHost));
-        const bool same = memcmp(got.data(), ref.data(), got.size() * 4) == 0;
-        const double us = profile ? 0.0 : time_graph([&](int c) { qmm_args q = m; q.W = Ws[c]; launch(q); }, copies, st);
-        cands.push_back({name, us, same});
-    };
-    timed("mma rt1", [&](const qmm_args & q) { launch_mma<type, NT, 1>(q, st); });
-    timed("mma rt2", [&](const qmm_args & q) { launch_mma<type, NT, 2>(q, st); });
-    timed("stream rt1 s3", [&](const qmm_args & q) { launch_qms_mma<type, NT, 1, 3>(q, n_sm, st); });
-    timed("stream rt1 s4", [&](const qmm_args & q) { launch_qms_mma<type, NT, 1, 4>(q, n_sm, st); });
-    timed("stream rt2 s3", [&](const qmm_args & q) { launch_qms_mma<type, NT, 2, 3>(q, n_sm, st); });
-    timed("stream rt2 s2", [&](const qmm_args & q) { launch_qms_mma<type, NT, 2, 2>(q, n_sm, st); });
-    printf("%s %dx%d N=%d:", sh.name, sh.M, sh.K, N);
-    for (const candidate & c : cands) {
-        printf("  %s %.1f%s", c.name.c_str(), c.us, c.same ? "" : " DIFFERS");
-    }
-    printf("\n");
-    fflush(stdout);
-    for (const char * w : Ws) CK(cudaFree((void *) w));
-    CK(cudaFree(yq));
-    CK(cudaFree(yds));
-    CK(cudaFree(dst));
-}
-
-template <ggml_type type> static void run_cols_all(const shape & sh, int n_sm, cudaStream_t st) {
-    run_cols<type, 1>(sh, 8, n_sm, st);
-    run_cols<type, 2>(sh, 16, n_sm, st);
-    run_cols<type, 3>(sh, 23, n_sm, st);
-    run_cols<type, 4>(sh, 32, n_sm, st);
-    run_cols<type, 6>(sh, 48, n_sm, st);
 }
 
 int main(int argc, char ** argv) {
@@ -357,20 +257,10 @@ int main(int argc, char ** argv) {
     for (auto & b : bufs) CK(cudaFree((void *) b));
     CK(cudaFree(cdst));
 
-    const bool cols = getenv("QMM_LAB_COLS") != nullptr;   // the several-column kernels instead
     for (const shape & sh : SHAPES) {
         bool want = argc < 2;
         for (int i = 1; i < argc; ++i) want |= strcmp(argv[i], sh.name) == 0;
         if (!want) continue;
-        if (cols) {
-            switch (sh.type) {
-                case GGML_TYPE_Q4_K: run_cols_all<GGML_TYPE_Q4_K>(sh, prop.multiProcessorCount, st); break;
-                case GGML_TYPE_Q5_K: run_cols_all<GGML_TYPE_Q5_K>(sh, prop.multiProcessorCount, st); break;
-                case GGML_TYPE_Q6_K: run_cols_all<GGML_TYPE_Q6_K>(sh, prop.multiProcessorCount, st); break;
-                default: break;
-            }
-            continue;
-        }
         switch (sh.type) {
             case GGML_TYPE_Q4_K: run_shape<GGML_TYPE_Q4_K>(sh, prop.multiProcessorCount, read_gbs, st); break;
             case GGML_TYPE_Q5_K: run_shape<GGML_TYPE_Q5_K>(sh, prop.multiProcessorCount, read_gbs, st); break;
