@@ -1,6 +1,6 @@
 // ggml_qmatmul on CUDA: W * X for a few columns, bit-identical per column whatever the number of columns.
-// On Ampere and later every type takes the tensor-core kernel further down; older GPUs the vector kernel
-// described here.
+// On Ampere and later every type takes the tensor-core kernel further down (on Hopper one column of Q4_K/Q5_K/Q6_K
+// takes the streaming kernel of the same bits, qmatmul_stream.cuh); older GPUs the vector kernel described here.
 //
 // The columns of x are quantised to q8_1 (ggml's quantize_row_q8_1_cuda: per column, per 32 values), then a
 // vector kernel in the manner of ggml's mul_mat_vec_q dots each weight row with them through ggml's own
