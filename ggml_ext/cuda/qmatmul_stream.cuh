@@ -19,6 +19,8 @@
 
 #include "qmatmul_mma.cuh"
 
+#include <unordered_map>
+
 #define QMS_SLOTS   QMM_MMA_WARPS   // K slots: the MMA kernel's warps
 #define QMS_Y_PITCH (QMM_UNIT + 16) // bytes per activation unit in shared memory (no bank conflicts across slots)
 #define QMS_D_PITCH 10              // float2 per activation unit's scales (8 used; 80 bytes: conflict-free)
@@ -388,9 +390,16 @@ void qms_run(const qmm_args & m, int device, cudaStream_t stream) {
         CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int) smem));
         smem_allowed[device] = smem;
     }
-    // persistent: as many CUDA blocks as fit at once, each taking a contiguous range of the row groups
-    int per_sm = 0;
-    CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, QMS_SLOTS * QMS_RUN_ROWS, smem));
+    // persistent: as many CUDA blocks as fit at once, each taking a contiguous range of the row groups (asked of
+    // the runtime once per device and shared-memory size: without CUDA graphs this runs for every product)
+    static std::unordered_map<size_t, int> blocks_per_sm[GGML_CUDA_MAX_DEVICES];
+    auto known = blocks_per_sm[device].find(smem);
+    if (known == blocks_per_sm[device].end()) {
+        int n = 0;
+        CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, QMS_SLOTS * QMS_RUN_ROWS, smem));
+        known = blocks_per_sm[device].emplace(smem, n).first;
+    }
+    const int per_sm = known->second;
     const int n_groups = (m.M + QMS_RUN_ROWS - 1) / QMS_RUN_ROWS;
     const int grid = std::min(n_groups, std::max(per_sm, 1) * ggml_cuda_info().devices[device].nsm);
     ggml_cuda_kernel_launch(kernel, ggml_cuda_kernel_launch_params(dim3(grid), dim3(QMS_SLOTS * QMS_RUN_ROWS), smem, stream),
