@@ -8,11 +8,19 @@
 //        -Iggml_ext/include -Iggml_ext/cuda -I$GGML/include -I$GGML/src -I$GGML/src/ggml-cuda
 //   /tmp/qmm_lab [shape ...]        (shapes: the names in SHAPES below; default all)
 //
+// QMM_LAB_COLS=1,8,23,48 times the tensor-core kernel instead, at those column counts and each row-tile count,
+// checking that a column's result does not depend on how many columns come with it; built with
+// -DQMM_LAB_BASELINE='"old.cuh"' (an earlier qmatmul_mma.cuh with qmm_ renamed qmmold_ and mma_s8_ mmaold_s8_) it
+// also runs that kernel beside it and checks the two agree to the bit.
+//
 // Weights are random bytes with sane f16 scales (the kernels' speed does not depend on the values), tiled over
 // enough copies (>= 400 MB) that every timed call reads DRAM, not the 50 MB L2; each kernel runs in a CUDA graph
 // of one launch per copy; the time is the median over repetitions, per launch.
 
 #include "qmatmul_stream.cuh"
+#ifdef QMM_LAB_BASELINE
+#include QMM_LAB_BASELINE
+#endif
 
 #include <algorithm>
 #include <cstdio>
@@ -231,6 +239,120 @@ template <ggml_type type> static void run_shape(const shape & sh, int n_sm, doub
     CK(cudaFree(dst));
 }
 
+// --- Several columns: the tensor-core kernel ----------------------------------------------------------------------
+
+template <ggml_type type, int NT, int RT> static void mma_launch(const qmm_args & q, cudaStream_t st) {
+    qmm_mma<type, NT, RT><<<(q.M + QMM_MMA_ROWS * RT - 1) / (QMM_MMA_ROWS * RT), dim3(WARP_SIZE, QMM_MMA_WARPS), 0, st>>>(
+        q.W, q.yq, q.yds, q.dst, q.nb, q.K, q.M, q.N, q.npad, q.stride_col_dst);
+}
+
+#ifdef QMM_LAB_BASELINE
+template <ggml_type type, int NT, int RT> static void old_launch(const qmm_args & q, cudaStream_t st) {
+    qmmold_mma<type, NT, RT><<<(q.M + QMM_MMA_ROWS * RT - 1) / (QMM_MMA_ROWS * RT), dim3(WARP_SIZE, QMM_MMA_WARPS), 0, st>>>(
+        q.W, q.yq, q.yds, q.dst, q.nb, q.K, q.M, q.N, q.npad, q.stride_col_dst);
+}
+#endif
+
+template <ggml_type type, int NT> static void mma_rt(const qmm_args & q, int rt, bool old, cudaStream_t st) {
+#ifdef QMM_LAB_BASELINE
+    if (old) {
+        rt == 1 ? old_launch<type, NT, 1>(q, st) : rt == 2 ? old_launch<type, NT, 2>(q, st) : old_launch<type, NT, 4>(q, st);
+        return;
+    }
+#endif
+    GGML_UNUSED(old);
+    rt == 1 ? mma_launch<type, NT, 1>(q, st) : rt == 2 ? mma_launch<type, NT, 2>(q, st) : mma_launch<type, NT, 4>(q, st);
+}
+
+template <ggml_type type> static void mma_any(const qmm_args & q, int rt, bool old, cudaStream_t st) {
+    switch ((q.N + 7) / 8) {
+        case 1: mma_rt<type, 1>(q, rt, old, st); break;
+        case 2: mma_rt<type, 2>(q, rt, old, st); break;
+        case 3: mma_rt<type, 3>(q, rt, old, st); break;
+        case 4: mma_rt<type, 4>(q, rt, old, st); break;
+        case 5: mma_rt<type, 5>(q, rt, old, st); break;
+        default: mma_rt<type, 6>(q, rt, old, st); break;
+    }
+}
+
+template <ggml_type type> static void run_cols(const shape & sh, const std::vector<int> & cols, cudaStream_t st) {
+    const int bs = block_bytes(type);
+    const int nb = sh.K / QK_K;
+    const size_t bytes = (size_t) sh.M * nb * bs;
+    const int copies = (int) std::max<size_t>(1, (400u << 20) / bytes + 1);
+    std::vector<char> hw(bytes);
+    fill_weights(hw, type, (size_t) sh.M * nb);
+    std::vector<const char *> Ws(copies);
+    for (int c = 0; c < copies; ++c) {
+        char * d;
+        CK(cudaMalloc(&d, bytes));
+        CK(cudaMemcpy(d, hw.data(), bytes, cudaMemcpyHostToDevice));
+        Ws[c] = d;
+    }
+    const int npad = 48;   // activations of 48 columns; a call with N columns reads the first N (npad stays 48)
+    std::vector<int8_t> hq((size_t) npad * sh.K);
+    std::vector<float2> hds((size_t) sh.K / QK8_1 * npad);
+    for (int col = 0; col < npad; ++col) {
+        for (int kb = 0; kb < sh.K / QK8_1; ++kb) {
+            int s = 0;
+            for (int i = 0; i < QK8_1; ++i) {
+                const int v = (int) (rnd() % 255) - 127;
+                hq[(size_t) col * sh.K + kb * QK8_1 + i] = (int8_t) v;
+                s += v;
+            }
+            const float d = 0.001f + 0.05f * (rnd() % 1000) / 1000.0f;
+            hds[(size_t) kb * npad + col] = make_float2(d, d * s);
+        }
+    }
+    int8_t * yq;
+    float2 * yds;
+    float * dst;
+    CK(cudaMalloc(&yq, hq.size()));
+    CK(cudaMalloc(&yds, hds.size() * sizeof(float2)));
+    CK(cudaMalloc(&dst, (size_t) sh.M * 4 * npad));
+    CK(cudaMemcpy(yq, hq.data(), hq.size(), cudaMemcpyHostToDevice));
+    CK(cudaMemcpy(yds, hds.data(), hds.size() * sizeof(float2), cudaMemcpyHostToDevice));
+    auto result = [&](const qmm_args & q, int rt, bool old) {
+        CK(cudaMemset(dst, 0xFF, (size_t) sh.M * 4 * npad));
+        mma_any<type>(q, rt, old, st);
+        CK(cudaStreamSynchronize(st));
+        CK(cudaGetLastError());
+        std::vector<float> out((size_t) sh.M * q.N);
+        CK(cudaMemcpy(out.data(), dst, out.size() * 4, cudaMemcpyDeviceToHost));
+        return out;
+    };
+    const qmm_args one = {Ws[0], yq, yds, dst, nb, sh.K, sh.M, 1, npad, sh.M};
+    const std::vector<float> col0 = result(one, 1, false);   // column 0 alone: every other call must give its bits
+    printf("%s %dx%d %s, %.1f MB, %d copies (us per call; bits: column 0 as alone%s)\n", sh.name, sh.M, sh.K,
+           type == GGML_TYPE_Q4_K ? "Q4_K" : type == GGML_TYPE_Q5_K ? "Q5_K" : "Q6_K", bytes / 1e6, copies,
+#ifdef QMM_LAB_BASELINE
+           ", every column as the baseline's"
+#else
+           ""
+#endif
+    );
+    for (int N : cols) {
+        for (int rt : {1, 2, 4}) {
+            const qmm_args q = {Ws[0], yq, yds, dst, nb, sh.K, sh.M, N, npad, sh.M};
+            const std::vector<float> got = result(q, rt, false);
+            bool same = memcmp(got.data(), col0.data(), col0.size() * 4) == 0;
+            double old_us = 0.0;
+#ifdef QMM_LAB_BASELINE
+            const std::vector<float> base = result(q, rt, true);
+            same = same && memcmp(got.data(), base.data(), got.size() * 4) == 0;
+            old_us = time_graph([&](int c) { qmm_args b = q; b.W = Ws[c]; mma_any<type>(b, rt, true, st); }, copies, st);
+#endif
+            const double us = time_graph([&](int c) { qmm_args b = q; b.W = Ws[c]; mma_any<type>(b, rt, false, st); }, copies, st);
+            printf("  N=%2d rt=%d  %8.1f us  (baseline %8.1f us)  %s\n", N, rt, us, old_us, same ? "bit-identical" : "DIFFERS");
+        }
+    }
+    fflush(stdout);
+    for (const char * w : Ws) CK(cudaFree((void *) w));
+    CK(cudaFree(yq));
+    CK(cudaFree(yds));
+    CK(cudaFree(dst));
+}
+
 int main(int argc, char ** argv) {
     cudaDeviceProp prop;
     CK(cudaGetDeviceProperties(&prop, 0));
@@ -257,10 +379,27 @@ int main(int argc, char ** argv) {
     for (auto & b : bufs) CK(cudaFree((void *) b));
     CK(cudaFree(cdst));
 
+    std::vector<int> cols;   // QMM_LAB_COLS: the several-column mode
+    if (const char * e = getenv("QMM_LAB_COLS")) {
+        for (const char * c = e; *c; ) {
+            cols.push_back(atoi(c));
+            while (*c && *c != ',') ++c;
+            if (*c == ',') ++c;
+        }
+    }
     for (const shape & sh : SHAPES) {
         bool want = argc < 2;
         for (int i = 1; i < argc; ++i) want |= strcmp(argv[i], sh.name) == 0;
         if (!want) continue;
+        if (!cols.empty()) {
+            switch (sh.type) {
+                case GGML_TYPE_Q4_K: run_cols<GGML_TYPE_Q4_K>(sh, cols, st); break;
+                case GGML_TYPE_Q5_K: run_cols<GGML_TYPE_Q5_K>(sh, cols, st); break;
+                case GGML_TYPE_Q6_K: run_cols<GGML_TYPE_Q6_K>(sh, cols, st); break;
+                default: break;
+            }
+            continue;
+        }
         switch (sh.type) {
             case GGML_TYPE_Q4_K: run_shape<GGML_TYPE_Q4_K>(sh, prop.multiProcessorCount, read_gbs, st); break;
             case GGML_TYPE_Q5_K: run_shape<GGML_TYPE_Q5_K>(sh, prop.multiProcessorCount, read_gbs, st); break;

@@ -34,12 +34,20 @@
 #define QMM_MMA_ROWS  16
 #define QMM_UNIT      256   // K values per unit of the K split
 
+// Integers become floats without the I2F conversion (a quarter of the integer and FMA pipes' rate; it was the
+// busiest unit at 48 columns): the bits of 12582912 + v, v + QMM_MAGIC as an int, are a float, and subtracting
+// 12582912 leaves (float) v exactly for |v| < 2^22. The integer MMAs and dp4a chains start from QMM_MAGIC rather
+// than 0, so their sums come out ready for that subtraction (qmm_magic_f), and one PRMT puts a byte into those bits
+// (qmm_byte_f). The MMA sums stay below 2^22 (32 x 31 x 127 for Q5_K, 32 x 127^2 for Q8_0), as do the scales and
+// mins.
+#define QMM_MAGIC 0x4B400000
+
 static __device__ __forceinline__ void mma_s8_k32(int (&c)[4], const int (&a)[4], int b0, int b1) {
 #if __CUDA_ARCH__ >= 800
     asm volatile("mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-                 "{%10, %11, %12, %13};"
+                 "{%10, %10, %10, %10};"
                  : "=r"(c[0]), "=r"(c[1]), "=r"(c[2]), "=r"(c[3])
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1), "r"(0), "r"(0), "r"(0), "r"(0));
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1), "r"(QMM_MAGIC));
 #else
     GGML_UNUSED_VARS(c, a, b0, b1);
     NO_DEVICE_CODE;
@@ -49,20 +57,29 @@ static __device__ __forceinline__ void mma_s8_k32(int (&c)[4], const int (&a)[4]
 static __device__ __forceinline__ void mma_s8_k16(int (&c)[4], const int (&a)[2], int b0) {
 #if __CUDA_ARCH__ >= 800
     asm volatile("mma.sync.aligned.m16n8k16.row.col.s32.s8.s8.s32 {%0, %1, %2, %3}, {%4, %5}, {%6}, "
-                 "{%7, %8, %9, %10};"
+                 "{%7, %7, %7, %7};"
                  : "=r"(c[0]), "=r"(c[1]), "=r"(c[2]), "=r"(c[3])
-                 : "r"(a[0]), "r"(a[1]), "r"(b0), "r"(0), "r"(0), "r"(0), "r"(0));
+                 : "r"(a[0]), "r"(a[1]), "r"(b0), "r"(QMM_MAGIC));
 #else
     GGML_UNUSED_VARS(c, a, b0);
     NO_DEVICE_CODE;
 #endif
 }
 
-// (float) v, exact for |v| < 2^22, on the integer and FMA pipes: the I2F conversion runs at a quarter of their
-// rate and was the busiest unit at 48 columns. The MMA sums stay below 2^22 (32 x 31 x 127 for Q5_K, 32 x 127^2
-// for Q8_0), as do the scales and mins.
-static __device__ __forceinline__ float qmm_i2f(int v) {
-    return __fsub_rn(__int_as_float(v + 0x4B400000), 12582912.0f);
+// (float) of a sum that carries QMM_MAGIC
+static __device__ __forceinline__ float qmm_magic_f(int v) {
+    return __fsub_rn(__int_as_float(v), 12582912.0f);
+}
+
+// (float) of unsigned byte k (0..3, a compile-time constant) of w
+static __device__ __forceinline__ float qmm_byte_f(int w, int k) {
+    return __fsub_rn(__int_as_float((int) __byte_perm((unsigned) w, (unsigned) QMM_MAGIC, 0x7640u | k)), 12582912.0f);
+}
+
+// (float) of signed byte k of w, given w ^ 0x80808080 (each byte plus 128, as unsigned)
+static __device__ __forceinline__ float qmm_sbyte_f(int w_plus_128, int k) {
+    return __fsub_rn(__int_as_float((int) __byte_perm((unsigned) w_plus_128, (unsigned) QMM_MAGIC, 0x7640u | k)),
+                     12582912.0f + 128.0f);
 }
 
 // a 4-byte word at a 2-byte aligned address (Q6_K blocks are 210 bytes, Q8_0 34); `aligned`: it is 4-aligned
@@ -99,7 +116,7 @@ static __device__ __forceinline__ void qmm_accumulate(float (&acc)[4], const int
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
         const float dx = i % 2 ? ds.z : ds.x;
-        acc[i] = __fmaf_rn(__fmul_rn(dsc[i / 2], dx), qmm_i2f(c[i]), acc[i]);
+        acc[i] = __fmaf_rn(__fmul_rn(dsc[i / 2], dx), qmm_magic_f(c[i]), acc[i]);
     }
 }
 
@@ -128,22 +145,33 @@ static __device__ __forceinline__ void qmm_block_k32(const int (&a)[RT][4], cons
     }
 }
 
-// byte i (0..11, a compile-time constant after unrolling) of Q4_K/Q5_K's packed scales, held as 3 words
-#define QMM_K4_BYTE(i) ((int) (((i) < 4 ? h.y : (i) < 8 ? h.z : h.w) >> (8 * ((i) % 4)) & 0xFF))
+// v - 32 in each byte, for bytes 0..63 (Q6_K's quants): no byte borrows, so an addition of 96 and a flip of the sign
+// bit (__vsubss4 takes eight instructions)
+static __device__ __forceinline__ int qmm_minus32(int v) {
+    return (v + 0x60606060) ^ (int) 0x80808080;
+}
 
-// Q4_K/Q5_K sub-block s (0..7): d * scale and dmin * min from the block's first 16 bytes (d, dmin, 12 scale bytes)
-static __device__ __forceinline__ void qmm_k4_scale_min(const uint4 h, int s, float & dsc, float & dm) {
-    int sc, m;
-    if (s < 4) {
-        sc = QMM_K4_BYTE(s) & 63;
-        m  = QMM_K4_BYTE(s + 4) & 63;
-    } else {
-        sc = (QMM_K4_BYTE(s + 4) & 0xF) | ((QMM_K4_BYTE(s - 4) >> 6) << 4);
-        m  = (QMM_K4_BYTE(s + 4) >> 4) | ((QMM_K4_BYTE(s) >> 6) << 4);
-    }
-    const float2 dmin = __half22float2(*(const half2 *) &h.x);
-    dsc = __fmul_rn(dmin.x, qmm_i2f(sc));
-    dm  = __fmul_rn(dmin.y, qmm_i2f(m));
+// Q4_K/Q5_K's six-bit scales and mins of sub-blocks 0..3 and 4..7, a byte each, and (d, dmin): unpacked from a
+// block's first 16 bytes once per unit, four bytes an instruction or two
+struct qmm_k4_scales {
+    int sc_lo, m_lo, sc_hi, m_hi;
+    float2 dmin;
+};
+
+static __device__ __forceinline__ qmm_k4_scales qmm_k4_unpack(const uint4 h) {
+    qmm_k4_scales k;
+    k.sc_lo = h.y & 0x3F3F3F3F;
+    k.m_lo  = h.z & 0x3F3F3F3F;
+    k.sc_hi = (h.w & 0x0F0F0F0F) | ((h.y >> 2) & 0x30303030);
+    k.m_hi  = ((h.w >> 4) & 0x0F0F0F0F) | ((h.z >> 2) & 0x30303030);
+    k.dmin  = __half22float2(*(const half2 *) &h.x);
+    return k;
+}
+
+// sub-block s (0..7, a compile-time constant): d * scale and dmin * min
+static __device__ __forceinline__ void qmm_k4_scale_min(const qmm_k4_scales & k, int s, float & dsc, float & dm) {
+    dsc = __fmul_rn(k.dmin.x, qmm_byte_f(s < 4 ? k.sc_lo : k.sc_hi, s % 4));
+    dm  = __fmul_rn(k.dmin.y, qmm_byte_f(s < 4 ? k.m_lo : k.m_hi, s % 4));
 }
 
 // One unit of K for the rows of this thread (rows[r][h]: row 16r + 8h + g of the block's tiles).
@@ -156,14 +184,14 @@ static __device__ __forceinline__ void qmm_unit_k45(const char * const (&rows)[R
     constexpr int bs     = HIGH ? sizeof(block_q5_K) : sizeof(block_q4_K);
     constexpr int qs_off = HIGH ? 48 : 16;   // block_q5_K: dm, scales[12], qh[32], qs[128]; block_q4_K: no qh
     static_assert(sizeof(block_q5_K) == 176 && sizeof(block_q4_K) == 144, "unexpected K-quant block layout");
-    uint4 hdr[RT][2];
+    qmm_k4_scales hdr[RT][2];
     uint2 qs[RT][2], qh[RT][2];
 #pragma unroll
     for (int r = 0; r < RT; ++r) {
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
             const char * b = rows[r][h] + (size_t) u * bs;
-            hdr[r][h] = *(const uint4 *) b;
+            hdr[r][h] = qmm_k4_unpack(*(const uint4 *) b);
             qh[r][h]  = HIGH ? *(const uint2 *) (b + 16 + 8 * t4) : make_uint2(0, 0);
         }
     }
@@ -222,7 +250,8 @@ template <int NT, int RT> struct qmm_unit<GGML_TYPE_Q6_K, NT, RT> {
         static_assert(sizeof(block_q6_K) == 210, "unexpected Q6_K block layout");   // ql[128], qh[64], scales[16], d
         // per row and half hh of the super-block (values 128hh..128hh+127), loaded only when the half starts (at
         // RT = 4 a whole super-block's would not fit in the registers next to the accumulators): ql words [j%2][e]
-        // (bytes 64hh + 32(j%2) + 16e + 4t4), qh words [e] (32hh + 16e + 4t4), scale words 2hh, 2hh + 1
+        // (bytes 64hh + 32(j%2) + 16e + 4t4), qh words [e] (32hh + 16e + 4t4), scale words 2hh, 2hh + 1 (their
+        // bytes offset by 128, for qmm_sbyte_f)
         int ql[RT][2][2][2], qh[RT][2][2], scw[RT][2][2];
         float d[RT][2];
         bool al[RT][2];   // the row's block is 4-aligned: with an even row size the same for all rows and units
@@ -250,7 +279,7 @@ template <int NT, int RT> struct qmm_unit<GGML_TYPE_Q6_K, NT, RT> {
                             ql[r][h][0][ee] = qmm_ld32_a2(b + 64 * hh + 16 * ee + 4 * t4, al[r][h]);
                             ql[r][h][1][ee] = qmm_ld32_a2(b + 64 * hh + 32 + 16 * ee + 4 * t4, al[r][h]);
                             qh[r][h][ee]    = qmm_ld32_a2(b + 128 + 32 * hh + 16 * ee + 4 * t4, al[r][h]);
-                            scw[r][h][ee]   = qmm_ld32_a2(b + 192 + 8 * hh + 4 * ee, al[r][h]);
+                            scw[r][h][ee]   = qmm_ld32_a2(b + 192 + 8 * hh + 4 * ee, al[r][h]) ^ 0x80808080;
                         }
                     }
                 }
@@ -261,11 +290,10 @@ template <int NT, int RT> struct qmm_unit<GGML_TYPE_Q6_K, NT, RT> {
             for (int r = 0; r < RT; ++r) {
 #pragma unroll
                 for (int h = 0; h < 2; ++h) {
-                    const int sc = (int) (int8_t) ((scw[r][h][(G % 8) / 4] >> (8 * (G % 4))) & 0xFF);
-                    dsc[r][h] = __fmul_rn(d[r][h], qmm_i2f(sc));
+                    dsc[r][h] = __fmul_rn(d[r][h], qmm_sbyte_f(scw[r][h][(G % 8) / 4], G % 4));
                     const int lo = (ql[r][h][j % 2][e] >> (4 * (j / 2))) & 0x0F0F0F0F;
                     const int hi = ((qh[r][h][e] >> (2 * j)) & 0x03030303) << 4;
-                    a[r][h] = __vsubss4(lo | hi, 0x20202020);
+                    a[r][h] = qmm_minus32(lo | hi);
                 }
             }
             const int kb = u * (QMM_UNIT / QK8_1) + G / 2;

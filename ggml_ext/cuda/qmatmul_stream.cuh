@@ -146,11 +146,6 @@ template <int NW> static __device__ __forceinline__ void qms_words(const char * 
     }
 }
 
-// exact float of unsigned byte k (0..3) of w: the bits of 12582912 + byte, minus 12582912 (qmm_i2f, one PRMT)
-static __device__ __forceinline__ float qms_byte_f(int w, int k) {
-    return __fsub_rn(__int_as_float((int) __byte_perm((unsigned) w, 0x4B400000u, 0x7640u | k)), 12582912.0f);
-}
-
 static __device__ __forceinline__ void qms_words4(const uint4 v, int (&w)[4]) {
     w[0] = (int) v.x; w[1] = (int) v.y; w[2] = (int) v.z; w[3] = (int) v.w;
 }
@@ -161,12 +156,7 @@ template <ggml_type type> struct qms_unit;
 template <bool HIGH> static __device__ __forceinline__ void qms_unit_k45(const char * b, const int8_t * y,
                                                                        const float2 * d, float & acc) {
     constexpr int qs_off = HIGH ? 48 : 16;
-    // the 6-bit scales and mins of sub-blocks 0..3 and 4..7, a byte each (qmm_k4_scale_min's unpacking)
-    const uint4 h = *(const uint4 *) b;
-    const int sc_lo = h.y & 0x3F3F3F3F, m_lo = h.z & 0x3F3F3F3F;
-    const int sc_hi = (h.w & 0x0F0F0F0F) | ((h.y >> 2) & 0x30303030);
-    const int m_hi  = ((h.w >> 4) & 0x0F0F0F0F) | ((h.z >> 2) & 0x30303030);
-    const float2 dmin = __half22float2(*(const half2 *) &h.x);
+    const qmm_k4_scales k4 = qmm_k4_unpack(*(const uint4 *) b);
     int qh[8] = {};
     if (HIGH) {
         qms_words4(*(const uint4 *) (b + 16), *(int (*)[4]) &qh[0]);
@@ -181,7 +171,7 @@ template <bool HIGH> static __device__ __forceinline__ void qms_unit_k45(const c
         qms_words4(*(const uint4 *) (y + 64 * j + 16), *(int (*)[4]) &y0[4]);
         qms_words4(*(const uint4 *) (y + 64 * j + 32), *(int (*)[4]) &y1[0]);
         qms_words4(*(const uint4 *) (y + 64 * j + 48), *(int (*)[4]) &y1[4]);
-        int s0 = 0, s1 = 0;   // integer sums are exact in any order
+        int s0 = QMM_MAGIC, s1 = QMM_MAGIC;   // integer sums are exact in any order (qmm_magic_f)
 #pragma unroll
         for (int k = 0; k < 8; ++k) {
             int lo = q[k] & 0x0F0F0F0F, hi = (q[k] >> 4) & 0x0F0F0F0F;
@@ -195,10 +185,10 @@ template <bool HIGH> static __device__ __forceinline__ void qms_unit_k45(const c
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
             const int s = 2 * j + e;
-            const float dsc = __fmul_rn(dmin.x, qms_byte_f(s < 4 ? sc_lo : sc_hi, s % 4));
-            const float dm  = __fmul_rn(dmin.y, qms_byte_f(s < 4 ? m_lo : m_hi, s % 4));
+            float dsc, dm;
+            qmm_k4_scale_min(k4, s, dsc, dm);
             const float2 ds = d[s];
-            acc = __fmaf_rn(__fmul_rn(dsc, ds.x), qmm_i2f(e ? s1 : s0), acc);
+            acc = __fmaf_rn(__fmul_rn(dsc, ds.x), qmm_magic_f(e ? s1 : s0), acc);
             acc = __fmaf_rn(-dm, ds.y, acc);
         }
     }
@@ -221,8 +211,12 @@ template <> struct qms_unit<GGML_TYPE_Q5_K> {
 // The integer sum of a group, sum (q - 32) y, is formed as sum q y - 32 sum y (both exact).
 template <> struct qms_unit<GGML_TYPE_Q6_K> {
     static __device__ __forceinline__ void run(const char * b, const int8_t * y, const float2 * d, float & acc) {
-        int sc[4];
+        int sc[4];   // the scale bytes plus 128 (qmm_sbyte_f)
         qms_words(b + 192, sc);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            sc[i] ^= 0x80808080;
+        }
         const float dw = __half2float(*(const half *) (b + 208));
 #pragma unroll
         for (int hh = 0; hh < 2; ++hh) {
@@ -238,7 +232,7 @@ template <> struct qms_unit<GGML_TYPE_Q6_K> {
                 const int j = jj / 2, e = jj % 2, G = 8 * hh + jj;
                 int yw[4];
                 qms_words4(*(const uint4 *) (y + 16 * G), yw);
-                int sq = 0, sy = 0;
+                int sq = QMM_MAGIC, sy = 0;
 #pragma unroll
                 for (int k = 0; k < 4; ++k) {
                     const int lo = (ql[j % 2][e][k] >> (4 * (j / 2))) & 0x0F0F0F0F;
@@ -246,9 +240,8 @@ template <> struct qms_unit<GGML_TYPE_Q6_K> {
                     sq = ggml_cuda_dp4a(lo | hi, yw[k], sq);
                     sy = ggml_cuda_dp4a(0x01010101, yw[k], sy);
                 }
-                const int scale = (int) (int8_t) ((sc[G / 4] >> (8 * (G % 4))) & 0xFF);
-                const float dsc = __fmul_rn(dw, qmm_i2f(scale));
-                acc = __fmaf_rn(__fmul_rn(dsc, d[G / 2].x), qmm_i2f(sq - 32 * sy), acc);
+                const float dsc = __fmul_rn(dw, qmm_sbyte_f(sc[G / 4], G % 4));
+                acc = __fmaf_rn(__fmul_rn(dsc, d[G / 2].x), qmm_magic_f(sq - 32 * sy), acc);
             }
         }
     }
