@@ -75,6 +75,44 @@ static void fill_weights(std::vector<char> & w, ggml_type t, size_t n_blocks) {
     }
 }
 
+// the shape's weights, random, in enough copies (>= 400 MB) that every timed call reads DRAM
+static std::vector<const char *> weight_copies(const shape & sh, size_t & bytes) {
+    const int nb = sh.K / QK_K;
+    bytes = (size_t) sh.M * nb * block_bytes(sh.type);
+    std::vector<char> hw(bytes);
+    fill_weights(hw, sh.type, (size_t) sh.M * nb);
+    std::vector<const char *> Ws(std::max<size_t>(1, (400u << 20) / bytes + 1));
+    for (const char * & w : Ws) {
+        char * d;
+        CK(cudaMalloc(&d, bytes));
+        CK(cudaMemcpy(d, hw.data(), bytes, cudaMemcpyHostToDevice));
+        w = d;
+    }
+    return Ws;
+}
+
+// quantised activations as qmm_quantize_x lays them out, npad columns of which the first n_cols random (the rest 0)
+static void random_activations(int K, int npad, int n_cols, int8_t * & yq, float2 * & yds) {
+    std::vector<int8_t> hq((size_t) npad * K, 0);
+    std::vector<float2> hds((size_t) K / QK8_1 * npad, make_float2(0, 0));
+    for (int col = 0; col < n_cols; ++col) {
+        for (int kb = 0; kb < K / QK8_1; ++kb) {
+            int s = 0;
+            for (int i = 0; i < QK8_1; ++i) {
+                const int v = (int) (rnd() % 255) - 127;
+                hq[(size_t) col * K + kb * QK8_1 + i] = (int8_t) v;
+                s += v;
+            }
+            const float d = 0.001f + 0.05f * (rnd() % 1000) / 1000.0f;
+            hds[(size_t) kb * npad + col] = make_float2(d, d * s);
+        }
+    }
+    CK(cudaMalloc(&yq, hq.size()));
+    CK(cudaMalloc(&yds, hds.size() * sizeof(float2)));
+    CK(cudaMemcpy(yq, hq.data(), hq.size(), cudaMemcpyHostToDevice));
+    CK(cudaMemcpy(yds, hds.data(), hds.size() * sizeof(float2), cudaMemcpyHostToDevice));
+}
+
 static __global__ void read_kernel(const uint4 * p, size_t n, unsigned * out) {
     unsigned x = 0;
     for (size_t i = blockIdx.x * (size_t) blockDim.x + threadIdx.x; i < n; i += (size_t) gridDim.x * blockDim.x) {
@@ -159,40 +197,16 @@ static void try_stream(std::vector<candidate> & out, qms_args a, const std::vect
 }
 
 template <ggml_type type> static void run_shape(const shape & sh, int n_sm, double read_gbs, cudaStream_t st) {
-    const int bs = block_bytes(type);
     const int nb = sh.K / QK_K;
-    const size_t bytes = (size_t) sh.M * nb * bs;
-    const int copies = (int) std::max<size_t>(1, (400u << 20) / bytes + 1);
-    std::vector<char> hw(bytes);
-    fill_weights(hw, type, (size_t) sh.M * nb);
-    std::vector<const char *> Ws(copies);
-    for (int c = 0; c < copies; ++c) {
-        char * d;
-        CK(cudaMalloc(&d, bytes));
-        CK(cudaMemcpy(d, hw.data(), bytes, cudaMemcpyHostToDevice));
-        Ws[c] = d;
-    }
+    size_t bytes;
+    const std::vector<const char *> Ws = weight_copies(sh, bytes);
+    const int copies = (int) Ws.size();
     const int npad = 8;
-    std::vector<int8_t> hq((size_t) npad * sh.K, 0);
-    std::vector<float2> hds((size_t) sh.K / QK8_1 * npad, make_float2(0, 0));
-    for (int kb = 0; kb < sh.K / QK8_1; ++kb) {
-        int s = 0;
-        for (int i = 0; i < QK8_1; ++i) {
-            const int v = (int) (rnd() % 255) - 127;
-            hq[kb * QK8_1 + i] = (int8_t) v;
-            s += v;
-        }
-        const float d = 0.001f + 0.05f * (rnd() % 1000) / 1000.0f;
-        hds[(size_t) kb * npad] = make_float2(d, d * s);
-    }
     int8_t * yq;
     float2 * yds;
     float * dst;
-    CK(cudaMalloc(&yq, hq.size()));
-    CK(cudaMalloc(&yds, hds.size() * sizeof(float2)));
+    random_activations(sh.K, npad, 1, yq, yds);
     CK(cudaMalloc(&dst, (size_t) sh.M * 4 * 8));
-    CK(cudaMemcpy(yq, hq.data(), hq.size(), cudaMemcpyHostToDevice));
-    CK(cudaMemcpy(yds, hds.data(), hds.size() * sizeof(float2), cudaMemcpyHostToDevice));
 
     // the reference: the tensor-core kernel at one column tile, one row tile
     qmm_args m = {Ws[0], yq, yds, dst, nb, sh.K, sh.M, 1, npad, sh.M};
@@ -276,42 +290,16 @@ template <ggml_type type> static void mma_any(const qmm_args & q, int rt, bool o
 }
 
 template <ggml_type type> static void run_cols(const shape & sh, const std::vector<int> & cols, cudaStream_t st) {
-    const int bs = block_bytes(type);
     const int nb = sh.K / QK_K;
-    const size_t bytes = (size_t) sh.M * nb * bs;
-    const int copies = (int) std::max<size_t>(1, (400u << 20) / bytes + 1);
-    std::vector<char> hw(bytes);
-    fill_weights(hw, type, (size_t) sh.M * nb);
-    std::vector<const char *> Ws(copies);
-    for (int c = 0; c < copies; ++c) {
-        char * d;
-        CK(cudaMalloc(&d, bytes));
-        CK(cudaMemcpy(d, hw.data(), bytes, cudaMemcpyHostToDevice));
-        Ws[c] = d;
-    }
+    size_t bytes;
+    const std::vector<const char *> Ws = weight_copies(sh, bytes);
+    const int copies = (int) Ws.size();
     const int npad = 48;   // activations of 48 columns; a call with N columns reads the first N (npad stays 48)
-    std::vector<int8_t> hq((size_t) npad * sh.K);
-    std::vector<float2> hds((size_t) sh.K / QK8_1 * npad);
-    for (int col = 0; col < npad; ++col) {
-        for (int kb = 0; kb < sh.K / QK8_1; ++kb) {
-            int s = 0;
-            for (int i = 0; i < QK8_1; ++i) {
-                const int v = (int) (rnd() % 255) - 127;
-                hq[(size_t) col * sh.K + kb * QK8_1 + i] = (int8_t) v;
-                s += v;
-            }
-            const float d = 0.001f + 0.05f * (rnd() % 1000) / 1000.0f;
-            hds[(size_t) kb * npad + col] = make_float2(d, d * s);
-        }
-    }
     int8_t * yq;
     float2 * yds;
     float * dst;
-    CK(cudaMalloc(&yq, hq.size()));
-    CK(cudaMalloc(&yds, hds.size() * sizeof(float2)));
+    random_activations(sh.K, npad, npad, yq, yds);
     CK(cudaMalloc(&dst, (size_t) sh.M * 4 * npad));
-    CK(cudaMemcpy(yq, hq.data(), hq.size(), cudaMemcpyHostToDevice));
-    CK(cudaMemcpy(yds, hds.data(), hds.size() * sizeof(float2), cudaMemcpyHostToDevice));
     auto result = [&](const qmm_args & q, int rt, bool old) {
         CK(cudaMemset(dst, 0xFF, (size_t) sh.M * 4 * npad));
         mma_any<type>(q, rt, old, st);
@@ -343,7 +331,9 @@ template <ggml_type type> static void run_cols(const shape & sh, const std::vect
             old_us = time_graph([&](int c) { qmm_args b = q; b.W = Ws[c]; mma_any<type>(b, rt, true, st); }, copies, st);
 #endif
             const double us = time_graph([&](int c) { qmm_args b = q; b.W = Ws[c]; mma_any<type>(b, rt, false, st); }, copies, st);
-            printf("  N=%2d rt=%d  %8.1f us  (baseline %8.1f us)  %s\n", N, rt, us, old_us, same ? "bit-identical" : "DIFFERS");
+            printf("  N=%2d rt=%d  %8.1f us", N, rt, us);
+            if (old_us > 0.0) printf("  (baseline %8.1f us)", old_us);
+            printf("  %s\n", same ? "bit-identical" : "DIFFERS");
         }
     }
     fflush(stdout);
