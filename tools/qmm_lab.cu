@@ -196,6 +196,19 @@ static void try_stream(std::vector<candidate> & out, qms_args a, const std::vect
     out.push_back({name, us, same});
 }
 
+// the tensor-core kernel (old: the baseline's, when built with one)
+template <ggml_type type, int NT, int RT> static void mma_launch(const qmm_args & q, bool old, cudaStream_t st) {
+    auto kernel = qmm_mma<type, NT, RT>;
+#ifdef QMM_LAB_BASELINE
+    if (old) {
+        kernel = qmmold_mma<type, NT, RT>;
+    }
+#endif
+    GGML_UNUSED(old);
+    kernel<<<(q.M + QMM_MMA_ROWS * RT - 1) / (QMM_MMA_ROWS * RT), dim3(WARP_SIZE, QMM_MMA_WARPS), 0, st>>>(
+        q.W, q.yq, q.yds, q.dst, q.nb, q.K, q.M, q.N, q.npad, q.stride_col_dst);
+}
+
 template <ggml_type type> static void run_shape(const shape & sh, int n_sm, double read_gbs, cudaStream_t st) {
     const int nb = sh.K / QK_K;
     size_t bytes;
@@ -210,10 +223,7 @@ template <ggml_type type> static void run_shape(const shape & sh, int n_sm, doub
 
     // the reference: the tensor-core kernel at one column tile, one row tile
     qmm_args m = {Ws[0], yq, yds, dst, nb, sh.K, sh.M, 1, npad, sh.M};
-    auto mma = [&](const qmm_args & q) {
-        qmm_mma<type, 1, 1><<<(q.M + QMM_MMA_ROWS - 1) / QMM_MMA_ROWS, dim3(WARP_SIZE, QMM_MMA_WARPS), 0, st>>>(
-            q.W, q.yq, q.yds, q.dst, q.nb, q.K, q.M, q.N, q.npad, q.stride_col_dst);
-    };
+    auto mma = [&](const qmm_args & q) { mma_launch<type, 1, 1>(q, false, st); };
     mma(m);
     CK(cudaStreamSynchronize(st));
     CK(cudaGetLastError());
@@ -255,27 +265,9 @@ template <ggml_type type> static void run_shape(const shape & sh, int n_sm, doub
 
 // --- Several columns: the tensor-core kernel ----------------------------------------------------------------------
 
-template <ggml_type type, int NT, int RT> static void mma_launch(const qmm_args & q, cudaStream_t st) {
-    qmm_mma<type, NT, RT><<<(q.M + QMM_MMA_ROWS * RT - 1) / (QMM_MMA_ROWS * RT), dim3(WARP_SIZE, QMM_MMA_WARPS), 0, st>>>(
-        q.W, q.yq, q.yds, q.dst, q.nb, q.K, q.M, q.N, q.npad, q.stride_col_dst);
-}
-
-#ifdef QMM_LAB_BASELINE
-template <ggml_type type, int NT, int RT> static void old_launch(const qmm_args & q, cudaStream_t st) {
-    qmmold_mma<type, NT, RT><<<(q.M + QMM_MMA_ROWS * RT - 1) / (QMM_MMA_ROWS * RT), dim3(WARP_SIZE, QMM_MMA_WARPS), 0, st>>>(
-        q.W, q.yq, q.yds, q.dst, q.nb, q.K, q.M, q.N, q.npad, q.stride_col_dst);
-}
-#endif
-
 template <ggml_type type, int NT> static void mma_rt(const qmm_args & q, int rt, bool old, cudaStream_t st) {
-#ifdef QMM_LAB_BASELINE
-    if (old) {
-        rt == 1 ? old_launch<type, NT, 1>(q, st) : rt == 2 ? old_launch<type, NT, 2>(q, st) : old_launch<type, NT, 4>(q, st);
-        return;
-    }
-#endif
-    GGML_UNUSED(old);
-    rt == 1 ? mma_launch<type, NT, 1>(q, st) : rt == 2 ? mma_launch<type, NT, 2>(q, st) : mma_launch<type, NT, 4>(q, st);
+    rt == 1 ? mma_launch<type, NT, 1>(q, old, st) : rt == 2 ? mma_launch<type, NT, 2>(q, old, st)
+            : mma_launch<type, NT, 4>(q, old, st);
 }
 
 template <ggml_type type> static void mma_any(const qmm_args & q, int rt, bool old, cudaStream_t st) {

@@ -71,15 +71,19 @@ static __device__ __forceinline__ float qmm_magic_f(int v) {
     return __fsub_rn(__int_as_float(v), 12582912.0f);
 }
 
-// (float) of unsigned byte k (0..3, a compile-time constant) of w
+// 12582912 + unsigned byte k (0..3, a compile-time constant) of w, as a float: one PRMT
+static __device__ __forceinline__ float qmm_byte_magic(int w, int k) {
+    return __int_as_float((int) __byte_perm((unsigned) w, (unsigned) QMM_MAGIC, 0x7640u | k));
+}
+
+// (float) of unsigned byte k of w
 static __device__ __forceinline__ float qmm_byte_f(int w, int k) {
-    return __fsub_rn(__int_as_float((int) __byte_perm((unsigned) w, (unsigned) QMM_MAGIC, 0x7640u | k)), 12582912.0f);
+    return __fsub_rn(qmm_byte_magic(w, k), 12582912.0f);
 }
 
 // (float) of signed byte k of w, given w ^ 0x80808080 (each byte plus 128, as unsigned)
 static __device__ __forceinline__ float qmm_sbyte_f(int w_plus_128, int k) {
-    return __fsub_rn(__int_as_float((int) __byte_perm((unsigned) w_plus_128, (unsigned) QMM_MAGIC, 0x7640u | k)),
-                     12582912.0f + 128.0f);
+    return __fsub_rn(qmm_byte_magic(w_plus_128, k), 12582912.0f + 128.0f);
 }
 
 // a 4-byte word at a 2-byte aligned address (Q6_K blocks are 210 bytes, Q8_0 34); `aligned`: it is 4-aligned
