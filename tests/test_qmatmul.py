@@ -29,7 +29,7 @@ SHAPES = {ggml.Type.Q8_0: (800, 45), ggml.Type.Q4_K: (1280, 45), ggml.Type.Q5_K:
 # alignment), and M spanning several CUDA blocks at every row-tile count, the last one partial.
 SHAPES_TALL = {ggml.Type.Q8_0: (2656, 301), ggml.Type.Q4_K: (2816, 301), ggml.Type.Q5_K: (2816, 269),
                ggml.Type.Q6_K: (2816, 285)}
-ROW_TILES = [1, 2, 4]
+ROW_TILES = [1, 2, 4, -1, -2]  # negative: the staged kernel (qmatmul_staged.cuh) where the GPU and type have it
 
 
 def as_q8(x: np.ndarray) -> np.ndarray:
@@ -108,8 +108,9 @@ def test_qmatmul_column_bit_identical_alone_or_among_n(rng, wtype):
 @pytest.mark.cuda
 @pytest.mark.parametrize("wtype", TYPES, ids=[t.name for t in TYPES])
 def test_qmatmul_row_tiles_change_no_bit(rng, wtype):
-    """Every forced row-tile count gives the bits of the kernel's own choice, at every column-tile count, on a
-    shape where each count has several CUDA blocks; the results also match the float64 reference."""
+    """Every forced row-tile count, with the activations staged or not, gives the bits of the kernel's own
+    choice, at every column-tile count, on a shape where each count has several CUDA blocks; the results also
+    match the float64 reference."""
     backend = ggml.Backend("cuda")
     op, w_ref = make(backend, rng, wtype, SHAPES_TALL)
     x = rng.standard_normal((48, op.K)).astype(np.float32)

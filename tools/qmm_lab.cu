@@ -17,7 +17,7 @@
 // enough copies (>= 400 MB) that every timed call reads DRAM, not the 50 MB L2; each kernel runs in a CUDA graph
 // of one launch per copy; the time is the median over repetitions, per launch.
 
-#include "qmatmul_stream.cuh"
+#include "qmatmul_staged.cuh"
 #ifdef QMM_LAB_BASELINE
 #include QMM_LAB_BASELINE
 #endif
@@ -34,6 +34,18 @@
 // ggml-cuda.cu's, which the lab does not link: CUDA_CHECK (in ggml_cuda_kernel_launch) reports through it
 void ggml_cuda_error(const char * stmt, const char * func, const char * file, int line, const char * msg) {
     fprintf(stderr, "CUDA error %s at %s (%s:%d): %s\n", msg, func, file, line, stmt);
+    exit(1);
+}
+
+// ggml's, likewise, for ggml_cuda_kernel_launch and GGML_ABORT
+int ggml_cuda_get_device() {
+    int d;
+    CK(cudaGetDevice(&d));
+    return d;
+}
+
+void ggml_abort(const char * file, int line, const char * fmt, ...) {
+    fprintf(stderr, "abort at %s:%d: %s\n", file, line, fmt);
     exit(1);
 }
 
@@ -281,6 +293,33 @@ template <ggml_type type> static void mma_any(const qmm_args & q, int rt, bool o
     }
 }
 
+// the staged kernel (qmatmul_staged.cuh) with S slots per warp and clusters of C blocks
+// the activations' first 8 nt columns in the staged kernel's layout (qmatmul_staged.cuh; qmm_quantize_x with halves)
+struct staged_x { int8_t * yqh; float2 * yds; };
+static staged_x staged_layout(const int8_t * yq, const float2 * yds, int K, int npad, int nt) {
+    std::vector<int8_t> h((size_t) npad * K), o((size_t) 8 * nt * K);
+    std::vector<float2> hd((size_t) K / QK8_1 * npad), od((size_t) K / QK8_1 * 8 * nt);
+    CK(cudaMemcpy(h.data(), yq, h.size(), cudaMemcpyDeviceToHost));
+    CK(cudaMemcpy(hd.data(), yds, hd.size() * sizeof(float2), cudaMemcpyDeviceToHost));
+    for (int kb = 0; kb < K / QK8_1; ++kb) {
+        for (int c = 0; c < 8 * nt; ++c) {
+            memcpy(&o[((size_t) (kb / 4) * 8 * nt + c) * 128 + 32 * ((kb % 4 + c) % 4)], &h[(size_t) c * K + kb * 32], 32);
+            od[(size_t) kb * 8 * nt + c] = hd[(size_t) kb * npad + c];
+        }
+    }
+    staged_x d;
+    CK(cudaMalloc(&d.yqh, o.size()));
+    CK(cudaMalloc(&d.yds, od.size() * sizeof(float2)));
+    CK(cudaMemcpy(d.yqh, o.data(), o.size(), cudaMemcpyHostToDevice));
+    CK(cudaMemcpy(d.yds, od.data(), od.size() * sizeof(float2), cudaMemcpyHostToDevice));
+    return d;
+}
+
+// the staged kernel at q.N columns (q.yq, q.yds: in its layout) and rt row tiles
+template <ggml_type type> static void staged_run(const qmm_args & q, int rt, cudaStream_t st) {
+    qmm_staged_run<type>(q, (q.N + 7) / 8, rt, 0, st);
+}
+
 template <ggml_type type> static void run_cols(const shape & sh, const std::vector<int> & cols, cudaStream_t st) {
     const int nb = sh.K / QK_K;
     size_t bytes;
@@ -326,6 +365,24 @@ template <ggml_type type> static void run_cols(const shape & sh, const std::vect
             printf("  N=%2d rt=%d  %8.1f us", N, rt, us);
             if (old_us > 0.0) printf("  (baseline %8.1f us)", old_us);
             printf("  %s\n", same ? "bit-identical" : "DIFFERS");
+            if (N > 8 && rt <= 2) {   // the staged kernel (qmatmul_staged.cuh), with the same row tiles
+                const staged_x sx = staged_layout(yq, yds, sh.K, npad, (N + 7) / 8);
+                qmm_args sq = q;
+                sq.yq = sx.yqh;
+                sq.yds = sx.yds;
+                sq.npad = 8 * ((N + 7) / 8);
+                CK(cudaMemset(dst, 0xFF, (size_t) sh.M * 4 * npad));
+                staged_run<type>(sq, rt, st);
+                CK(cudaStreamSynchronize(st));
+                CK(cudaGetLastError());
+                std::vector<float> sg((size_t) sh.M * q.N);
+                CK(cudaMemcpy(sg.data(), dst, sg.size() * 4, cudaMemcpyDeviceToHost));
+                const bool ssame = memcmp(sg.data(), got.data(), got.size() * 4) == 0;
+                const double sus = time_graph([&](int c) { qmm_args b = sq; b.W = Ws[c]; staged_run<type>(b, rt, st); }, copies, st);
+                printf("         staged  %8.1f us  %s\n", sus, ssame ? "bit-identical" : "DIFFERS");
+                CK(cudaFree(sx.yqh));
+                CK(cudaFree(sx.yds));
+            }
         }
     }
     fflush(stdout);

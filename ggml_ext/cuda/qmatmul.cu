@@ -19,7 +19,7 @@
 #include "ggml-ext.h"
 #include "quantize.cuh"
 #include "vecdotq.cuh"
-#include "qmatmul_stream.cuh"
+#include "qmatmul_staged.cuh"
 
 #define QMM_WARPS     4
 #define QMM_THREADS   (QMM_WARPS * WARP_SIZE)
@@ -161,6 +161,9 @@ extern template void qmm_mma_run<GGML_TYPE_Q4_K>(const qmm_args & p, int nt, int
 extern template void qmm_mma_run<GGML_TYPE_Q5_K>(const qmm_args & p, int nt, int rt, cudaStream_t stream);
 extern template void qmm_mma_run<GGML_TYPE_Q6_K>(const qmm_args & p, int nt, int rt, cudaStream_t stream);
 extern template void qmm_mma_run<GGML_TYPE_Q8_0>(const qmm_args & p, int nt, int rt, cudaStream_t stream);
+extern template void qmm_staged_run<GGML_TYPE_Q4_K>(const qmm_args & p, int nt, int rt, int device, cudaStream_t stream);
+extern template void qmm_staged_run<GGML_TYPE_Q5_K>(const qmm_args & p, int nt, int rt, int device, cudaStream_t stream);
+extern template void qmm_staged_run<GGML_TYPE_Q6_K>(const qmm_args & p, int nt, int rt, int device, cudaStream_t stream);
 extern template void qms_run<GGML_TYPE_Q4_K>(const qmm_args & p, int device, cudaStream_t stream);
 extern template void qms_run<GGML_TYPE_Q5_K>(const qmm_args & p, int device, cudaStream_t stream);
 extern template void qms_run<GGML_TYPE_Q6_K>(const qmm_args & p, int device, cudaStream_t stream);
@@ -170,9 +173,10 @@ bool ggml_ext_cuda_qmatmul_streams(int device) {
     return GGML_CUDA_CC_IS_NVIDIA(cc) && ggml_cuda_highest_compiled_arch(cc) >= GGML_CUDA_CC_HOPPER;
 }
 
-// Activations as the kernel reads them (qmatmul_mma.cuh, "Activations"): one warp per column and 32 values
+// Activations as the kernel reads them (qmatmul_mma.cuh, "Activations"; halves: the staged kernel's layout by half
+// unit, qmatmul_staged.cuh): one warp per column and 32 values
 static __global__ void qmm_quantize_x(const float * __restrict__ x, int8_t * __restrict__ yq, float2 * __restrict__ yds,
-                                      int K, int N, int npad, int64_t stride_col_x) {
+                                      int K, int N, int npad, int64_t stride_col_x, bool halves) {
     const int warp = blockIdx.x * (blockDim.x / WARP_SIZE) + threadIdx.x / WARP_SIZE;
     const int lane = threadIdx.x % WARP_SIZE;
     const int blocks_per_col = K / QK8_1;
@@ -195,7 +199,9 @@ static __global__ void qmm_quantize_x(const float * __restrict__ x, int8_t * __r
     for (int offset = WARP_SIZE / 2; offset > 0; offset >>= 1) {
         sum += __shfl_xor_sync(0xffffffff, sum, offset, WARP_SIZE);
     }
-    yq[(size_t) col * K + kb * QK8_1 + lane] = (int8_t) q;
+    const size_t at = halves ? ((size_t) (kb / 4) * npad + col) * (QMM_UNIT / 2) + QK8_1 * ((kb % 4 + col) % 4) + lane
+                             : (size_t) col * K + kb * QK8_1 + lane;
+    yq[at] = (int8_t) q;
     if (lane == 0) {
         const float dh = __half2float(__float2half_rn(d));
         yds[(size_t) kb * npad + col] = make_float2(dh, __fmul_rn(dh, (float) sum));
@@ -218,6 +224,22 @@ static int qmm_auto_row_tiles(ggml_type type, int nt, int M) {
     return 2;
 }
 
+// Row tiles of the staged kernel (qmatmul_staged.cuh) when the kernel chooses, or 0 where it does not take it: on
+// Hopper from 9 columns, for Q6_K (one row tile up to 6144 rows, two above) and Q5_K (two), and for Q4_K at 17-24
+// columns on matrices of more than 6144 rows (two), where the tool/qmm_lab.cu sweep of the 27B shapes found it
+// faster than qmm_mma (docs/benchmarks.md, eleventh session).
+static int qmm_auto_staged(ggml_type type, int nt, int M) {
+    if (nt < 2) {
+        return 0;
+    }
+    switch (type) {
+        case GGML_TYPE_Q6_K: return M <= 6144 ? 1 : 2;
+        case GGML_TYPE_Q5_K: return 2;
+        case GGML_TYPE_Q4_K: return nt == 3 && M > 6144 ? 2 : 0;
+        default:             return 0;
+    }
+}
+
 template <ggml_type type>
 static void qmatmul_mma(ggml_backend_cuda_context & ctx, const ggml_tensor * w, const ggml_tensor * x, ggml_tensor * dst) {
     cudaStream_t stream = ctx.stream();
@@ -226,25 +248,36 @@ static void qmatmul_mma(ggml_backend_cuda_context & ctx, const ggml_tensor * w, 
     const int N    = (int) x->ne[1];
     const int nt   = (N + 7) / 8;
     const int npad = 8 * nt;
+    const int forced = dst->op_params[0];   // row_tiles (ggml_qmatmul): 0 = choose here, < 0 the staged kernel
+    const bool hopper = ggml_ext_cuda_qmatmul_streams(ctx.device);
+    int staged_rt = 0;   // > 0: the staged kernel with these row tiles
+    if constexpr (type != GGML_TYPE_Q8_0) {
+        if (hopper && nt >= 2) {
+            staged_rt = forced < 0 ? -forced : forced == 0 ? qmm_auto_staged(type, nt, M) : 0;
+        }
+    }
     ggml_cuda_pool_alloc<char> buf(ctx.pool(), (size_t) npad * K + (size_t) npad * (K / QK8_1) * sizeof(float2));
     int8_t * yq   = (int8_t *) buf.get();
     float2 * yds  = (float2 *) (buf.get() + (size_t) npad * K);   // npad*K is a multiple of 256: aligned
     const int n_warps = npad * (K / QK8_1);
     ggml_cuda_kernel_launch(qmm_quantize_x, ggml_cuda_kernel_launch_params(dim3((n_warps + 7) / 8), dim3(8 * WARP_SIZE), 0, stream),
-                            (const float *) x->data, yq, yds, K, N, npad, (int64_t) (x->nb[1] / sizeof(float)));
+                            (const float *) x->data, yq, yds, K, N, npad, (int64_t) (x->nb[1] / sizeof(float)),
+                            staged_rt > 0);
 
     const qmm_args p = {(const char *) w->data, yq, yds, (float *) dst->data, (int) (K / ggml_blck_size(w->type)),
                         K, M, N, npad, (int) (dst->nb[1] / sizeof(float))};
-    const int forced = dst->op_params[0];   // row_tiles (ggml_qmatmul): 0 = choose here
     if constexpr (type != GGML_TYPE_Q8_0) {
+        if (staged_rt > 0) {
+            qmm_staged_run<type>(p, nt, staged_rt, ctx.device, stream);
+            return;
+        }
         // one column, the kernel's choice: the streaming matrix-vector kernel of the same bits on Hopper
-        if (N == 1 && forced == 0 && ggml_ext_cuda_qmatmul_streams(ctx.device) &&
-            qms_run_smem<type>(K) <= ggml_cuda_info().devices[ctx.device].smpbo) {
+        if (N == 1 && forced == 0 && hopper && qms_run_smem<type>(K) <= ggml_cuda_info().devices[ctx.device].smpbo) {
             qms_run<type>(p, ctx.device, stream);
             return;
         }
     }
-    const int rt = forced > 0 ? forced : qmm_auto_row_tiles(type, nt, M);
+    const int rt = forced != 0 ? abs(forced) : qmm_auto_row_tiles(type, nt, M);
     qmm_mma_run<type>(p, nt, rt, stream);
 }
 

@@ -96,7 +96,9 @@ static __device__ __forceinline__ int qmm_ld32_a2(const char * p, bool aligned) 
 }
 
 // Where this thread finds its B operands (activation column 8t + g) and its accumulators' scales (columns
-// 8t + 2 t4 and 8t + 2 t4 + 1) for each column tile t.
+// 8t + 2 t4 and 8t + 2 t4 + 1) for each column tile t: here in global memory as qmm_quantize_x wrote them. The units
+// ask for them between half(u, hh) and done() (the values of K unit u's half hh, 128 values): a staged source
+// (qmatmul_staged.cuh) has them in shared memory only then.
 template <int NT> struct qmm_cols {
     const int8_t * col0;      // yq + g * K: column g of tile 0 (one pointer, not NT: registers are short at RT = 4)
     int K;
@@ -106,6 +108,19 @@ template <int NT> struct qmm_cols {
     // activation column 8t + g
     __device__ __forceinline__ const int8_t * col(int t) const {
         return col0 + (size_t) (8 * t) * K;
+    }
+
+    __device__ __forceinline__ void half(int, int) {}
+    __device__ __forceinline__ void done() {}
+
+    // the 8 values 8 t4.. of activation block kb in column 8t + g (Q4_K, Q5_K, Q8_0)
+    __device__ __forceinline__ int2 b8(int t, int kb, int t4) const {
+        return *(const int2 *) (col(t) + kb * QK8_1 + 8 * t4);
+    }
+
+    // the 4 values 16 e + 4 t4.. of activation block kb in column 8t + g (Q6_K)
+    __device__ __forceinline__ int b4(int t, int kb, int e, int t4) const {
+        return *(const int *) (col(t) + kb * QK8_1 + 16 * e + 4 * t4);
     }
 
     // (d, s) of both accumulator columns of tile t at activation block kb
@@ -126,13 +141,13 @@ static __device__ __forceinline__ void qmm_accumulate(float (&acc)[4], const int
 
 // One 32-value activation block kb against the A fragments a[r] of every row tile, for every column tile.
 // dm: Q4_K/Q5_K's minimum (weight dmin * m per row), applied after the scaled sum of each group.
-template <int NT, int RT, bool MIN>
+template <int NT, int RT, bool MIN, class X>
 static __device__ __forceinline__ void qmm_block_k32(const int (&a)[RT][4], const float (&dsc)[RT][2],
-                                                     const float (&dm)[RT][2], const qmm_cols<NT> & x, int kb, int t4,
+                                                     const float (&dm)[RT][2], const X & x, int kb, int t4,
                                                      float (&acc)[RT][NT][4]) {
 #pragma unroll
     for (int t = 0; t < NT; ++t) {
-        const int2 b = *(const int2 *) (x.col(t) + kb * QK8_1 + 8 * t4);
+        const int2 b = x.b8(t, kb, t4);
         const float4 ds = x.scales(kb, t);
 #pragma unroll
         for (int r = 0; r < RT; ++r) {
@@ -182,9 +197,9 @@ static __device__ __forceinline__ void qmm_k4_scale_min(const qmm_k4_scales & k,
 template <ggml_type type, int NT, int RT> struct qmm_unit;
 
 // Q4_K and Q5_K (HIGH: Q5_K's fifth bit, from qh)
-template <bool HIGH, int NT, int RT>
-static __device__ __forceinline__ void qmm_unit_k45(const char * const (&rows)[RT][2], int u, const qmm_cols<NT> & x,
-                                                    int t4, float (&acc)[RT][NT][4]) {
+template <bool HIGH, int NT, int RT, class X>
+static __device__ __forceinline__ void qmm_unit_k45(const char * const (&rows)[RT][2], int u, X & x, int t4,
+                                                    float (&acc)[RT][NT][4]) {
     constexpr int bs     = HIGH ? sizeof(block_q5_K) : sizeof(block_q4_K);
     constexpr int qs_off = HIGH ? 48 : 16;   // block_q5_K: dm, scales[12], qh[32], qs[128]; block_q4_K: no qh
     static_assert(sizeof(block_q5_K) == 176 && sizeof(block_q4_K) == 144, "unexpected K-quant block layout");
@@ -201,6 +216,9 @@ static __device__ __forceinline__ void qmm_unit_k45(const char * const (&rows)[R
     }
 #pragma unroll
     for (int s = 0; s < 8; ++s) {
+        if (s % 4 == 0) {
+            x.half(u, s / 4);
+        }
         if (s % 2 == 0) {   // the quants of sub-blocks s and s + 1 (low and high nibbles), loaded only now: at RT = 4
 #pragma unroll              // a whole super-block's would not fit in the registers next to the accumulators
             for (int r = 0; r < RT; ++r) {
@@ -228,29 +246,35 @@ static __device__ __forceinline__ void qmm_unit_k45(const char * const (&rows)[R
             }
         }
         qmm_block_k32<NT, RT, true>(a, dsc, dm, x, u * (QMM_UNIT / QK8_1) + s, t4, acc);
+        if (s % 4 == 3) {
+            x.done();
+        }
     }
 }
 
 template <int NT, int RT> struct qmm_unit<GGML_TYPE_Q4_K, NT, RT> {
     static constexpr int bytes = sizeof(block_q4_K);
-    static __device__ __forceinline__ void run(const char * const (&rows)[RT][2], int u, int, const qmm_cols<NT> & x,
-                                               int t4, float (&acc)[RT][NT][4]) {
-        qmm_unit_k45<false>(rows, u, x, t4, acc);
+    template <class X>
+    static __device__ __forceinline__ void run(const char * const (&rows)[RT][2], int u, int, X & x, int t4,
+                                               float (&acc)[RT][NT][4]) {
+        qmm_unit_k45<false, NT, RT>(rows, u, x, t4, acc);
     }
 };
 
 template <int NT, int RT> struct qmm_unit<GGML_TYPE_Q5_K, NT, RT> {
     static constexpr int bytes = sizeof(block_q5_K);
-    static __device__ __forceinline__ void run(const char * const (&rows)[RT][2], int u, int, const qmm_cols<NT> & x,
-                                               int t4, float (&acc)[RT][NT][4]) {
-        qmm_unit_k45<true>(rows, u, x, t4, acc);
+    template <class X>
+    static __device__ __forceinline__ void run(const char * const (&rows)[RT][2], int u, int, X & x, int t4,
+                                               float (&acc)[RT][NT][4]) {
+        qmm_unit_k45<true, NT, RT>(rows, u, x, t4, acc);
     }
 };
 
 template <int NT, int RT> struct qmm_unit<GGML_TYPE_Q6_K, NT, RT> {
     static constexpr int bytes = sizeof(block_q6_K);
-    static __device__ __forceinline__ void run(const char * const (&rows)[RT][2], int u, int, const qmm_cols<NT> & x,
-                                               int t4, float (&acc)[RT][NT][4]) {
+    template <class X>
+    static __device__ __forceinline__ void run(const char * const (&rows)[RT][2], int u, int, X & x, int t4,
+                                               float (&acc)[RT][NT][4]) {
         static_assert(sizeof(block_q6_K) == 210, "unexpected Q6_K block layout");   // ql[128], qh[64], scales[16], d
         // per row and half hh of the super-block (values 128hh..128hh+127), loaded only when the half starts (at
         // RT = 4 a whole super-block's would not fit in the registers next to the accumulators): ql words [j%2][e]
@@ -273,6 +297,7 @@ template <int NT, int RT> struct qmm_unit<GGML_TYPE_Q6_K, NT, RT> {
         for (int G = 0; G < 16; ++G) {
             const int hh = G / 8, j = (G / 2) % 4, e = G % 2;
             if (G % 8 == 0) {
+                x.half(u, hh);
 #pragma unroll
                 for (int r = 0; r < RT; ++r) {
 #pragma unroll
@@ -303,7 +328,7 @@ template <int NT, int RT> struct qmm_unit<GGML_TYPE_Q6_K, NT, RT> {
             const int kb = u * (QMM_UNIT / QK8_1) + G / 2;
 #pragma unroll
             for (int t = 0; t < NT; ++t) {
-                const int b = *(const int *) (x.col(t) + u * QMM_UNIT + 16 * G + 4 * t4);
+                const int b = x.b4(t, kb, e, t4);
                 const float4 ds = x.scales(kb, t);
 #pragma unroll
                 for (int r = 0; r < RT; ++r) {
@@ -312,6 +337,9 @@ template <int NT, int RT> struct qmm_unit<GGML_TYPE_Q6_K, NT, RT> {
                     qmm_accumulate(acc[r][t], c, dsc[r], ds);
                 }
             }
+            if (G % 8 == 7) {
+                x.done();
+            }
         }
     }
 };
@@ -319,31 +347,40 @@ template <int NT, int RT> struct qmm_unit<GGML_TYPE_Q6_K, NT, RT> {
 // Q8_0: a unit is 8 blocks of 34 bytes (f16 d, 32 int8); nb: blocks per row, so the last unit may be shorter
 template <int NT, int RT> struct qmm_unit<GGML_TYPE_Q8_0, NT, RT> {
     static constexpr int bytes = (QMM_UNIT / QK8_0) * sizeof(block_q8_0);
-    static __device__ __forceinline__ void run(const char * const (&rows)[RT][2], int u, int nb,
-                                               const qmm_cols<NT> & x, int t4, float (&acc)[RT][NT][4]) {
+    template <class X>
+    static __device__ __forceinline__ void run(const char * const (&rows)[RT][2], int u, int nb, X & x, int t4,
+                                               float (&acc)[RT][NT][4]) {
         static_assert(sizeof(block_q8_0) == 34, "unexpected Q8_0 block layout");
         const float no_min[RT][2] = {};
 #pragma unroll
-        for (int i = 0; i < QMM_UNIT / QK8_0; ++i) {
-            const int kb = u * (QMM_UNIT / QK8_0) + i;
-            if (kb >= nb) {
+        for (int hh = 0; hh < 2; ++hh) {
+            if (u * (QMM_UNIT / QK8_0) + 4 * hh >= nb) {
                 break;
             }
-            float dsc[RT][2];
-            int a[RT][4];
+            x.half(u, hh);
 #pragma unroll
-            for (int r = 0; r < RT; ++r) {
-#pragma unroll
-                for (int h = 0; h < 2; ++h) {
-                    const char * b = rows[r][h] + (size_t) kb * sizeof(block_q8_0);
-                    const char * q = b + 2 + 8 * t4;
-                    const bool al = ((uintptr_t) q & 3) == 0;
-                    dsc[r][h]   = __half2float(*(const half *) b);
-                    a[r][h]     = qmm_ld32_a2(q, al);
-                    a[r][h + 2] = qmm_ld32_a2(q + 4, al);
+            for (int i = 4 * hh; i < 4 * hh + 4; ++i) {
+                const int kb = u * (QMM_UNIT / QK8_0) + i;
+                if (kb >= nb) {
+                    break;
                 }
+                float dsc[RT][2];
+                int a[RT][4];
+#pragma unroll
+                for (int r = 0; r < RT; ++r) {
+#pragma unroll
+                    for (int h = 0; h < 2; ++h) {
+                        const char * b = rows[r][h] + (size_t) kb * sizeof(block_q8_0);
+                        const char * q = b + 2 + 8 * t4;
+                        const bool al = ((uintptr_t) q & 3) == 0;
+                        dsc[r][h]   = __half2float(*(const half *) b);
+                        a[r][h]     = qmm_ld32_a2(q, al);
+                        a[r][h + 2] = qmm_ld32_a2(q + 4, al);
+                    }
+                }
+                qmm_block_k32<NT, RT, false>(a, dsc, no_min, x, kb, t4, acc);
             }
-            qmm_block_k32<NT, RT, false>(a, dsc, no_min, x, kb, t4, acc);
+            x.done();
         }
     }
 };

@@ -174,8 +174,9 @@ GGML_API struct ggml_tensor * ggml_gated_delta_net_tree_persist(
 GGML_API bool ggml_qmatmul_supported(enum ggml_type type);
 
 // row_tiles (CUDA only; the CPU kernel ignores it): how many 16-row tiles of w each warp multiplies with every
-// activation fragment it loads: 0 lets the kernel choose from M, N and the GPU; 1, 2 or 4 forces it (a knob for
-// benchmarks: the result's bits do not depend on it).
+// activation fragment it loads: 0 lets the kernel choose from M, N and the GPU; 1, 2 or 4 forces it; -1 or -2
+// forces it with the activations staged in shared memory (Hopper, Q4_K/Q5_K/Q6_K, N > 8; elsewhere as 1 or 2). A
+// knob for benchmarks: the result's bits do not depend on it.
 GGML_API struct ggml_tensor * ggml_qmatmul(
         struct ggml_context * ctx,
         struct ggml_tensor  * w,

@@ -174,7 +174,7 @@ struct ggml_tensor * ggml_qmatmul(
     GGML_ASSERT(x->type == GGML_TYPE_F32 && ggml_is_matrix(x) && x->nb[0] == sizeof(float));
     GGML_ASSERT(x->ne[0] == w->ne[0]);
     GGML_ASSERT(x->ne[1] >= 1 && x->ne[1] <= GGML_EXT_QMATMUL_MAX_COLS);
-    GGML_ASSERT(row_tiles == 0 || row_tiles == 1 || row_tiles == 2 || row_tiles == 4);
+    GGML_ASSERT(row_tiles == 0 || row_tiles == 1 || row_tiles == 2 || row_tiles == 4 || row_tiles == -1 || row_tiles == -2);
 
     struct ggml_tensor * result = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, w->ne[1], x->ne[1]);
     result->op     = GGML_OP_QMATMUL;

@@ -144,8 +144,8 @@ def gated_delta_net_tree_persist(ctx: Context, q: Tensor, k: Tensor, v: Tensor, 
 # Weight types ggml_qmatmul takes, and its column limit (ggml-ext.h: GGML_EXT_QMATMUL_MAX_COLS).
 QMATMUL_TYPES = (Type.Q4_K, Type.Q5_K, Type.Q6_K, Type.Q8_0)
 QMATMUL_MAX_COLS = 48
-# Values of qmatmul's row_tiles (ggml-ext.h): 0 = the kernel chooses.
-QMATMUL_ROW_TILES = (0, 1, 2, 4)
+# Values of qmatmul's row_tiles (ggml-ext.h): 0 = the kernel chooses; negative: activations staged in shared memory.
+QMATMUL_ROW_TILES = (0, 1, 2, 4, -1, -2)
 # Weight types of qmatmul's streaming one-column kernel (ggml_ext/cuda/qmatmul_stream.cuh).
 QMATMUL_STREAM_TYPES = (Type.Q4_K, Type.Q5_K, Type.Q6_K)
 _streams: dict[int, bool] = {}
@@ -170,7 +170,8 @@ def qmatmul(ctx: Context, w: Tensor, x: Tensor, row_tiles: int = 0) -> Tensor:
     is bit-identical whatever N is (ggml-ext.h says how); the CPU kernel is a float reference.
 
     row_tiles: on CUDA, how many 16-row tiles of w each warp multiplies with each activation fragment it loads
-    (0: the kernel chooses; 1, 2, 4 force it, for benchmarks). It changes the speed, never the result."""
+    (0: the kernel chooses; 1, 2, 4 force it, for benchmarks; -1, -2 force it with the activations staged in
+    shared memory: Hopper, K-quants, N > 8). It changes the speed, never the result."""
     if row_tiles not in QMATMUL_ROW_TILES:
         raise ValueError(f"qmatmul row_tiles must be one of {QMATMUL_ROW_TILES}, got {row_tiles}")
     if w.type not in QMATMUL_TYPES:

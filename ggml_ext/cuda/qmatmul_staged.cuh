@@ -1,0 +1,237 @@
+// ggml_qmatmul's tensor-core kernel with its activations staged in shared memory by the TMA (Hopper; Q4_K, Q5_K,
+// Q6_K): the bits of qmm_mma (qmatmul_mma.cuh), which it runs unit for unit; only where the activations come from
+// differs.
+//
+// Why: qmm_mma at 16-48 columns waits on its activation loads (each warp reads 8 NT columns x 8 bytes per 32-value
+// block straight from L2; every CUDA block reads all of K for all columns): with them served from shared memory it
+// ran 25-40% faster (docs/benchmarks.md, tenth session). Here each warp keeps a ring of QMM_STAGES shared-memory
+// slots, each the activations of one half unit (128 values of K for all 8 NT columns, and their scales), filled by
+// two bulk copies (cp.async.bulk) QMM_STAGES halves ahead of the one computed and counted on one mbarrier per slot.
+// For the two copies the activations are laid out by half unit (qmm_quantize_x with `halves`); one copy per column
+// was slower than no staging at all (the TMA's issue rate), and so were clusters sharing each half by multicast
+// (docs/benchmarks.md, eleventh session).
+
+#pragma once
+
+#include "qmatmul_stream.cuh"
+
+#define QMM_STAGES 2   // slots per warp
+
+// In a half unit of the staged layout and in a slot, 32-value block kbl (0..3) of column c sits at 32 *
+// qmm_swz(kbl, c) in the column's 128 bytes: the 8 columns a warp reads at once then hit 4 bank groups, not one.
+static __device__ __forceinline__ int qmm_swz(int kbl, int c) {
+    return (kbl + c) % 4;
+}
+
+// A slot: the 8 NT activation columns of a half unit (128 bytes each), then its 4 blocks' scales [4][8 NT] float2.
+template <int NT> struct qmm_slot {
+    static constexpr int scales = 8 * NT * (QMM_UNIT / 2);
+    static constexpr int bytes  = scales + 4 * 8 * NT * (int) sizeof(float2);
+};
+
+// The activations of one warp's units, from its ring of slots (qmm_cols' interface); `j` counts the halves
+// consumed. The staged layout: yqh [K / 128][npad][128] (blocks swizzled), yds as qmm_mma's ([K / 32][npad]),
+// npad = 8 NT, so that a half's columns and its scales are one contiguous run each.
+template <int NT> struct qmm_cols_staged {
+    char * ring;              // this warp's QMM_STAGES slots
+    uint64_t * full;          // an mbarrier per slot: the slot's bytes have landed
+    const int8_t * yqh;
+    const float2 * yds;
+    int n_units, warp, lane, g, t4;
+    int j;
+
+    // ask for this warp's jj-th half unit (warp + 8 (jj / 2), half jj % 2) into its slot
+    __device__ __forceinline__ void issue(int jj) {
+        const int u = warp + QMM_MMA_WARPS * (jj / 2);
+        if (u >= n_units || lane >= 2) {
+            return;
+        }
+        const int hb = 2 * u + jj % 2;   // half-unit index in K
+        const int s  = jj % QMM_STAGES;
+        char * slot  = ring + s * qmm_slot<NT>::bytes;
+        if (lane == 0) {
+            qms_bar_expect(&full[s], qmm_slot<NT>::bytes);
+            qms_bulk_copy(slot, yqh + (size_t) hb * qmm_slot<NT>::scales, qmm_slot<NT>::scales, &full[s]);
+        } else {
+            __syncwarp(0x3);   // lane 0's byte count is in before this copy can complete
+            qms_bulk_copy(slot + qmm_slot<NT>::scales, yds + (size_t) hb * 4 * 8 * NT,
+                          qmm_slot<NT>::bytes - qmm_slot<NT>::scales, &full[s]);
+            return;
+        }
+        __syncwarp(0x3);
+    }
+
+    __device__ __forceinline__ const char * slot() const {
+        return ring + (j % QMM_STAGES) * qmm_slot<NT>::bytes;
+    }
+
+    __device__ __forceinline__ void half(int, int) {
+        qms_bar_wait(&full[j % QMM_STAGES], (j / QMM_STAGES) & 1);
+    }
+
+    // done with half j: refill its slot with half j + QMM_STAGES
+    __device__ __forceinline__ void done() {
+        __syncwarp();
+        issue(j + QMM_STAGES);
+        ++j;
+    }
+
+    __device__ __forceinline__ int2 b8(int t, int kb, int t4_) const {
+        return *(const int2 *) (slot() + (8 * t + g) * (QMM_UNIT / 2) + qmm_swz(kb % 4, g) * QK8_1 + 8 * t4_);
+    }
+
+    __device__ __forceinline__ int b4(int t, int kb, int e, int t4_) const {
+        return *(const int *) (slot() + (8 * t + g) * (QMM_UNIT / 2) + qmm_swz(kb % 4, g) * QK8_1 + 16 * e + 4 * t4_);
+    }
+
+    __device__ __forceinline__ float4 scales(int kb, int t) const {
+        return *(const float4 *) (slot() + qmm_slot<NT>::scales + ((kb % 4) * 8 * NT + 8 * t + 2 * t4) * sizeof(float2));
+    }
+};
+
+template <int NT> constexpr size_t qmm_staged_smem() {
+    return QMM_MMA_WARPS * QMM_STAGES * (sizeof(uint64_t) + (size_t) qmm_slot<NT>::bytes);
+}
+
+// As qmm_mma (one CUDA block: 16 RT rows, all N columns, QMM_MMA_WARPS warps splitting K), the activations from the
+// warp's ring of slots. K: a multiple of 256 (the K-quants' super-blocks).
+template <ggml_type type, int NT, int RT>
+static __global__ void __launch_bounds__(QMM_MMA_WARPS * WARP_SIZE, qmm_min_blocks<NT, RT>())
+qmm_mma_staged(const char * __restrict__ W, const int8_t * __restrict__ yqh, const float2 * __restrict__ yds,
+               float * __restrict__ dst, int nb, int K, int M, int N, int stride_col_dst) {
+    extern __shared__ __align__(128) char qmm_smem[];
+    uint64_t * full = (uint64_t *) qmm_smem;                        // [warp][QMM_STAGES]
+    char * rings    = (char *) (full + QMM_MMA_WARPS * QMM_STAGES); // [warp][QMM_STAGES] slots
+
+    const int lane = threadIdx.x;
+    const int warp = threadIdx.y;
+    const int g    = lane / 4;
+    const int t4   = lane % 4;
+    const int r0   = blockIdx.x * (QMM_MMA_ROWS * RT);
+    const int64_t row_bytes = (int64_t) nb * ggml_cuda_type_traits<type>::bs;
+    const int n_units = K / QMM_UNIT;
+    constexpr int unit_bytes = qmm_unit<type, NT, RT>::bytes;
+
+    if (lane < QMM_STAGES) {
+        qms_bar_init(&full[warp * QMM_STAGES + lane]);
+    }
+
+    const char * rows[RT][2];
+#pragma unroll
+    for (int r = 0; r < RT; ++r) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            rows[r][h] = W + (size_t) min(r0 + QMM_MMA_ROWS * r + 8 * h + g, M - 1) * row_bytes;
+        }
+    }
+    auto prefetch_unit = [&](int v) {
+        const int64_t off = (int64_t) v * unit_bytes;
+#pragma unroll
+        for (int r = 0; r < RT; ++r) {
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                qmm_prefetch_l2(rows[r][h] + off + t4 * (unit_bytes - 1) / 3);
+            }
+        }
+    };
+    if (warp < n_units) {
+        prefetch_unit(warp);   // the weights do not depend on the previous kernel: start before waiting for it
+    }
+
+    qmm_cols_staged<NT> x;
+    x.ring    = rings + (size_t) warp * QMM_STAGES * qmm_slot<NT>::bytes;
+    x.full    = full + warp * QMM_STAGES;
+    x.yqh     = yqh;
+    x.yds     = yds;
+    x.n_units = n_units;
+    x.warp    = warp;
+    x.lane    = lane;
+    x.g       = g;
+    x.t4      = t4;
+    x.j       = 0;
+
+    __syncwarp();   // the warp's barriers are initialised (only its own lanes use them)
+    ggml_cuda_pdl_sync();
+#pragma unroll
+    for (int jj = 0; jj < QMM_STAGES; ++jj) {
+        x.issue(jj);
+    }
+
+    float acc[RT][NT][4] = {};
+    for (int u = warp; u < n_units; u += QMM_MMA_WARPS) {
+        if (u + QMM_MMA_WARPS < n_units) {
+            prefetch_unit(u + QMM_MMA_WARPS);
+        }
+        qmm_unit<type, NT, RT>::run(rows, u, nb, x, t4, acc);
+    }
+
+    // as qmm_mma, the partial sums in the slots' place (every copy into them has landed: all were consumed)
+    __syncthreads();
+    float (*partial)[NT * 4][WARP_SIZE] = (float (*)[NT * 4][WARP_SIZE]) rings;
+    static_assert(QMM_MMA_WARPS * NT * 4 * WARP_SIZE * sizeof(float) <= QMM_MMA_WARPS * QMM_STAGES * qmm_slot<NT>::bytes,
+                  "the partial sums must fit in the slots");
+#pragma unroll
+    for (int r = 0; r < RT; ++r) {
+        if (r > 0) {
+            __syncthreads();
+        }
+#pragma unroll
+        for (int t = 0; t < NT; ++t) {
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                partial[warp][t * 4 + i][lane] = acc[r][t][i];
+            }
+        }
+        __syncthreads();
+        for (int e = warp; e < NT * 4; e += QMM_MMA_WARPS) {
+            float sum = partial[0][e][lane];
+#pragma unroll
+            for (int w = 1; w < QMM_MMA_WARPS; ++w) {
+                sum = __fadd_rn(sum, partial[w][e][lane]);
+            }
+            const int row = r0 + QMM_MMA_ROWS * r + 8 * ((e % 4) / 2) + g;
+            const int col = 8 * (e / 4) + 2 * t4 + e % 2;
+            if (row < M && col < N) {
+                dst[(size_t) col * stride_col_dst + row] = sum;
+            }
+        }
+    }
+}
+
+template <ggml_type type, int NT, int RT>
+static void qmm_staged_launch(const qmm_args & p, int device, cudaStream_t stream) {
+    constexpr auto kernel = qmm_mma_staged<type, NT, RT>;
+    constexpr size_t smem = qmm_staged_smem<NT>();
+    static bool smem_allowed[GGML_CUDA_MAX_DEVICES] = {};
+    if (!smem_allowed[device]) {
+        CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int) smem));
+        smem_allowed[device] = true;
+    }
+    const dim3 grid((p.M + QMM_MMA_ROWS * RT - 1) / (QMM_MMA_ROWS * RT));
+    ggml_cuda_kernel_launch(kernel, ggml_cuda_kernel_launch_params(grid, dim3(WARP_SIZE, QMM_MMA_WARPS), smem, stream),
+                            p.W, p.yq, p.yds, p.dst, p.nb, p.K, p.M, p.N, p.stride_col_dst);
+}
+
+template <ggml_type type, int NT>
+static void qmm_staged_tiles(const qmm_args & p, int rt, int device, cudaStream_t stream) {
+    switch (rt) {
+        case 1: qmm_staged_launch<type, NT, 1>(p, device, stream); break;
+        case 2: qmm_staged_launch<type, NT, 2>(p, device, stream); break;
+        default: GGML_ABORT("ggml_qmatmul: staged row_tiles %d", rt);
+    }
+}
+
+// W * X with the activations in the staged layout (p.yq: yqh, p.npad = 8 nt), nt >= 2 column tiles, rt 1 or 2
+// row tiles. Instantiated by qmatmul_mma_<type>.cu.
+template <ggml_type type>
+void qmm_staged_run(const qmm_args & p, int nt, int rt, int device, cudaStream_t stream) {
+    GGML_ASSERT(p.K % QMM_UNIT == 0 && p.npad == 8 * nt);
+    switch (nt) {
+        case 2: qmm_staged_tiles<type, 2>(p, rt, device, stream); break;
+        case 3: qmm_staged_tiles<type, 3>(p, rt, device, stream); break;
+        case 4: qmm_staged_tiles<type, 4>(p, rt, device, stream); break;
+        case 5: qmm_staged_tiles<type, 5>(p, rt, device, stream); break;
+        case 6: qmm_staged_tiles<type, 6>(p, rt, device, stream); break;
+        default: GGML_ABORT("ggml_qmatmul: staged with %d column tiles", nt);
+    }
+}
