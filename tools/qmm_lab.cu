@@ -9,7 +9,8 @@
 //   /tmp/qmm_lab [shape ...]        (shapes: the names in SHAPES below; default all)
 //
 // QMM_LAB_COLS=1,8,23,48 times the tensor-core kernel instead, at those column counts and each row-tile count,
-// checking that a column's result does not depend on how many columns come with it; built with
+// checking that a column's result does not depend on how many columns come with it (and from 9 columns, at 1 and 2
+// row tiles, the staged kernel of qmatmul_staged.cuh beside it, checked against its bits); built with
 // -DQMM_LAB_BASELINE='"old.cuh"' (an earlier qmatmul_mma.cuh with qmm_ renamed qmmold_ and mma_s8_ mmaold_s8_) it
 // also runs that kernel beside it and checks the two agree to the bit.
 //
