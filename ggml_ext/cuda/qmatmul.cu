@@ -226,7 +226,7 @@ static int qmm_auto_row_tiles(ggml_type type, int nt, int M) {
 
 // Row tiles of the staged kernel (qmatmul_staged.cuh) when the kernel chooses, or 0 where it does not take it: on
 // Hopper from 9 columns, for Q6_K (one row tile up to 6144 rows, two above) and Q5_K (two), and for Q4_K at 17-24
-// columns on matrices of more than 6144 rows (two), where the tool/qmm_lab.cu sweep of the 27B shapes found it
+// columns on matrices of more than 6144 rows (two), where the tools/qmm_lab.cu sweep of the 27B shapes found it
 // faster than qmm_mma (docs/benchmarks.md, eleventh session).
 static int qmm_auto_staged(ggml_type type, int nt, int M) {
     if (nt < 2) {
