@@ -399,38 +399,27 @@ template <int NT, int RT> constexpr int qmm_min_blocks() {
     return RT == 2 && NT <= 3 ? 2 : 0;
 }
 
-// One CUDA block: 16 * RT rows starting at 16 * RT * blockIdx.x, all N columns (NT tiles of 8), QMM_MMA_WARPS warps
-// splitting K. nb: quant blocks per row.
-template <ggml_type type, int NT, int RT>
-static __global__ void __launch_bounds__(QMM_MMA_WARPS * WARP_SIZE, qmm_min_blocks<NT, RT>())
-qmm_mma(const char * __restrict__ W, const int8_t * __restrict__ yq, const float2 * __restrict__ yds,
-        float * __restrict__ dst, int nb, int K, int M, int N, int npad, int stride_col_dst) {
-    const int lane = threadIdx.x;
-    const int warp = threadIdx.y;
-    const int g    = lane / 4;
-    const int t4   = lane % 4;
-    const int r0   = blockIdx.x * (QMM_MMA_ROWS * RT);
-    const int64_t row_bytes = (int64_t) nb * ggml_cuda_type_traits<type>::bs;
-    const int n_units = (K + QMM_UNIT - 1) / QMM_UNIT;
-    constexpr int unit_bytes = qmm_unit<type, NT, RT>::bytes;
+// The weight rows of a thread (rows[r][h]: row 16r + 8h + g of the block's tiles, clamped for loads)
+template <ggml_type type, int NT, int RT> struct qmm_rows {
+    const char * rows[RT][2];
+    int64_t row_bytes;
 
-    const char * rows[RT][2];   // rows 16r + g and 16r + 8 + g of the block (clamped for loads)
+    __device__ __forceinline__ qmm_rows(const char * W, int r0, int M, int64_t row_bytes_) : row_bytes(row_bytes_) {
+        const int g = threadIdx.x / 4;
 #pragma unroll
-    for (int r = 0; r < RT; ++r) {
+        for (int r = 0; r < RT; ++r) {
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            rows[r][h] = W + (size_t) min(r0 + QMM_MMA_ROWS * r + 8 * h + g, M - 1) * row_bytes;
+            for (int h = 0; h < 2; ++h) {
+                rows[r][h] = W + (size_t) min(r0 + QMM_MMA_ROWS * r + 8 * h + g, M - 1) * row_bytes;
+            }
         }
     }
-    qmm_cols<NT> x;
-    x.col0 = yq + (size_t) g * K;
-    x.K    = K;
-    x.ds   = yds + 2 * t4;
-    x.npad = npad;
 
     // ask L2 for unit v of this thread's rows: the 4 lanes of a quad touch 4 points of a row's unit less than 128
     // bytes apart, so every cache line of it
-    auto prefetch_unit = [&](int v) {
+    __device__ __forceinline__ void prefetch(int v) const {
+        constexpr int unit_bytes = qmm_unit<type, NT, RT>::bytes;
+        const int t4 = threadIdx.x % 4;
         const int64_t off  = (int64_t) v * unit_bytes;
         const int64_t span = min((int64_t) unit_bytes, row_bytes - off);
 #pragma unroll
@@ -440,24 +429,33 @@ qmm_mma(const char * __restrict__ W, const int8_t * __restrict__ yq, const float
                 qmm_prefetch_l2(rows[r][h] + off + t4 * (span - 1) / 3);
             }
         }
-    };
-    if (warp < n_units) {
-        prefetch_unit(warp);   // the weights do not depend on the previous kernel: start before waiting for it
     }
+};
 
-    ggml_cuda_pdl_sync();
-
-    float acc[RT][NT][4] = {};
+// A warp's units w, w + QMM_MMA_WARPS, ... into acc, each next one asked of DRAM while this one computes
+template <ggml_type type, int NT, int RT, class X>
+static __device__ __forceinline__ void qmm_units(const qmm_rows<type, NT, RT> & w, X & x, int nb, int n_units,
+                                                 float (&acc)[RT][NT][4]) {
+    const int warp = threadIdx.y;
+    const int t4   = threadIdx.x % 4;
     for (int u = warp; u < n_units; u += QMM_MMA_WARPS) {
         if (u + QMM_MMA_WARPS < n_units) {
-            prefetch_unit(u + QMM_MMA_WARPS);   // the next unit comes from DRAM while this one computes
+            w.prefetch(u + QMM_MMA_WARPS);
         }
-        qmm_unit<type, NT, RT>::run(rows, u, nb, x, t4, acc);
+        qmm_unit<type, NT, RT>::run(w.rows, u, nb, x, t4, acc);
     }
+}
 
-    // combine the warps' partial sums in warp order, one row tile at a time (shared memory for one tile); the
-    // NT * 4 sums of a lane are shared out over the warps
-    __shared__ float partial[QMM_MMA_WARPS][NT * 4][WARP_SIZE];
+// Combine the warps' partial sums in warp order, one row tile at a time (partial: shared memory for one tile), and
+// store the block's outputs; the NT * 4 sums of a lane are shared out over the warps.
+template <int NT, int RT>
+static __device__ __forceinline__ void qmm_store_sums(const float (&acc)[RT][NT][4],
+                                                      float (*partial)[NT * 4][WARP_SIZE], int r0, int M, int N,
+                                                      float * __restrict__ dst, int stride_col_dst) {
+    const int lane = threadIdx.x;
+    const int warp = threadIdx.y;
+    const int g    = lane / 4;
+    const int t4   = lane % 4;
 #pragma unroll
     for (int r = 0; r < RT; ++r) {
         if (r > 0) {
@@ -484,6 +482,39 @@ qmm_mma(const char * __restrict__ W, const int8_t * __restrict__ yq, const float
             }
         }
     }
+}
+
+// One CUDA block: 16 * RT rows starting at 16 * RT * blockIdx.x, all N columns (NT tiles of 8), QMM_MMA_WARPS warps
+// splitting K. nb: quant blocks per row.
+template <ggml_type type, int NT, int RT>
+static __global__ void __launch_bounds__(QMM_MMA_WARPS * WARP_SIZE, qmm_min_blocks<NT, RT>())
+qmm_mma(const char * __restrict__ W, const int8_t * __restrict__ yq, const float2 * __restrict__ yds,
+        float * __restrict__ dst, int nb, int K, int M, int N, int npad, int stride_col_dst) {
+    const int lane = threadIdx.x;
+    const int warp = threadIdx.y;
+    const int g    = lane / 4;
+    const int t4   = lane % 4;
+    const int r0   = blockIdx.x * (QMM_MMA_ROWS * RT);
+    const int64_t row_bytes = (int64_t) nb * ggml_cuda_type_traits<type>::bs;
+    const int n_units = (K + QMM_UNIT - 1) / QMM_UNIT;
+
+    qmm_rows<type, NT, RT> w(W, r0, M, row_bytes);
+    qmm_cols<NT> x;
+    x.col0 = yq + (size_t) g * K;
+    x.K    = K;
+    x.ds   = yds + 2 * t4;
+    x.npad = npad;
+    if (warp < n_units) {
+        w.prefetch(warp);   // the weights do not depend on the previous kernel: start before waiting for it
+    }
+
+    ggml_cuda_pdl_sync();
+
+    float acc[RT][NT][4] = {};
+    qmm_units<type, NT, RT>(w, x, nb, n_units, acc);
+
+    __shared__ float partial[QMM_MMA_WARPS][NT * 4][WARP_SIZE];
+    qmm_store_sums<NT, RT>(acc, partial, r0, M, N, dst, stride_col_dst);
 }
 
 struct qmm_args {

@@ -110,32 +110,14 @@ qmm_mma_staged(const char * __restrict__ W, const int8_t * __restrict__ yqh, con
     const int r0   = blockIdx.x * (QMM_MMA_ROWS * RT);
     const int64_t row_bytes = (int64_t) nb * ggml_cuda_type_traits<type>::bs;
     const int n_units = K / QMM_UNIT;
-    constexpr int unit_bytes = qmm_unit<type, NT, RT>::bytes;
 
     if (lane < QMM_STAGES) {
         qms_bar_init(&full[warp * QMM_STAGES + lane]);
     }
 
-    const char * rows[RT][2];
-#pragma unroll
-    for (int r = 0; r < RT; ++r) {
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            rows[r][h] = W + (size_t) min(r0 + QMM_MMA_ROWS * r + 8 * h + g, M - 1) * row_bytes;
-        }
-    }
-    auto prefetch_unit = [&](int v) {
-        const int64_t off = (int64_t) v * unit_bytes;
-#pragma unroll
-        for (int r = 0; r < RT; ++r) {
-#pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                qmm_prefetch_l2(rows[r][h] + off + t4 * (unit_bytes - 1) / 3);
-            }
-        }
-    };
+    qmm_rows<type, NT, RT> w(W, r0, M, row_bytes);
     if (warp < n_units) {
-        prefetch_unit(warp);   // the weights do not depend on the previous kernel: start before waiting for it
+        w.prefetch(warp);   // the weights do not depend on the previous kernel: start before waiting for it
     }
 
     qmm_cols_staged<NT> x;
@@ -158,44 +140,13 @@ qmm_mma_staged(const char * __restrict__ W, const int8_t * __restrict__ yqh, con
     }
 
     float acc[RT][NT][4] = {};
-    for (int u = warp; u < n_units; u += QMM_MMA_WARPS) {
-        if (u + QMM_MMA_WARPS < n_units) {
-            prefetch_unit(u + QMM_MMA_WARPS);
-        }
-        qmm_unit<type, NT, RT>::run(rows, u, nb, x, t4, acc);
-    }
+    qmm_units<type, NT, RT>(w, x, nb, n_units, acc);
 
     // as qmm_mma, the partial sums in the slots' place (every copy into them has landed: all were consumed)
     __syncthreads();
-    float (*partial)[NT * 4][WARP_SIZE] = (float (*)[NT * 4][WARP_SIZE]) rings;
     static_assert(QMM_MMA_WARPS * NT * 4 * WARP_SIZE * sizeof(float) <= QMM_MMA_WARPS * QMM_STAGES * qmm_slot<NT>::bytes,
                   "the partial sums must fit in the slots");
-#pragma unroll
-    for (int r = 0; r < RT; ++r) {
-        if (r > 0) {
-            __syncthreads();
-        }
-#pragma unroll
-        for (int t = 0; t < NT; ++t) {
-#pragma unroll
-            for (int i = 0; i < 4; ++i) {
-                partial[warp][t * 4 + i][lane] = acc[r][t][i];
-            }
-        }
-        __syncthreads();
-        for (int e = warp; e < NT * 4; e += QMM_MMA_WARPS) {
-            float sum = partial[0][e][lane];
-#pragma unroll
-            for (int w = 1; w < QMM_MMA_WARPS; ++w) {
-                sum = __fadd_rn(sum, partial[w][e][lane]);
-            }
-            const int row = r0 + QMM_MMA_ROWS * r + 8 * ((e % 4) / 2) + g;
-            const int col = 8 * (e / 4) + 2 * t4 + e % 2;
-            if (row < M && col < N) {
-                dst[(size_t) col * stride_col_dst + row] = sum;
-            }
-        }
-    }
+    qmm_store_sums<NT, RT>(acc, (float (*)[NT * 4][WARP_SIZE]) rings, r0, M, N, dst, stride_col_dst);
 }
 
 template <ggml_type type, int NT, int RT>
