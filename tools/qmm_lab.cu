@@ -294,7 +294,6 @@ template <ggml_type type> static void mma_any(const qmm_args & q, int rt, bool o
     }
 }
 
-// the staged kernel (qmatmul_staged.cuh) with S slots per warp and clusters of C blocks
 // the activations' first 8 nt columns in the staged kernel's layout (qmatmul_staged.cuh; qmm_quantize_x with halves)
 struct staged_x { int8_t * yqh; float2 * yds; };
 static staged_x staged_layout(const int8_t * yq, const float2 * yds, int K, int npad, int nt) {
@@ -332,14 +331,18 @@ template <ggml_type type> static void run_cols(const shape & sh, const std::vect
     float * dst;
     random_activations(sh.K, npad, npad, yq, yds);
     CK(cudaMalloc(&dst, (size_t) sh.M * 4 * npad));
-    auto result = [&](const qmm_args & q, int rt, bool old) {
+    // the output of launch(), which writes q.N columns into dst
+    auto output = [&](const qmm_args & q, auto launch) {
         CK(cudaMemset(dst, 0xFF, (size_t) sh.M * 4 * npad));
-        mma_any<type>(q, rt, old, st);
+        launch();
         CK(cudaStreamSynchronize(st));
         CK(cudaGetLastError());
         std::vector<float> out((size_t) sh.M * q.N);
         CK(cudaMemcpy(out.data(), dst, out.size() * 4, cudaMemcpyDeviceToHost));
         return out;
+    };
+    auto result = [&](const qmm_args & q, int rt, bool old) {
+        return output(q, [&] { mma_any<type>(q, rt, old, st); });
     };
     const qmm_args one = {Ws[0], yq, yds, dst, nb, sh.K, sh.M, 1, npad, sh.M};
     const std::vector<float> col0 = result(one, 1, false);   // column 0 alone: every other call must give its bits
@@ -352,6 +355,10 @@ template <ggml_type type> static void run_cols(const shape & sh, const std::vect
 #endif
     );
     for (int N : cols) {
+        staged_x sx = {};   // the staged kernel's activations (N > 8), laid out once per column count
+        if (N > 8) {
+            sx = staged_layout(yq, yds, sh.K, npad, (N + 7) / 8);
+        }
         for (int rt : {1, 2, 4}) {
             const qmm_args q = {Ws[0], yq, yds, dst, nb, sh.K, sh.M, N, npad, sh.M};
             const std::vector<float> got = result(q, rt, false);
@@ -367,23 +374,19 @@ template <ggml_type type> static void run_cols(const shape & sh, const std::vect
             if (old_us > 0.0) printf("  (baseline %8.1f us)", old_us);
             printf("  %s\n", same ? "bit-identical" : "DIFFERS");
             if (N > 8 && rt <= 2) {   // the staged kernel (qmatmul_staged.cuh), with the same row tiles
-                const staged_x sx = staged_layout(yq, yds, sh.K, npad, (N + 7) / 8);
                 qmm_args sq = q;
-                sq.yq = sx.yqh;
-                sq.yds = sx.yds;
+                sq.yq   = sx.yqh;
+                sq.yds  = sx.yds;
                 sq.npad = 8 * ((N + 7) / 8);
-                CK(cudaMemset(dst, 0xFF, (size_t) sh.M * 4 * npad));
-                staged_run<type>(sq, rt, st);
-                CK(cudaStreamSynchronize(st));
-                CK(cudaGetLastError());
-                std::vector<float> sg((size_t) sh.M * q.N);
-                CK(cudaMemcpy(sg.data(), dst, sg.size() * 4, cudaMemcpyDeviceToHost));
+                const std::vector<float> sg = output(sq, [&] { staged_run<type>(sq, rt, st); });
                 const bool ssame = memcmp(sg.data(), got.data(), got.size() * 4) == 0;
                 const double sus = time_graph([&](int c) { qmm_args b = sq; b.W = Ws[c]; staged_run<type>(b, rt, st); }, copies, st);
                 printf("         staged  %8.1f us  %s\n", sus, ssame ? "bit-identical" : "DIFFERS");
-                CK(cudaFree(sx.yqh));
-                CK(cudaFree(sx.yds));
             }
+        }
+        if (N > 8) {
+            CK(cudaFree(sx.yqh));
+            CK(cudaFree(sx.yds));
         }
     }
     fflush(stdout);

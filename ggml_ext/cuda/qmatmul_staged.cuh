@@ -37,12 +37,24 @@ template <int NT> struct qmm_cols_staged {
     uint64_t * full;          // an mbarrier per slot: the slot's bytes have landed
     const int8_t * yqh;
     const float2 * yds;
-    int n_units, warp, lane, g, t4;
-    int j;
+    int n_units;
+    int j = 0;
+
+    // smem: the block's QMM_MMA_WARPS x QMM_STAGES mbarriers, then its slots, [warp][QMM_STAGES] (qmm_staged_smem)
+    static __device__ __forceinline__ char * slots(char * smem) {
+        return smem + QMM_MMA_WARPS * QMM_STAGES * sizeof(uint64_t);
+    }
+
+    __device__ __forceinline__ qmm_cols_staged(char * smem, const int8_t * yqh_, const float2 * yds_, int n_units_)
+        : yqh(yqh_), yds(yds_), n_units(n_units_) {
+        full = (uint64_t *) smem + threadIdx.y * QMM_STAGES;
+        ring = slots(smem) + (size_t) threadIdx.y * QMM_STAGES * qmm_slot<NT>::bytes;
+    }
 
     // ask for this warp's jj-th half unit (warp + 8 (jj / 2), half jj % 2) into its slot
     __device__ __forceinline__ void issue(int jj) {
-        const int u = warp + QMM_MMA_WARPS * (jj / 2);
+        const int lane = threadIdx.x;
+        const int u    = threadIdx.y + QMM_MMA_WARPS * (jj / 2);
         if (u >= n_units || lane >= 2) {
             return;
         }
@@ -77,14 +89,17 @@ template <int NT> struct qmm_cols_staged {
     }
 
     __device__ __forceinline__ int2 b8(int t, int kb, int t4_) const {
+        const int g = threadIdx.x / 4;
         return *(const int2 *) (slot() + (8 * t + g) * (QMM_UNIT / 2) + qmm_swz(kb % 4, g) * QK8_1 + 8 * t4_);
     }
 
     __device__ __forceinline__ int b4(int t, int kb, int e, int t4_) const {
+        const int g = threadIdx.x / 4;
         return *(const int *) (slot() + (8 * t + g) * (QMM_UNIT / 2) + qmm_swz(kb % 4, g) * QK8_1 + 16 * e + 4 * t4_);
     }
 
     __device__ __forceinline__ float4 scales(int kb, int t) const {
+        const int t4 = threadIdx.x % 4;
         return *(const float4 *) (slot() + qmm_slot<NT>::scales + ((kb % 4) * 8 * NT + 8 * t + 2 * t4) * sizeof(float2));
     }
 };
@@ -100,37 +115,19 @@ static __global__ void __launch_bounds__(QMM_MMA_WARPS * WARP_SIZE, qmm_min_bloc
 qmm_mma_staged(const char * __restrict__ W, const int8_t * __restrict__ yqh, const float2 * __restrict__ yds,
                float * __restrict__ dst, int nb, int K, int M, int N, int stride_col_dst) {
     extern __shared__ __align__(128) char qmm_smem[];
-    uint64_t * full = (uint64_t *) qmm_smem;                        // [warp][QMM_STAGES]
-    char * rings    = (char *) (full + QMM_MMA_WARPS * QMM_STAGES); // [warp][QMM_STAGES] slots
-
-    const int lane = threadIdx.x;
     const int warp = threadIdx.y;
-    const int g    = lane / 4;
-    const int t4   = lane % 4;
     const int r0   = blockIdx.x * (QMM_MMA_ROWS * RT);
-    const int64_t row_bytes = (int64_t) nb * ggml_cuda_type_traits<type>::bs;
     const int n_units = K / QMM_UNIT;
 
-    if (lane < QMM_STAGES) {
-        qms_bar_init(&full[warp * QMM_STAGES + lane]);
+    qmm_cols_staged<NT> x(qmm_smem, yqh, yds, n_units);
+    if (threadIdx.x < QMM_STAGES) {
+        qms_bar_init(&x.full[threadIdx.x]);
     }
 
-    qmm_rows<type, NT, RT> w(W, r0, M, row_bytes);
+    qmm_rows<type, NT, RT> w(W, r0, M, (int64_t) nb * ggml_cuda_type_traits<type>::bs);
     if (warp < n_units) {
         w.prefetch(warp);   // the weights do not depend on the previous kernel: start before waiting for it
     }
-
-    qmm_cols_staged<NT> x;
-    x.ring    = rings + (size_t) warp * QMM_STAGES * qmm_slot<NT>::bytes;
-    x.full    = full + warp * QMM_STAGES;
-    x.yqh     = yqh;
-    x.yds     = yds;
-    x.n_units = n_units;
-    x.warp    = warp;
-    x.lane    = lane;
-    x.g       = g;
-    x.t4      = t4;
-    x.j       = 0;
 
     __syncwarp();   // the warp's barriers are initialised (only its own lanes use them)
     ggml_cuda_pdl_sync();
@@ -146,7 +143,8 @@ qmm_mma_staged(const char * __restrict__ W, const int8_t * __restrict__ yqh, con
     __syncthreads();
     static_assert(QMM_MMA_WARPS * NT * 4 * WARP_SIZE * sizeof(float) <= QMM_MMA_WARPS * QMM_STAGES * qmm_slot<NT>::bytes,
                   "the partial sums must fit in the slots");
-    qmm_store_sums<NT, RT>(acc, (float (*)[NT * 4][WARP_SIZE]) rings, r0, M, N, dst, stride_col_dst);
+    qmm_store_sums<NT, RT>(acc, (float (*)[NT * 4][WARP_SIZE]) qmm_cols_staged<NT>::slots(qmm_smem), r0, M, N, dst,
+                           stride_col_dst);
 }
 
 template <ggml_type type, int NT, int RT>
