@@ -38,11 +38,11 @@ SHAPES = {
     "ffn_up_q8_0": (5120, 17408, ggml.Type.Q8_0),
     # as the runtime multiplies them (TargetRuntime.fused_weights: members of one type back to back)
     "ffn_gate_up": (5120, 34816, ggml.Type.Q4_K),
-    "gdn_qkv_z": (5120, 16384, ggml.Type.Q4_K),
+    "gdn_qkv_z_ba": (5120, 16480, ggml.Type.Q4_K),   # qkv, z, beta, alpha
     "attn_qk": (5120, 13312, ggml.Type.Q4_K),
     # the small ones, where ggml's MMQ splits K over the SMs (stream-k) from 9 columns on
     "attn_v": (5120, 1024, ggml.Type.Q6_K),
-    "gdn_beta_alpha": (5120, 96, ggml.Type.Q4_K),
+    "gdn_beta_alpha": (5120, 96, ggml.Type.Q4_K),    # alone where its type is not qkv's
 }
 COLS = [1, 2, 4, 8, 16, 23, 32, 48]
 POOL_BYTES = 400e6

@@ -1,9 +1,11 @@
 """Fused projection weights (TargetRuntime.fused_weights / project): the matrices of one layer that read the same
 input and share a type are loaded as the rows of one tensor, and one matmul computes them all: Q/K/V of the llama
-family and of qwen35's attention layers, qwen35's recurrent qkv with its output gate, and beta with alpha. Each
+family and of qwen35's attention layers, qwen35's recurrent qkv with its output gate, beta and alpha. Each
 output row is the same dot product as with separate matrices, so on the CPU the logits must be bit-identical to
 the unfused model's, through prefill, decode and a tree verify."""
 from __future__ import annotations
+
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -12,7 +14,8 @@ from test_qwen35 import CUDA_LOGIT_ATOL
 
 from pydflash import ggml
 from pydflash.gguf_io import GGUFFile
-from pydflash.models import load_target
+from pydflash.models import layers, load_target
+from pydflash.models.runtime import fusable_runs
 from pydflash.testing import write_llama_gguf, write_qwen35_gguf
 
 # Q4_K_M: Q and K in Q4_K, V in Q6_K (fused: Q+K); Q8_0: all three fused. n_embd 256 fills whole K-quant blocks;
@@ -28,7 +31,7 @@ EXPECTED = {"qwen2-q4_k_m": {0: ["attn_q+attn_k", "ffn_gate+ffn_up"]},
             "llama-q8_0": {0: ["attn_q+attn_k+attn_v", "ffn_gate+ffn_up"]},
             "qwen3-q8_0": {0: ["attn_q+attn_k+attn_v", "ffn_gate+ffn_up"]},
             "gemma3-q8_0": {0: ["attn_q+attn_k+attn_v", "ffn_gate+ffn_up"]},
-            "qwen35-q8_0": {0: ["attn_qkv+attn_gate", "ssm_beta+ssm_alpha", "ffn_gate+ffn_up"],
+            "qwen35-q8_0": {0: ["attn_qkv+attn_gate+ssm_beta+ssm_alpha", "ffn_gate+ffn_up"],
                             1: ["attn_q+attn_k+attn_v", "ffn_gate+ffn_up"]}}
 
 
@@ -103,3 +106,42 @@ def test_fused_weights_give_the_unfused_logits(tmp_path, monkeypatch, case, devi
     else:
         assert np.abs(got - ref).max() <= CUDA_LOGIT_ATOL["Q8_0"]
         assert np.array_equal(got.argmax(axis=1), ref.argmax(axis=1))
+
+
+def test_fusable_runs_cut_a_group_where_type_row_length_or_bias_change():
+    """Each run of neighbours sharing type, row length and bias presence becomes one matrix, wherever it sits."""
+    def info(**weights):
+        out = {}
+        for name, (wtype, n_in, bias) in weights.items():
+            out[name + ".weight"] = SimpleNamespace(type=wtype, ne=(n_in, 64))
+            if bias:
+                out[name + ".bias"] = SimpleNamespace(type=ggml.Type.F32, ne=(64,))
+        return out
+    Q4, Q6 = ggml.Type.Q4_K, ggml.Type.Q6_K
+    assert fusable_runs(info(q=(Q4, 256, 0), k=(Q4, 256, 0), v=(Q6, 256, 0)), ("q", "k", "v")) == [("q", "k"), ("v",)]
+    assert fusable_runs(info(q=(Q6, 256, 0), k=(Q4, 256, 0), v=(Q4, 256, 0)), ("q", "k", "v")) == [("q",), ("k", "v")]
+    assert fusable_runs(info(a=(Q4, 256, 0), b=(Q4, 512, 0), c=(Q4, 512, 0), d=(Q4, 512, 1)),
+                        ("a", "b", "c", "d")) == [("a",), ("b", "c"), ("d",)]
+    assert fusable_runs(info(a=(Q4, 256, 1), b=(Q4, 256, 1)), ("a", "b")) == [("a", "b")]
+
+
+def test_one_token_gate_and_up_stay_one_product_where_qmatmul_takes_them(tmp_path, monkeypatch):
+    """At one token the FFN's gate and up are two products only for ggml's mul_mat (which ggml-cuda fuses with the
+    GLU); where ggml_qmatmul takes the fused matrix (here forced: PYDFLASH_QMATMUL=1 and the weights counted as a
+    GPU's, its CPU reference computing) they stay one product, with the unfused model's logits."""
+    path = str(tmp_path / "llama.gguf")
+    _write(path, "llama-q8_0")
+    monkeypatch.setenv("PYDFLASH_QMATMUL", "1")
+    monkeypatch.setattr(layers, "_on_device", lambda w: True)
+    prompt = [int(t) for t in np.random.default_rng(2).integers(0, 400, 20)]
+    fused, got = _run(path, "cpu", prompt, 3)
+    fused.decode(5)
+    monkeypatch.setenv("PYDFLASH_FUSED_WEIGHTS", "0")
+    plain, ref = _run(path, "cpu", prompt, 3)
+    plain.decode(5)
+    qmatmuls = sum(node.op == ggml.Op.QMATMUL for node in fused._last.graph.nodes())
+    assert qmatmuls == _mul_mats(fused) and qmatmuls > 0
+    saved = sum(len(members) - 1 for merged, members in fused.weights.fused.items() if merged.endswith(".weight"))
+    assert _mul_mats(plain) - _mul_mats(fused) == saved == 3 * fused.hp.n_layer   # QKV: 2, gate+up: 1
+    assert _glu_behind_products(fused) == 0 and _glu_behind_products(plain) == fused.hp.n_layer
+    assert np.array_equal(got, ref)

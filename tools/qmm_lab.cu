@@ -53,7 +53,7 @@ void ggml_abort(const char * file, int line, const char * fmt, ...) {
 struct shape { const char * name; int K, M; ggml_type type; };
 static const shape SHAPES[] = {
     {"ffn_gate_up", 5120, 34816, GGML_TYPE_Q4_K},
-    {"gdn_qkv_z",   5120, 16384, GGML_TYPE_Q4_K},
+    {"gdn_qkv_z_ba", 5120, 16480, GGML_TYPE_Q4_K},
     {"attn_qk",     5120, 13312, GGML_TYPE_Q4_K},
     {"gdn_out",     6144,  5120, GGML_TYPE_Q4_K},
     {"ffn_down",   17408,  5120, GGML_TYPE_Q6_K},

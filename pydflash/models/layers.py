@@ -121,6 +121,13 @@ def _takes_qmatmul(w: ggml.Tensor, x: ggml.Tensor) -> bool:
             and x.nb[0] == 4 and _on_device(w))
 
 
+def uses_qmatmul(w: ggml.Tensor, x: ggml.Tensor) -> bool:
+    """Whether linear(ctx, w, x) takes ggml_qmatmul (else ggml's mul_mat) in the current qmatmul_mode."""
+    mode = qmatmul_mode()
+    return mode != "0" and _takes_qmatmul(w, x) and (
+        mode == "1" or qmatmul_faster(w.type, w.ne[1], x.ne[1], x.ne[1] == 1 and _streams(w)))
+
+
 def linear(ctx: ggml.Context, w: ggml.Tensor, x: ggml.Tensor) -> ggml.Tensor:
     """w^T x for a weight w [n_in, n_out] (ggml order) and activations x [n_in, ...] -> [n_out, ...].
 
@@ -128,9 +135,7 @@ def linear(ctx: ggml.Context, w: ggml.Tensor, x: ggml.Tensor) -> ggml.Tensor:
     the faster kernel, with PYDFLASH_QMATMUL=1 for every 1..48 columns (then every column is bit-identical
     whatever the number of columns; ggml-ext.h says how). The weight must be allocated when the graph is built
     (model weights always are)."""
-    mode = qmatmul_mode()
-    if mode != "0" and _takes_qmatmul(w, x) and (
-            mode == "1" or qmatmul_faster(w.type, w.ne[1], x.ne[1], x.ne[1] == 1 and _streams(w))):
+    if uses_qmatmul(w, x):
         return ggml.qmatmul(ctx, w, x)
     if bitexact_enabled() and x.ne[1] <= ggml.QMATMUL_MAX_COLS and x.ne[2:] == (1, 1) and x.is_contiguous:
         # tokens as a batch of single columns: ggml then takes its matrix-vector kernel for every token count

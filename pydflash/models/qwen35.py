@@ -172,11 +172,12 @@ class Qwen35Target(TargetRuntime):
 
     def fusion_candidates(self, il: int) -> list[tuple[str, ...]]:
         """Per layer, the projections of the same input: attention Q(+gate), K, V (as the llama family's);
-        recurrent qkv with the output gate z, and beta with alpha; the FFN's gate and up (from two tokens on:
-        gated_ffn). One matmul instead of two to four where their types agree, the same dot products
+        recurrent qkv, the output gate z, beta and alpha (all four where their types agree: the 96 rows of beta
+        and alpha alone cost a product as long as 5,000 rows on CUDA, and their own quantisation of the input);
+        the FFN's gate and up (gated_ffn). One matmul instead of two to four, the same dot products
         (TargetRuntime.project)."""
         p = f"blk.{il}."
-        runs = [(p + "attn_qkv", p + "attn_gate"), (p + "ssm_beta", p + "ssm_alpha")] if self.hp.recurrent[il] \
+        runs = [(p + "attn_qkv", p + "attn_gate", p + "ssm_beta", p + "ssm_alpha")] if self.hp.recurrent[il] \
             else [(p + "attn_q", p + "attn_k", p + "attn_v")]
         return runs + [(p + "ffn_gate", p + "ffn_up")]
 

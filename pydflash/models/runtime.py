@@ -119,18 +119,19 @@ class TargetWeights:
         return name in self.t
 
 
-def fusable_prefix(info: dict, bases: tuple[str, ...]) -> tuple[str, ...]:
-    """The leading weights of `bases` (names without '.weight') that can share one matrix with the first: the same
-    type and row length, and a bias on all of them or on none. info: tensor name -> TensorInfo."""
-    first = info[bases[0] + ".weight"]
-    n = 1
-    while n < len(bases):
-        w = info[bases[n] + ".weight"]
-        if w.type != first.type or w.ne[0] != first.ne[0] or \
-                (bases[n] + ".bias" in info) != (bases[0] + ".bias" in info):
-            break
-        n += 1
-    return bases[:n]
+def fusable_runs(info: dict, bases: tuple[str, ...]) -> list[tuple[str, ...]]:
+    """`bases` (names without '.weight') cut into runs of neighbours that can share one matrix: the same type and
+    row length, and a bias on all of them or on none. info: tensor name -> TensorInfo."""
+    def key(base):
+        w = info[base + ".weight"]
+        return w.type, w.ne[0], base + ".bias" in info
+    runs = [[bases[0]]]
+    for base in bases[1:]:
+        if key(base) == key(runs[-1][0]):
+            runs[-1].append(base)
+        else:
+            runs.append([base])
+    return [tuple(run) for run in runs]
 
 
 def fused_entries(info: dict, bases: tuple[str, ...]) -> dict[str, tuple[str, ...]]:
@@ -357,19 +358,20 @@ class TargetRuntime:
     # --- what an architecture provides ---
 
     def fusion_candidates(self, il: int) -> list[tuple[str, ...]]:
-        """Groups of layer il's weights (names without '.weight') that read the same input, in row order: their
-        leading run of one type and row length is loaded as one matrix (fused_weights); none by default."""
+        """Groups of layer il's weights (names without '.weight') that read the same input, in row order: each run
+        of neighbours of one type and row length is loaded as one matrix (fused_weights); none by default."""
         return []
 
     def fused_weights(self, infos) -> dict[str, tuple[str, ...]]:
-        """TargetWeights' `fused` from the file's TensorInfos: every layer's fusion_candidates, each cut to the
-        run fusable_prefix allows; nothing with PYDFLASH_FUSED_WEIGHTS=0."""
+        """TargetWeights' `fused` from the file's TensorInfos: every layer's fusion_candidates, each cut into the
+        runs fusable_runs allows; nothing with PYDFLASH_FUSED_WEIGHTS=0."""
         if not fusing_enabled():
             return {}
         info, fused = {i.name: i for i in infos}, {}
         for il in range(self.hp.n_layer):
             for bases in self.fusion_candidates(il):
-                fused.update(fused_entries(info, fusable_prefix(info, bases)))
+                for run in fusable_runs(info, bases):
+                    fused.update(fused_entries(info, run))
         return fused
 
     def project(self, ctx: ggml.Context, x: ggml.Tensor, bases: list[str], fuse_one_token: bool = True
@@ -377,14 +379,15 @@ class TargetRuntime:
         """x [n_in, n] through each weight of `bases` (names without '.weight'), its bias added where the file has
         one: [n_out, n] each. Weights that fused_weights fused take one matmul and one bias add together, and each
         one's result is a row range (a view) of that output; a view is contiguous only for n = 1.
-        fuse_one_token=False: for one token, one matmul per weight all the same (where a backend fuses the
-        separate products with what follows, as ggml-cuda does for an FFN's gate and up with the GLU)."""
+        fuse_one_token=False: for one token, one matmul per weight all the same where the products would be
+        ggml's mul_mat (ggml-cuda fuses separate products with what follows, as an FFN's gate and up with the GLU);
+        a fused matrix that ggml_qmatmul takes stays one product (one read of the activations, one launch)."""
         w, out = self.weights, {}
         for base in bases:
             if base in out:
                 continue
             merged = w.member_of.get(base + ".weight")
-            if merged and not fuse_one_token and x.ne[1] == 1:
+            if merged and not fuse_one_token and x.ne[1] == 1 and not layers.uses_qmatmul(w[merged], x):
                 merged = None
             members = w.fused[merged] if merged else (base + ".weight",)
             mbase = (merged or base + ".weight")[:-len(".weight")]
@@ -402,7 +405,7 @@ class TargetRuntime:
     def gated_ffn(self, ctx: ggml.Context, x: ggml.Tensor, prefix: str, glu, name: str) -> ggml.Tensor:
         """down(glu(gate x, up x)) with the layer's ffn_gate / ffn_up / ffn_down weights (prefix 'blk.N.'); glu:
         ctx.swiglu_split or ctx.geglu_split. Gate and up go through `project`: one matmul where fused, except for
-        one token, where ggml-cuda already runs both products and the GLU as one kernel."""
+        one token through ggml's mul_mat, where ggml-cuda already runs both products and the GLU as one kernel."""
         gate, up = self.project(ctx, x, [prefix + "ffn_gate", prefix + "ffn_up"], fuse_one_token=False)
         return layers.linear(ctx, self.weights[prefix + "ffn_down.weight"], glu(gate, up)).named(name)
 
