@@ -2,7 +2,8 @@
 input and share a type are loaded as the rows of one tensor, and one matmul computes them all: Q/K/V of the llama
 family and of qwen35's attention layers, qwen35's recurrent qkv with its output gate, beta and alpha. Each
 output row is the same dot product as with separate matrices, so on the CPU the logits must be bit-identical to
-the unfused model's, through prefill, decode and a tree verify."""
+the unfused model's, through prefill, decode and a tree verify. Likewise a layer's input norms computed inside
+the products that read them (layers.Normed)."""
 from __future__ import annotations
 
 from types import SimpleNamespace
@@ -144,4 +145,30 @@ def test_one_token_gate_and_up_stay_one_product_where_qmatmul_takes_them(tmp_pat
     saved = sum(len(members) - 1 for merged, members in fused.weights.fused.items() if merged.endswith(".weight"))
     assert _mul_mats(plain) - _mul_mats(fused) == saved == 3 * fused.hp.n_layer   # QKV: 2, gate+up: 1
     assert _glu_behind_products(fused) == 0 and _glu_behind_products(plain) == fused.hp.n_layer
+    assert np.array_equal(got, ref)
+
+
+@pytest.mark.parametrize("case", ["llama-q8_0", "qwen35-q8_0"])
+def test_norms_computed_inside_qmatmul_give_the_same_logits(tmp_path, monkeypatch, case):
+    """A layer's input norms (layers.Normed) go into the products ggml_qmatmul takes (ggml_qmatmul_rms_norm, here
+    forced: PYDFLASH_QMATMUL=1 and the weights counted as a GPU's, its CPU reference computing): no RMS_NORM node
+    is left for them, and the logits are those of the graph with the norms as their own ops, bit for bit (the CPU
+    reference norms the columns as ggml's rms_norm and mul do)."""
+    path = str(tmp_path / f"{case}.gguf")
+    _write(path, case)
+    monkeypatch.setenv("PYDFLASH_QMATMUL", "1")
+    monkeypatch.setattr(layers, "_on_device", lambda w: True)
+    prompt = [int(t) for t in np.random.default_rng(3).integers(0, 400, 20)]
+    fused, got = _run(path, "cpu", prompt, 3)
+    monkeypatch.setenv("PYDFLASH_NORM_IN_QMATMUL", "0")
+    plain, ref = _run(path, "cpu", prompt, 3)
+
+    def count(target):
+        nodes = target._last.graph.nodes()   # the 4-slot verify
+        normed = sum(n.op == ggml.Op.QMATMUL and len(n.src) == 3 for n in nodes)   # w, x and the norm
+        return normed, sum(n.op == ggml.Op.RMS_NORM for n in nodes)
+    n_layer = fused.hp.n_layer
+    normed, norms = count(fused)
+    assert count(plain)[0] == 0 and normed == 2 * n_layer
+    assert count(plain)[1] - norms == 2 * n_layer   # both input norms of every layer
     assert np.array_equal(got, ref)

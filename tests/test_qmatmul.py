@@ -1,6 +1,7 @@
 """ggml_qmatmul (our quantised W * X for 1..48 columns) against float64 numpy on the weights as gguf-py decodes
 them, on the CPU and (with `-m cuda`) on CUDA, where every column must also come out bit-identical whatever the
-number of columns around it and whatever number of row tiles the kernel runs.
+number of columns around it and whatever number of row tiles the kernel runs; likewise ggml_qmatmul_rms_norm
+(the product of RMS-normed columns) against float64 numpy on the normed columns.
 
 Bounds: the CPU kernel dequantises to f32 and sums in float (far below 1e-5 relative error). CUDA quantises
 each column of x to 8 bits per 32 values first, as ggml's own vector kernel does; the reference applies the same
@@ -30,6 +31,13 @@ SHAPES = {ggml.Type.Q8_0: (800, 45), ggml.Type.Q4_K: (1280, 45), ggml.Type.Q5_K:
 SHAPES_TALL = {ggml.Type.Q8_0: (2656, 301), ggml.Type.Q4_K: (2816, 301), ggml.Type.Q5_K: (2816, 269),
                ggml.Type.Q6_K: (2816, 285)}
 ROW_TILES = [1, 2, 4, -1, -2]  # negative: the staged kernel (qmatmul_staged.cuh) where the GPU and type have it
+EPS = 1e-6                     # of ggml_qmatmul_rms_norm's norm
+
+
+def rms_normed(x: np.ndarray, norm: np.ndarray) -> np.ndarray:
+    """float64 x / sqrt(mean(x^2) + EPS) * norm, per row of x [N, K]."""
+    x = x.astype(np.float64)
+    return x / np.sqrt(np.mean(x * x, axis=1, keepdims=True) + EPS) * norm.astype(np.float64)
 
 
 def as_q8(x: np.ndarray) -> np.ndarray:
@@ -45,21 +53,31 @@ class QMatmul:
     def __init__(self, backend: ggml.Backend, wtype: ggml.Type, w_data: np.ndarray, K: int, M: int):
         self.backend, self.wtype, self.w_data, self.K, self.M = backend, wtype, w_data, K, M
 
-    def run(self, x: np.ndarray, row_tiles: int = 0) -> np.ndarray:
-        return self._compute(x, lambda ctx, w, xt: ggml.qmatmul(ctx, w, xt, row_tiles=row_tiles))
+    def run(self, x: np.ndarray, row_tiles: int = 0, norm: np.ndarray | None = None) -> np.ndarray:
+        """norm: qmatmul of the RMS-normed columns times norm (ggml_qmatmul_rms_norm, eps EPS)."""
+        if norm is None:
+            return self._compute(x, lambda ctx, w, xt, g: ggml.qmatmul(ctx, w, xt, row_tiles=row_tiles))
+        return self._compute(x, lambda ctx, w, xt, g: ggml.qmatmul(ctx, w, xt, row_tiles, norm=g, eps=EPS), norm)
 
     def run_mul_mat(self, x: np.ndarray) -> np.ndarray:
         """On CUDA: ggml's vector kernel up to 8 columns, its MMQ tiles above."""
-        return self._compute(x, lambda ctx, w, xt: ctx.mul_mat(w, xt))
+        return self._compute(x, lambda ctx, w, xt, g: ctx.mul_mat(w, xt))
 
-    def _compute(self, x: np.ndarray, product) -> np.ndarray:
-        ctx = ggml.Context(n_tensors=4, graph_size=4)
+    def run_normed_by_ggml(self, x: np.ndarray, norm: np.ndarray) -> np.ndarray:
+        """qmatmul of ggml's own rms_norm and mul of the columns."""
+        return self._compute(x, lambda ctx, w, xt, g: ggml.qmatmul(ctx, w, ctx.mul(ctx.rms_norm(xt, EPS), g)), norm)
+
+    def _compute(self, x: np.ndarray, product, norm: np.ndarray | None = None) -> np.ndarray:
+        ctx = ggml.Context(n_tensors=8, graph_size=8)
         w = ctx.new_tensor(self.wtype, (self.K, self.M), name="w").mark_input()
         xt = ctx.new_tensor(np.float32, (self.K, x.shape[0]), name="x").mark_input()
-        graph = ctx.graph(product(ctx, w, xt))
+        g = ctx.new_tensor(np.float32, (self.K,), name="norm").mark_input()
+        graph = ctx.graph(product(ctx, w, xt, g))
         ggml.Allocator(self.backend).allocate(graph)
         w.set(self.w_data)
         xt.set(np.ascontiguousarray(x, dtype=np.float32))
+        if g.is_allocated:   # (a graph that does not read it leaves it unallocated)
+            g.set(np.ascontiguousarray(norm if norm is not None else np.zeros(self.K), dtype=np.float32))
         self.backend.compute(graph)
         return graph.outputs[0].numpy().reshape(x.shape[0], self.M)  # numpy() drops a trailing 1
 
@@ -90,18 +108,40 @@ def test_qmatmul_matches_dequantised_reference(backend, rng, wtype):
             assert rel_err(got, exact) > 5 * err, f"{wtype.name} N={n}: x was not rounded as documented"
 
 
-@pytest.mark.cuda
 @pytest.mark.parametrize("wtype", TYPES, ids=[t.name for t in TYPES])
-def test_qmatmul_column_bit_identical_alone_or_among_n(rng, wtype):
+def test_qmatmul_rms_norm_matches_normed_reference(backend, rng, wtype):
+    """ggml_qmatmul_rms_norm against float64 numpy on the normed columns (columns of very different sizes, as a
+    residual stream's are); on the CPU also bit for bit the qmatmul of ggml's own rms_norm and mul."""
+    op, w_ref = make(backend, rng, wtype)
+    norm = rng.uniform(0.5, 1.5, op.K).astype(np.float32)
+    for n in (1, 3, 16, 23, 48):
+        x = (rng.standard_normal((n, op.K)) * rng.uniform(0.01, 20.0, (n, 1))).astype(np.float32)
+        got = op.run(x, norm=norm)
+        xn = rms_normed(x, norm)
+        if backend.is_cpu:
+            err = rel_err(got, xn @ w_ref.T)
+            assert err < 1e-5, f"{wtype.name} N={n}: relative error {err:.2e}"
+            assert np.array_equal(got, op.run_normed_by_ggml(x, norm)), f"{wtype.name} N={n}: not ggml's norm"
+        else:
+            err = rel_err(got, as_q8(xn) @ w_ref.T)
+            assert err < 1e-3, f"{wtype.name} N={n}: relative error {err:.2e} against q8-rounded normed x"
+            assert rel_err(got, xn @ w_ref.T) > 5 * err, f"{wtype.name} N={n}: x was not rounded as documented"
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("normed", [False, True], ids=["plain", "rms_norm"])
+@pytest.mark.parametrize("wtype", TYPES, ids=[t.name for t in TYPES])
+def test_qmatmul_column_bit_identical_alone_or_among_n(rng, wtype, normed):
     backend = ggml.Backend("cuda")
     op, _ = make(backend, rng, wtype)
     x = rng.standard_normal((48, op.K)).astype(np.float32)
-    full = op.run(x)
+    norm = rng.uniform(0.5, 1.5, op.K).astype(np.float32) if normed else None
+    full = op.run(x, norm=norm)
     for n in range(1, 48):
-        first_n = op.run(x[:n])
+        first_n = op.run(x[:n], norm=norm)
         assert np.array_equal(first_n, full[:n]), f"{wtype.name}: the first {n} of 48 columns differ when N={n}"
     for j in (0, 7, 8, 22, 23, 47):
-        alone = op.run(x[j:j + 1])
+        alone = op.run(x[j:j + 1], norm=norm)
         assert np.array_equal(alone[0], full[j]), f"{wtype.name}: column {j} alone differs from it among 48"
 
 
@@ -122,6 +162,13 @@ def test_qmatmul_row_tiles_change_no_bit(rng, wtype):
         for n in (1, 9, 16, 23, 33):
             got = op.run(x[:n], row_tiles=rt)
             assert np.array_equal(got, auto[:n]), f"{wtype.name}: row_tiles={rt}, N={n} changed the result"
+    # the normed product's activations go through the staged layout too
+    norm = rng.uniform(0.5, 1.5, op.K).astype(np.float32)
+    normed = op.run(x, norm=norm)
+    for rt in ROW_TILES:
+        for n in (1, 16, 23, 48):
+            got = op.run(x[:n], row_tiles=rt, norm=norm)
+            assert np.array_equal(got, normed[:n]), f"{wtype.name}: normed, row_tiles={rt}, N={n} changed the result"
 
 
 STREAM_TYPES = list(ggml.QMATMUL_STREAM_TYPES)
@@ -167,7 +214,7 @@ def test_qmatmul_error_no_larger_than_ggml_mul_mat(rng, wtype):
 
 
 def test_qmatmul_rejects_bad_input():
-    ctx = ggml.Context(n_tensors=8)
+    ctx = ggml.Context(n_tensors=16)
     w = ctx.new_tensor(ggml.Type.Q4_K, (256, 4))
     with pytest.raises(ValueError, match="1 to 48 columns"):
         ggml.qmatmul(ctx, w, ctx.new_tensor(np.float32, (256, 49)))
@@ -177,3 +224,7 @@ def test_qmatmul_rejects_bad_input():
         ggml.qmatmul(ctx, w, ctx.new_tensor(np.float32, (256, 3)), row_tiles=3)
     with pytest.raises(TypeError, match="Q4_K/Q5_K/Q6_K/Q8_0"):
         ggml.qmatmul(ctx, ctx.new_tensor(ggml.Type.F16, (256, 4)), ctx.new_tensor(np.float32, (256, 3)))
+    with pytest.raises(ValueError, match="norm must be a contiguous f32 vector of 256"):
+        ggml.qmatmul(ctx, w, ctx.new_tensor(np.float32, (256, 3)), norm=ctx.new_tensor(np.float32, (128,)))
+    with pytest.raises(ValueError, match="eps must be >= 0"):
+        ggml.qmatmul(ctx, w, ctx.new_tensor(np.float32, (256, 3)), norm=ctx.new_tensor(np.float32, (256,)), eps=-1.0)

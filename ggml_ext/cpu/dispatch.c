@@ -14,6 +14,7 @@ void ggml_ext_cpu_compute_forward(const struct ggml_compute_params * params, str
         case GGML_OP_FLASH_ATTN_ORDERED: ggml_ext_cpu_flash_attn_ordered(params, dst); break;
         case GGML_OP_ARGMAX_FIRST: ggml_ext_cpu_argmax_first(params, dst); break;
         case GGML_OP_TOP_K_LOGP: ggml_ext_cpu_top_k_logp(params, dst); break;
+        case GGML_OP_GDN_GATES: ggml_ext_cpu_gdn_gates(params, dst); break;
         default: GGML_ABORT("ggml_ext: no CPU kernel for %s", ggml_op_name(dst->op));
     }
 }

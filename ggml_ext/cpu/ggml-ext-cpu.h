@@ -27,6 +27,7 @@ void ggml_ext_cpu_flash_attn_ordered(const struct ggml_compute_params * params, 
 size_t ggml_ext_cpu_flash_attn_ordered_work_size(const struct ggml_tensor * node, int n_tasks);
 void ggml_ext_cpu_argmax_first(const struct ggml_compute_params * params, struct ggml_tensor * dst);
 void ggml_ext_cpu_top_k_logp(const struct ggml_compute_params * params, struct ggml_tensor * dst);
+void ggml_ext_cpu_gdn_gates(const struct ggml_compute_params * params, struct ggml_tensor * dst);
 
 // CPU type traits of GGML_TYPE_TQ3_0 (vec_dot_type F32: the rotated query stays in full precision)
 void ggml_ext_cpu_quantize_row_tq3_0(const float * GGML_RESTRICT x, void * GGML_RESTRICT y, int64_t k);

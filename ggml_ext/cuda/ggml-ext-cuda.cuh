@@ -32,6 +32,9 @@ void ggml_ext_cuda_gated_delta_net_tree(ggml_backend_cuda_context & ctx, ggml_te
 void ggml_ext_cuda_gated_delta_net_tree_persist(ggml_backend_cuda_context & ctx, ggml_tensor * dst);
 bool ggml_ext_cuda_gated_delta_net_tree_supported(const ggml_tensor * op);
 
+// ggml_gdn_gates (gdn_gates.cu)
+void ggml_ext_cuda_gdn_gates(ggml_backend_cuda_context & ctx, ggml_tensor * dst);
+
 // ggml_qmatmul (qmatmul.cu)
 void ggml_ext_cuda_qmatmul(ggml_backend_cuda_context & ctx, ggml_tensor * dst);
 bool ggml_ext_cuda_qmatmul_supported(const ggml_tensor * op);

@@ -173,20 +173,10 @@ bool ggml_ext_cuda_qmatmul_streams(int device) {
     return GGML_CUDA_CC_IS_NVIDIA(cc) && ggml_cuda_highest_compiled_arch(cc) >= GGML_CUDA_CC_HOPPER;
 }
 
-// Activations as the kernel reads them (qmatmul_mma.cuh, "Activations"; halves: the staged kernel's layout by half
-// unit, qmatmul_staged.cuh): one warp per column and 32 values
-static __global__ void qmm_quantize_x(const float * __restrict__ x, int8_t * __restrict__ yq, float2 * __restrict__ yds,
-                                      int K, int N, int npad, int64_t stride_col_x, bool halves) {
-    const int warp = blockIdx.x * (blockDim.x / WARP_SIZE) + threadIdx.x / WARP_SIZE;
-    const int lane = threadIdx.x % WARP_SIZE;
-    const int blocks_per_col = K / QK8_1;
-    if (warp >= blocks_per_col * npad) {
-        return;
-    }
-    const int col = warp / blocks_per_col;
-    const int kb  = warp % blocks_per_col;
-    ggml_cuda_pdl_sync();   // x is the previous kernel's output: with programmatic dependent launch, wait for it
-    const float v = col < N ? x[col * stride_col_x + kb * QK8_1 + lane] : 0.0f;
+// One 32-value block of a column quantised as the kernels read it (qmatmul_mma.cuh, "Activations"; halves: the
+// staged kernel's layout by half unit, qmatmul_staged.cuh): lane `lane` of a warp holds value v of block kb.
+static __device__ __forceinline__ void qmm_quantize_block(float v, int lane, int col, int kb, int K, int npad, bool halves,
+                                                          int8_t * __restrict__ yq, float2 * __restrict__ yds) {
     float amax = fabsf(v);
 #pragma unroll
     for (int offset = WARP_SIZE / 2; offset > 0; offset >>= 1) {
@@ -206,6 +196,84 @@ static __global__ void qmm_quantize_x(const float * __restrict__ x, int8_t * __r
         const float dh = __half2float(__float2half_rn(d));
         yds[(size_t) kb * npad + col] = make_float2(dh, __fmul_rn(dh, (float) sum));
     }
+}
+
+// The activations: one warp per column and 32 values
+static __global__ void qmm_quantize_x(const float * __restrict__ x, int8_t * __restrict__ yq, float2 * __restrict__ yds,
+                                      int K, int N, int npad, int64_t stride_col_x, bool halves) {
+    const int warp = blockIdx.x * (blockDim.x / WARP_SIZE) + threadIdx.x / WARP_SIZE;
+    const int lane = threadIdx.x % WARP_SIZE;
+    const int blocks_per_col = K / QK8_1;
+    if (warp >= blocks_per_col * npad) {
+        return;
+    }
+    const int col = warp / blocks_per_col;
+    const int kb  = warp % blocks_per_col;
+    ggml_cuda_pdl_sync();   // x is the previous kernel's output: with programmatic dependent launch, wait for it
+    const float v = col < N ? x[col * stride_col_x + kb * QK8_1 + lane] : 0.0f;
+    qmm_quantize_block(v, lane, col, kb, K, npad, halves, yq, yds);
+}
+
+// ggml_qmatmul_rms_norm: one CUDA block of QMM_RMS_THREADS per column. The column's factor 1 / sqrt(mean(x^2) + eps)
+// comes out the same in every thread and for any N: each thread sums the squares of values tid, tid + blockDim, ...
+// in order, the warps butterfly-reduce (every lane ends with the same bits), and every thread adds the warp totals
+// in warp order.
+#define QMM_RMS_THREADS 1024
+
+static __device__ __forceinline__ float qmm_rms_scale(const float * __restrict__ xc, int K, float eps) {
+    __shared__ float warp_sums[QMM_RMS_THREADS / WARP_SIZE];
+    float s = 0.0f;
+    for (int k = threadIdx.x; k < K; k += blockDim.x) {
+        s += xc[k] * xc[k];
+    }
+#pragma unroll
+    for (int offset = WARP_SIZE / 2; offset > 0; offset >>= 1) {
+        s += __shfl_xor_sync(0xffffffff, s, offset, WARP_SIZE);
+    }
+    if (threadIdx.x % WARP_SIZE == 0) {
+        warp_sums[threadIdx.x / WARP_SIZE] = s;
+    }
+    __syncthreads();
+    float total = 0.0f;
+    for (int w = 0; w < (int) blockDim.x / WARP_SIZE; ++w) {
+        total += warp_sums[w];
+    }
+    return rsqrtf(total / (float) K + eps);
+}
+
+// The normed activations quantised (grid: npad columns, padding columns zero): warp w takes blocks w, w + 32, ...
+static __global__ void qmm_quantize_x_rms(const float * __restrict__ x, const float * __restrict__ norm, float eps,
+                                          int8_t * __restrict__ yq, float2 * __restrict__ yds,
+                                          int K, int N, int npad, int64_t stride_col_x, bool halves) {
+    const int col  = blockIdx.x;
+    const int warp = threadIdx.x / WARP_SIZE;
+    const int lane = threadIdx.x % WARP_SIZE;
+    ggml_cuda_pdl_sync();
+    const float * xc = x + col * stride_col_x;
+    const float scale = col < N ? qmm_rms_scale(xc, K, eps) : 0.0f;
+    for (int kb = warp; kb < K / QK8_1; kb += blockDim.x / WARP_SIZE) {
+        const int k = kb * QK8_1 + lane;
+        const float v = col < N ? __fmul_rn(__fmul_rn(xc[k], scale), norm[k]) : 0.0f;
+        qmm_quantize_block(v, lane, col, kb, K, npad, halves, yq, yds);
+    }
+}
+
+// The normed activations as floats, [K, N] contiguous (grid: N columns), for the vector kernel of older GPUs.
+static __global__ void qmm_rms_norm_x(const float * __restrict__ x, const float * __restrict__ norm, float eps,
+                                      float * __restrict__ out, int K, int64_t stride_col_x) {
+    const int col = blockIdx.x;
+    ggml_cuda_pdl_sync();
+    const float * xc = x + col * stride_col_x;
+    const float scale = qmm_rms_scale(xc, K, eps);
+    for (int k = threadIdx.x; k < K; k += blockDim.x) {
+        out[(int64_t) col * K + k] = __fmul_rn(__fmul_rn(xc[k], scale), norm[k]);
+    }
+}
+
+static float qmm_norm_eps(const ggml_tensor * dst) {
+    float eps;
+    memcpy(&eps, &dst->op_params[1], sizeof(float));
+    return eps;
 }
 
 // Row tiles per warp when the caller leaves the choice to the kernel, from the H100 sweeps of every forced choice
@@ -259,10 +327,16 @@ static void qmatmul_mma(ggml_backend_cuda_context & ctx, const ggml_tensor * w, 
     ggml_cuda_pool_alloc<char> buf(ctx.pool(), (size_t) npad * K + (size_t) npad * (K / QK8_1) * sizeof(float2));
     int8_t * yq   = (int8_t *) buf.get();
     float2 * yds  = (float2 *) (buf.get() + (size_t) npad * K);   // npad*K is a multiple of 256: aligned
-    const int n_warps = npad * (K / QK8_1);
-    ggml_cuda_kernel_launch(qmm_quantize_x, ggml_cuda_kernel_launch_params(dim3((n_warps + 7) / 8), dim3(8 * WARP_SIZE), 0, stream),
-                            (const float *) x->data, yq, yds, K, N, npad, (int64_t) (x->nb[1] / sizeof(float)),
-                            staged_rt > 0);
+    const int64_t stride_col_x = x->nb[1] / sizeof(float);
+    if (const ggml_tensor * norm = dst->src[2]) {   // ggml_qmatmul_rms_norm
+        ggml_cuda_kernel_launch(qmm_quantize_x_rms, ggml_cuda_kernel_launch_params(dim3(npad), dim3(QMM_RMS_THREADS), 0, stream),
+                                (const float *) x->data, (const float *) norm->data, qmm_norm_eps(dst), yq, yds, K, N,
+                                npad, stride_col_x, staged_rt > 0);
+    } else {
+        const int n_warps = npad * (K / QK8_1);
+        ggml_cuda_kernel_launch(qmm_quantize_x, ggml_cuda_kernel_launch_params(dim3((n_warps + 7) / 8), dim3(8 * WARP_SIZE), 0, stream),
+                                (const float *) x->data, yq, yds, K, N, npad, stride_col_x, staged_rt > 0);
+    }
 
     const qmm_args p = {(const char *) w->data, yq, yds, (float *) dst->data, (int) (K / ggml_blck_size(w->type)),
                         K, M, N, npad, (int) (dst->nb[1] / sizeof(float))};
@@ -301,10 +375,20 @@ void ggml_ext_cuda_qmatmul(ggml_backend_cuda_context & ctx, ggml_tensor * dst) {
         }
     }
 
+    const float * xf = (const float *) x->data;
+    int64_t stride_col_x = x->nb[1] / sizeof(float);
+    ggml_cuda_pool_alloc<float> normed(ctx.pool());
+    if (const ggml_tensor * norm = dst->src[2]) {   // ggml_qmatmul_rms_norm: the normed columns first
+        normed.alloc(N * K);
+        ggml_cuda_kernel_launch(qmm_rms_norm_x, ggml_cuda_kernel_launch_params(dim3(N), dim3(QMM_RMS_THREADS), 0, stream),
+                                xf, (const float *) norm->data, qmm_norm_eps(dst), normed.get(), (int) K, stride_col_x);
+        xf = normed.get();
+        stride_col_x = K;
+    }
     const int64_t K_padded = GGML_PAD(K, MATRIX_ROW_PADDING);
     ggml_cuda_pool_alloc<char> y(ctx.pool(), N * K_padded * sizeof(block_q8_1) / QK8_1);
-    quantize_row_q8_1_cuda((const float *) x->data, nullptr, y.get(), w->type, K, x->nb[1] / sizeof(float),
-                           N * x->nb[1] / sizeof(float), N * x->nb[1] / sizeof(float), K_padded, N, 1, 1, stream);
+    quantize_row_q8_1_cuda(xf, nullptr, y.get(), w->type, K, stride_col_x, N * stride_col_x, N * stride_col_x,
+                           K_padded, N, 1, 1, stream);
 
     const int blocks_per_row = (int) (K / ggml_blck_size(w->type));
     const int stride_col_y   = (int) (K_padded / QK8_1);

@@ -182,6 +182,18 @@ GGML_API struct ggml_tensor * ggml_qmatmul(
         struct ggml_tensor  * w,
         struct ggml_tensor  * x,
         int                   row_tiles);
+
+// ggml_qmatmul of RMS-normed activations: W * (x / sqrt(mean(x^2) + eps) * norm), per column of x, norm f32 [K]
+// contiguous: a pre-norm layer's projection, the norm computed where the activations are quantised (on CUDA one
+// kernel instead of a norm and a quantisation). Column j's result does not depend on N, as ggml_qmatmul's. On
+// the CPU the normed columns are those of ggml_rms_norm then ggml_mul, to the bit.
+GGML_API struct ggml_tensor * ggml_qmatmul_rms_norm(
+        struct ggml_context * ctx,
+        struct ggml_tensor  * w,
+        struct ggml_tensor  * x,
+        struct ggml_tensor  * norm,
+        float                 eps,
+        int                   row_tiles);
 // --- Sampling: filter each row of logits and draw one token (docs/sampling.md) ----------------------------------
 //   logits f32 [n_vocab, n_rows]  rows contiguous (nb[0] = 4)
 //   hist   i32 [n_hist, n_rows]   each row's most recent tokens for the penalties (-1: no token), contiguous
@@ -263,6 +275,21 @@ GGML_API struct ggml_tensor * ggml_top_k_logp(
         struct ggml_context * ctx,
         struct ggml_tensor  * logits,
         int                   k);
+
+// --- The gates of a Gated DeltaNet layer from its beta and alpha projections: one op instead of four ----------
+//   beta    f32 [H, n]  the beta projection (rows may be strided: a view of a fused projection's output)
+//   alpha   f32 [H, n]  the alpha projection (likewise)
+//   dt_bias f32 [H], a f32 [H]  contiguous
+// Returns f32 [H, n, 2]: plane 0 the log-decay g = softplus(alpha + dt_bias) * a, plane 1 sigmoid(beta), each
+// plane contiguous. The formulas are ggml's (softplus(x) = x > 20 ? x : logf(1 + expf(x)), sigmoid(x) =
+// 1 / (1 + expf(-x))), evaluated in the order of ggml_add, ggml_softplus, ggml_mul and ggml_sigmoid, so the
+// values equal those ops' on the same backend.
+GGML_API struct ggml_tensor * ggml_gdn_gates(
+        struct ggml_context * ctx,
+        struct ggml_tensor  * beta,
+        struct ggml_tensor  * alpha,
+        struct ggml_tensor  * dt_bias,
+        struct ggml_tensor  * a);
 
 #ifdef __cplusplus
 }

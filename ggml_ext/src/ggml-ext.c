@@ -4,6 +4,7 @@
 #include "ggml-impl.h"
 
 #include <stdio.h>
+#include <string.h>
 
 int ggml_ext_abi_version(void) {
     return GGML_EXT_ABI_VERSION;
@@ -183,6 +184,21 @@ struct ggml_tensor * ggml_qmatmul(
     result->src[1] = x;
     return result;
 }
+
+struct ggml_tensor * ggml_qmatmul_rms_norm(
+        struct ggml_context * ctx,
+        struct ggml_tensor  * w,
+        struct ggml_tensor  * x,
+        struct ggml_tensor  * norm,
+        float                 eps,
+        int                   row_tiles) {
+    GGML_ASSERT(norm->type == GGML_TYPE_F32 && ggml_is_contiguous(norm) && ggml_nelements(norm) == x->ne[0]);
+    GGML_ASSERT(eps >= 0.0f);
+    struct ggml_tensor * result = ggml_qmatmul(ctx, w, x, row_tiles);
+    memcpy(&result->op_params[1], &eps, sizeof(float));
+    result->src[2] = norm;
+    return result;
+}
 static void ggml_ext_check_sample(const struct ggml_tensor * logits, const struct ggml_tensor * hist,
                                   const struct ggml_tensor * params) {
     GGML_ASSERT(logits->type == GGML_TYPE_F32 && ggml_is_matrix(logits) && logits->nb[0] == sizeof(float));
@@ -283,5 +299,28 @@ struct ggml_tensor * ggml_top_k_logp(
     result->op           = GGML_OP_TOP_K_LOGP;
     result->op_params[0] = k;
     result->src[0]       = logits;
+    return result;
+}
+
+struct ggml_tensor * ggml_gdn_gates(
+        struct ggml_context * ctx,
+        struct ggml_tensor  * beta,
+        struct ggml_tensor  * alpha,
+        struct ggml_tensor  * dt_bias,
+        struct ggml_tensor  * a) {
+    const int64_t H = beta->ne[0];
+    const int64_t n = beta->ne[1];
+    GGML_ASSERT(beta->type == GGML_TYPE_F32 && ggml_is_matrix(beta) && beta->nb[0] == sizeof(float));
+    GGML_ASSERT(alpha->type == GGML_TYPE_F32 && ggml_is_matrix(alpha) && alpha->nb[0] == sizeof(float));
+    GGML_ASSERT(alpha->ne[0] == H && alpha->ne[1] == n);
+    GGML_ASSERT(dt_bias->type == GGML_TYPE_F32 && ggml_is_contiguous(dt_bias) && ggml_nelements(dt_bias) == H);
+    GGML_ASSERT(a->type == GGML_TYPE_F32 && ggml_is_contiguous(a) && ggml_nelements(a) == H);
+
+    struct ggml_tensor * result = ggml_new_tensor_3d(ctx, GGML_TYPE_F32, H, n, 2);
+    result->op     = GGML_OP_GDN_GATES;
+    result->src[0] = beta;
+    result->src[1] = alpha;
+    result->src[2] = dt_bias;
+    result->src[3] = a;
     return result;
 }

@@ -3,6 +3,8 @@ before ggml, which would abort the process.
 """
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from ._ffi import ffi, lib
@@ -164,14 +166,17 @@ def qmatmul_streams(device) -> bool:
     return _streams[key]
 
 
-def qmatmul(ctx: Context, w: Tensor, x: Tensor, row_tiles: int = 0) -> Tensor:
+def qmatmul(ctx: Context, w: Tensor, x: Tensor, row_tiles: int = 0, norm: Tensor | None = None,
+            eps: float = 0.0) -> Tensor:
     """W * X for a quantised weight w [K, M] (Q4_K, Q5_K, Q6_K or Q8_0, contiguous) and f32 x [K, N] with
     1 <= N <= 48 columns -> f32 [M, N], the product `ctx.mul_mat(w, x)` computes. On CUDA column j of the result
     is bit-identical whatever N is (ggml-ext.h says how); the CPU kernel is a float reference.
 
     row_tiles: on CUDA, how many 16-row tiles of w each warp multiplies with each activation fragment it loads
     (0: the kernel chooses; 1, 2, 4 force it, for benchmarks; -1, -2 force it with the activations staged in
-    shared memory: Hopper, K-quants, N > 8). It changes the speed, never the result."""
+    shared memory: Hopper, K-quants, N > 8). It changes the speed, never the result.
+    norm (f32 [K]): multiply the RMS-normed columns instead, W * (rms_norm(x, eps) * norm)
+    (ggml_qmatmul_rms_norm: on CUDA the norm is computed as the columns are quantised)."""
     if row_tiles not in QMATMUL_ROW_TILES:
         raise ValueError(f"qmatmul row_tiles must be one of {QMATMUL_ROW_TILES}, got {row_tiles}")
     if w.type not in QMATMUL_TYPES:
@@ -185,7 +190,32 @@ def qmatmul(ctx: Context, w: Tensor, x: Tensor, row_tiles: int = 0) -> Tensor:
     _expect_rows(x, "qmatmul x")
     if not 1 <= n <= QMATMUL_MAX_COLS:
         raise ValueError(f"qmatmul takes 1 to {QMATMUL_MAX_COLS} columns of x, got {n}")
-    return Tensor(lib.ggml_qmatmul(ctx._ptr, w._ptr, x._ptr, row_tiles), ctx)
+    if norm is None:
+        return Tensor(lib.ggml_qmatmul(ctx._ptr, w._ptr, x._ptr, row_tiles), ctx)
+    if norm.type != Type.F32 or math.prod(norm.ne) != K or not norm.is_contiguous:
+        raise ValueError(f"qmatmul norm must be a contiguous f32 vector of {K} values, got {norm.type.name} "
+                         f"ne {norm.ne}")
+    if not eps >= 0.0:
+        raise ValueError(f"qmatmul eps must be >= 0, got {eps}")
+    return Tensor(lib.ggml_qmatmul_rms_norm(ctx._ptr, w._ptr, x._ptr, norm._ptr, eps, row_tiles), ctx)
+
+
+def gdn_gates(ctx: Context, beta: Tensor, alpha: Tensor, dt_bias: Tensor, a: Tensor) -> tuple[Tensor, Tensor]:
+    """A Gated DeltaNet layer's gates from its beta and alpha projections f32 [H, n] (rows contiguous, possibly
+    strided: views of a fused projection) and dt_bias, a f32 [H]: (g, beta_gate), each f32 [H, n] contiguous,
+    g = softplus(alpha + dt_bias) * a and beta_gate = sigmoid(beta), one op (ggml-ext.h: ggml_gdn_gates)."""
+    H, n = beta.ne[0], beta.ne[1]
+    for t, what in ((beta, "gdn_gates beta"), (alpha, "gdn_gates alpha")):
+        _expect(t, what, Type.F32, (H, n))
+        _expect_rows(t, what)
+    for t, what in ((dt_bias, "gdn_gates dt_bias"), (a, "gdn_gates a")):
+        _expect(t, what, Type.F32, (H,))
+        _expect_contiguous(t, what)
+    out = Tensor(lib.ggml_gdn_gates(ctx._ptr, beta._ptr, alpha._ptr, dt_bias._ptr, a._ptr), ctx)
+    plane = H * n * 4
+    return ctx.view_2d(out, H, n, H * 4, 0), ctx.view_2d(out, H, n, H * 4, plane)
+
+
 def argmax_first(ctx: Context, x: Tensor) -> Tensor:
     """The index of the largest value of every row of x f32 [n, n_rows] (rows contiguous): i32 [n_rows], the lowest
     index among equal maxima (ggml-ext.h). On CUDA the rows are split over many blocks, so one row costs a few

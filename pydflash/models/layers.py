@@ -121,6 +121,44 @@ def _takes_qmatmul(w: ggml.Tensor, x: ggml.Tensor) -> bool:
             and x.nb[0] == 4 and _on_device(w))
 
 
+def norm_in_qmatmul_enabled() -> bool:
+    """PYDFLASH_NORM_IN_QMATMUL=0: a Normed input is always built as its own rms_norm and mul (for comparisons)."""
+    return env_switch("PYDFLASH_NORM_IN_QMATMUL", default="1")
+
+
+class Normed:
+    """rms_norm(h, eps) * weight as the input of projections (linear, TargetRuntime.project): a product that
+    ggml_qmatmul takes computes the norm where it quantises the activations (ggml_qmatmul_rms_norm: one kernel
+    instead of a norm and a quantisation per product); any other reader gets the norm as a tensor, built once
+    (`tensor`). It reads like that tensor where linear decides: h's shape and type."""
+
+    def __init__(self, ctx: ggml.Context, h: ggml.Tensor, weight: ggml.Tensor, eps: float, name: str):
+        self.ctx, self.h, self.weight, self.eps, self.name = ctx, h, weight, eps, name
+        self._tensor = None
+
+    @property
+    def type(self) -> ggml.Type:
+        return self.h.type
+
+    @property
+    def ne(self) -> tuple[int, int, int, int]:
+        return self.h.ne
+
+    @property
+    def nb(self) -> tuple[int, int, int, int]:
+        return self.h.nb
+
+    def tensor(self) -> ggml.Tensor:
+        if self._tensor is None:
+            self._tensor = rms_norm(self.ctx, self.h, self.weight, self.eps, self.name)
+        return self._tensor
+
+    def fuses_into(self, w: ggml.Tensor) -> bool:
+        """Whether linear(ctx, w, self) takes ggml_qmatmul_rms_norm."""
+        return (self.h.is_contiguous and self.weight.type == ggml.Type.F32 and self.weight.is_contiguous
+                and norm_in_qmatmul_enabled() and uses_qmatmul(w, self))
+
+
 def uses_qmatmul(w: ggml.Tensor, x: ggml.Tensor) -> bool:
     """Whether linear(ctx, w, x) takes ggml_qmatmul (else ggml's mul_mat) in the current qmatmul_mode."""
     mode = qmatmul_mode()
@@ -128,13 +166,17 @@ def uses_qmatmul(w: ggml.Tensor, x: ggml.Tensor) -> bool:
         mode == "1" or qmatmul_faster(w.type, w.ne[1], x.ne[1], x.ne[1] == 1 and _streams(w)))
 
 
-def linear(ctx: ggml.Context, w: ggml.Tensor, x: ggml.Tensor) -> ggml.Tensor:
+def linear(ctx: ggml.Context, w: ggml.Tensor, x: ggml.Tensor | Normed) -> ggml.Tensor:
     """w^T x for a weight w [n_in, n_out] (ggml order) and activations x [n_in, ...] -> [n_out, ...].
 
     ggml's mul_mat, except quantised GPU weights that ggml_qmatmul takes (qmatmul_mode): by default where it is
     the faster kernel, with PYDFLASH_QMATMUL=1 for every 1..48 columns (then every column is bit-identical
     whatever the number of columns; ggml-ext.h says how). The weight must be allocated when the graph is built
-    (model weights always are)."""
+    (model weights always are). x may be a Normed input (normed inside ggml_qmatmul where it takes the product)."""
+    if isinstance(x, Normed):
+        if x.fuses_into(w):
+            return ggml.qmatmul(ctx, w, x.h, norm=x.weight, eps=x.eps)
+        x = x.tensor()
     if uses_qmatmul(w, x):
         return ggml.qmatmul(ctx, w, x)
     if bitexact_enabled() and x.ne[1] <= ggml.QMATMUL_MAX_COLS and x.ne[2:] == (1, 1) and x.is_contiguous:

@@ -160,13 +160,14 @@ class Qwen35Target(TargetRuntime):
 
     def build_layer(self, ctx, il: int, h, g: GraphInputs):
         hp, w, p = self.hp, self.weights, f"blk.{il}."
-        x = rms_norm(ctx, h, w[p + "attn_norm.weight"], hp.rms_eps, f"l{il}.attn_norm")
+        # the norms' outputs only feed projections: Normed lets ggml_qmatmul compute them (layers.Normed)
+        x = layers.Normed(ctx, h, w[p + "attn_norm.weight"], hp.rms_eps, f"l{il}.attn_norm")
         if hp.recurrent[il]:
             mix = self._gdn(ctx, x, il, g)
         else:
             mix = self._attention(ctx, x, il, g)
         h = ctx.add(mix, h).named(f"l{il}.attn_res")
-        x = rms_norm(ctx, h, w[p + "post_attention_norm.weight"], hp.rms_eps, f"l{il}.ffn_norm")
+        x = layers.Normed(ctx, h, w[p + "post_attention_norm.weight"], hp.rms_eps, f"l{il}.ffn_norm")
         ffn = self.gated_ffn(ctx, x, p, ctx.swiglu_split, f"l{il}.ffn_out")
         return ctx.add(ffn, h).named(f"l{il}.out")
 
@@ -208,12 +209,12 @@ class Qwen35Target(TargetRuntime):
         d_k, h_k, d_v, h_v = hp.ssm_d_k, hp.ssm_n_k_heads, hp.ssm_d_v, hp.ssm_n_v_heads
         # qkv [conv_dim, n], z [value_dim, n], beta and alpha [h_v, n]; contiguous copies of row ranges of a
         # fused product where the ops below need whole tensors (only verify and prefill: one column is contiguous)
-        qkv, z, beta, alpha = (t if t.is_contiguous else ctx.cont(t) for t in
-                               self.project(ctx, x, [p + "attn_qkv", p + "attn_gate", p + "ssm_beta", p + "ssm_alpha"]))
-        beta = ctx.sigmoid(ctx.reshape_4d(beta, 1, h_v, n, 1))
-        alpha = ctx.reshape_3d(alpha, h_v, n, 1)
-        gk = ctx.mul(ctx.softplus(ctx.add(alpha, w[p + "ssm_dt.bias"])), w[p + "ssm_a"])  # log-decay, <= 0
+        qkv, z, beta, alpha = self.project(ctx, x, [p + "attn_qkv", p + "attn_gate", p + "ssm_beta", p + "ssm_alpha"])
+        qkv, z = (t if t.is_contiguous else ctx.cont(t) for t in (qkv, z))
+        # log-decay g = softplus(alpha + dt_bias) * a (<= 0) and sigmoid(beta), one op (it reads row ranges as they are)
+        gk, beta = ggml.gdn_gates(ctx, beta, alpha, w[p + "ssm_dt.bias"], w[p + "ssm_a"])
         gk = ctx.reshape_4d(gk, 1, h_v, n, 1).named(f"l{il}.gdn.g")
+        beta = ctx.reshape_4d(beta, 1, h_v, n, 1)
 
         # causal depthwise conv over (last d_conv-1 inputs ‖ this batch), then keep the newest d_conv-1 inputs
         conv_state = cache.conv[il]

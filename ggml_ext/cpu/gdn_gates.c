@@ -1,0 +1,30 @@
+// ggml_gdn_gates on the CPU: threads split the tokens; each value is ggml's own scalar formula (unary-ops.cpp's
+// softplus and sigmoid), in the order of the ops it replaces.
+
+#include "ggml-ext-cpu.h"
+#include "ggml-cpu-impl.h"
+#include "ggml-impl.h"
+
+#include <math.h>
+
+void ggml_ext_cpu_gdn_gates(const struct ggml_compute_params * params, struct ggml_tensor * dst) {
+    const struct ggml_tensor * beta  = dst->src[0];
+    const struct ggml_tensor * alpha = dst->src[1];
+    const float * dt_bias = (const float *) dst->src[2]->data;
+    const float * a       = (const float *) dst->src[3]->data;
+    const int64_t H = beta->ne[0];
+    const int64_t n = beta->ne[1];
+    float * g_out    = (float *) dst->data;
+    float * beta_out = g_out + H * n;
+
+    for (int64_t t = params->ith; t < n; t += params->nth) {
+        const float * b  = (const float *) ((const char *) beta->data + t * beta->nb[1]);
+        const float * al = (const float *) ((const char *) alpha->data + t * alpha->nb[1]);
+        for (int64_t h = 0; h < H; ++h) {
+            const float x  = al[h] + dt_bias[h];
+            const float sp = x > 20.0f ? x : logf(1.0f + expf(x));
+            g_out[t * H + h]    = sp * a[h];
+            beta_out[t * H + h] = 1.0f / (1.0f + expf(-b[h]));
+        }
+    }
+}
