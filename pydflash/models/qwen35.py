@@ -235,10 +235,11 @@ class Qwen35Target(TargetRuntime):
         conv = ctx.silu(conv).named(f"l{il}.gdn.conv")              # [conv_dim, n, 1]
 
         row = hp.conv_dim * 4
-        q = ctx.view_4d(conv, d_k, h_k, n, 1, d_k * 4, row, row * n, 0)
-        k = ctx.view_4d(conv, d_k, h_k, n, 1, d_k * 4, row, row * n, hp.key_dim * 4)
+        # q's heads then k's, l2-normed as one tensor (one norm kernel instead of two; each head on its own)
+        qk = layers.l2_norm(ctx, ctx.view_4d(conv, d_k, 2 * h_k, n, 1, d_k * 4, row, row * n, 0), hp.rms_eps)
+        q = ctx.view_4d(qk, d_k, h_k, n, 1, qk.nb[1], qk.nb[2], qk.nb[3], 0)
+        k = ctx.view_4d(qk, d_k, h_k, n, 1, qk.nb[1], qk.nb[2], qk.nb[3], hp.key_dim * 4)
         v = ctx.view_4d(conv, d_v, h_v, n, 1, d_v * 4, row, row * n, 2 * hp.key_dim * 4)
-        q, k = layers.l2_norm(ctx, q, hp.rms_eps), layers.l2_norm(ctx, k, hp.rms_eps)
 
         ssm = cache.ssm[il]
         state = ctx.reshape_4d(ssm, d_v, d_v, h_v, 1)
@@ -257,7 +258,7 @@ class Qwen35Target(TargetRuntime):
             # A [1, h_v, n] gate or beta would take ggml-cuda's transposed copy, which ignores the destination's
             # row stride (ggml-org/ggml#1497) and packed every slot's gate and beta into slot 0's row.
             store = self.slot_states[il]
-            sources = (("k", ctx.reshape_2d(k, hp.key_dim, n)),
+            sources = (("k", ctx.view_2d(qk, hp.key_dim, n, qk.nb[2], hp.key_dim * 4)),
                        ("v", ctx.view_2d(conv, hp.value_dim, n, conv.nb[1], 2 * hp.key_dim * 4)),
                        ("g", ctx.reshape_2d(gk, h_v, n)), ("beta", ctx.reshape_2d(beta, h_v, n)))
             offset = 0
