@@ -122,15 +122,18 @@ def _takes_qmatmul(w: ggml.Tensor, x: ggml.Tensor) -> bool:
 
 
 def norm_in_qmatmul_enabled() -> bool:
-    """PYDFLASH_NORM_IN_QMATMUL=0: a Normed input is always built as its own rms_norm and mul (for comparisons)."""
-    return env_switch("PYDFLASH_NORM_IN_QMATMUL", default="1")
+    """PYDFLASH_NORM_IN_QMATMUL=1: products that ggml_qmatmul takes compute a Normed input's norm themselves
+    (ggml_qmatmul_rms_norm). Off by default: on the H100 its one-block-per-column quantisation made the 27B
+    shape's decode slower than the separate norm and quantisation (docs/benchmarks.md, twelfth session)."""
+    return env_switch("PYDFLASH_NORM_IN_QMATMUL", default="0")
 
 
 class Normed:
-    """rms_norm(h, eps) * weight as the input of projections (linear, TargetRuntime.project): a product that
-    ggml_qmatmul takes computes the norm where it quantises the activations (ggml_qmatmul_rms_norm: one kernel
-    instead of a norm and a quantisation per product); any other reader gets the norm as a tensor, built once
-    (`tensor`). It reads like that tensor where linear decides: h's shape and type."""
+    """rms_norm(h, eps) * weight as the input of projections (linear, TargetRuntime.project): with
+    PYDFLASH_NORM_IN_QMATMUL=1 a product that ggml_qmatmul takes computes the norm where it quantises the
+    activations (ggml_qmatmul_rms_norm: one kernel instead of a norm and a quantisation); any other reader gets
+    the norm as a tensor, built once (`tensor`). It reads like that tensor where linear decides: h's shape and
+    type."""
 
     def __init__(self, ctx: ggml.Context, h: ggml.Tensor, weight: ggml.Tensor, eps: float, name: str):
         self.ctx, self.h, self.weight, self.eps, self.name = ctx, h, weight, eps, name

@@ -119,7 +119,7 @@ class LlamaTarget(TargetRuntime):
 
     def build_layer(self, ctx, il: int, h, g: GraphInputs):
         hp, w, p = self.hp, self.weights, f"blk.{il}."
-        # the norms' outputs only feed projections: Normed lets ggml_qmatmul compute them (layers.Normed)
+        # the norms' outputs only feed projections, which may compute them (layers.Normed)
         x = layers.Normed(ctx, h, w[p + "attn_norm.weight"], hp.rms_eps, f"l{il}.attn_norm")
         h = ctx.add(self._attention(ctx, x, il, g), h).named(f"l{il}.attn_res")
         x = layers.Normed(ctx, h, w[p + "ffn_norm.weight"], hp.rms_eps, f"l{il}.ffn_norm")
