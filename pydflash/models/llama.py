@@ -129,7 +129,8 @@ class LlamaTarget(TargetRuntime):
     def fusion_candidates(self, il: int) -> list[tuple[str, ...]]:
         """Q, K and V of a layer as one matrix where their types agree (else the two neighbours whose do), their
         biases likewise: one matmul (and one quantisation of the activations) instead of three, which is most
-        of a small model's decode time in kernel launches; the FFN's gate and up likewise (gated_ffn). Each output row is the same dot product as before, so the logits do not change."""
+        of a small model's decode time in kernel launches; the FFN's gate and up likewise (gated_ffn). Each output
+        row is the same dot product as before, so the logits do not change."""
         p = f"blk.{il}."
         return [(p + "attn_q", p + "attn_k", p + "attn_v"), (p + "ffn_gate", p + "ffn_up")]
 
