@@ -214,15 +214,16 @@ static __global__ void qmm_quantize_x(const float * __restrict__ x, int8_t * __r
     qmm_quantize_block(v, lane, col, kb, K, npad, halves, yq, yds);
 }
 
-// ggml_qmatmul_rms_norm: one CUDA block of QMM_RMS_THREADS per column. The column's factor 1 / sqrt(mean(x^2) + eps)
-// comes out the same in every thread and for any N: each thread sums the squares of values tid, tid + blockDim, ...
-// in order, the warps butterfly-reduce (every lane ends with the same bits), and every thread adds the warp totals
-// in warp order.
-#define QMM_RMS_THREADS 1024
+// ggml_qmatmul_rms_norm: a column's factor 1 / sqrt(mean(x^2) + eps), computed by a whole CUDA block (at most
+// QMM_RMS_MAX_THREADS threads) and the same in every thread of it, and in every block of the same size: each thread
+// sums the squares of values tid, tid + blockDim, ... in order, the warps butterfly-reduce (every lane ends with
+// the same bits), and every thread adds the warp totals in warp order. No dependence on N.
+#define QMM_RMS_MAX_THREADS 1024
 
 static __device__ __forceinline__ float qmm_rms_scale(const float * __restrict__ xc, int K, float eps) {
-    __shared__ float warp_sums[QMM_RMS_THREADS / WARP_SIZE];
+    __shared__ float warp_sums[QMM_RMS_MAX_THREADS / WARP_SIZE];
     float s = 0.0f;
+#pragma unroll 4
     for (int k = threadIdx.x; k < K; k += blockDim.x) {
         s += xc[k] * xc[k];
     }
@@ -241,21 +242,27 @@ static __device__ __forceinline__ float qmm_rms_scale(const float * __restrict__
     return rsqrtf(total / (float) K + eps);
 }
 
-// The normed activations quantised (grid: npad columns, padding columns zero): warp w takes blocks w, w + 32, ...
+// The normed activations quantised: qmm_quantize_x's warps (one per 32 values, QMM_RMS_QUANT_WARPS per block) on a
+// grid (K / (32 * warps), npad) so that a block's warps share a column, each block first finding that column's
+// factor from all of it (K values from L2: the price of not waiting on a separate norm kernel). Padding columns
+// are zero.
+#define QMM_RMS_QUANT_WARPS 8
+
 static __global__ void qmm_quantize_x_rms(const float * __restrict__ x, const float * __restrict__ norm, float eps,
                                           int8_t * __restrict__ yq, float2 * __restrict__ yds,
                                           int K, int N, int npad, int64_t stride_col_x, bool halves) {
-    const int col  = blockIdx.x;
-    const int warp = threadIdx.x / WARP_SIZE;
+    const int col  = blockIdx.y;
     const int lane = threadIdx.x % WARP_SIZE;
+    const int kb   = blockIdx.x * QMM_RMS_QUANT_WARPS + threadIdx.x / WARP_SIZE;
     ggml_cuda_pdl_sync();
     const float * xc = x + col * stride_col_x;
-    const float scale = col < N ? qmm_rms_scale(xc, K, eps) : 0.0f;
-    for (int kb = warp; kb < K / QK8_1; kb += blockDim.x / WARP_SIZE) {
-        const int k = kb * QK8_1 + lane;
-        const float v = col < N ? __fmul_rn(__fmul_rn(xc[k], scale), norm[k]) : 0.0f;
-        qmm_quantize_block(v, lane, col, kb, K, npad, halves, yq, yds);
+    const float scale = col < N ? qmm_rms_scale(xc, K, eps) : 0.0f;   // (col is the same in the whole block)
+    if (kb >= K / QK8_1) {
+        return;
     }
+    const int k = kb * QK8_1 + lane;
+    const float v = col < N ? __fmul_rn(__fmul_rn(xc[k], scale), norm[k]) : 0.0f;
+    qmm_quantize_block(v, lane, col, kb, K, npad, halves, yq, yds);
 }
 
 // The normed activations as floats, [K, N] contiguous (grid: N columns), for the vector kernel of older GPUs.
@@ -329,7 +336,8 @@ static void qmatmul_mma(ggml_backend_cuda_context & ctx, const ggml_tensor * w, 
     float2 * yds  = (float2 *) (buf.get() + (size_t) npad * K);   // npad*K is a multiple of 256: aligned
     const int64_t stride_col_x = x->nb[1] / sizeof(float);
     if (const ggml_tensor * norm = dst->src[2]) {   // ggml_qmatmul_rms_norm
-        ggml_cuda_kernel_launch(qmm_quantize_x_rms, ggml_cuda_kernel_launch_params(dim3(npad), dim3(QMM_RMS_THREADS), 0, stream),
+        const dim3 grid((K / QK8_1 + QMM_RMS_QUANT_WARPS - 1) / QMM_RMS_QUANT_WARPS, npad);
+        ggml_cuda_kernel_launch(qmm_quantize_x_rms, ggml_cuda_kernel_launch_params(grid, dim3(QMM_RMS_QUANT_WARPS * WARP_SIZE), 0, stream),
                                 (const float *) x->data, (const float *) norm->data, qmm_norm_eps(dst), yq, yds, K, N,
                                 npad, stride_col_x, staged_rt > 0);
     } else {
@@ -380,7 +388,7 @@ void ggml_ext_cuda_qmatmul(ggml_backend_cuda_context & ctx, ggml_tensor * dst) {
     ggml_cuda_pool_alloc<float> normed(ctx.pool());
     if (const ggml_tensor * norm = dst->src[2]) {   // ggml_qmatmul_rms_norm: the normed columns first
         normed.alloc(N * K);
-        ggml_cuda_kernel_launch(qmm_rms_norm_x, ggml_cuda_kernel_launch_params(dim3(N), dim3(QMM_RMS_THREADS), 0, stream),
+        ggml_cuda_kernel_launch(qmm_rms_norm_x, ggml_cuda_kernel_launch_params(dim3(N), dim3(QMM_RMS_MAX_THREADS), 0, stream),
                                 xf, (const float *) norm->data, qmm_norm_eps(dst), normed.get(), (int) K, stride_col_x);
         xf = normed.get();
         stride_col_x = K;

@@ -123,8 +123,9 @@ def _takes_qmatmul(w: ggml.Tensor, x: ggml.Tensor) -> bool:
 
 def norm_in_qmatmul_enabled() -> bool:
     """PYDFLASH_NORM_IN_QMATMUL=1: products that ggml_qmatmul takes compute a Normed input's norm themselves
-    (ggml_qmatmul_rms_norm). Off by default: on the H100 its one-block-per-column quantisation made the 27B
-    shape's decode slower than the separate norm and quantisation (docs/benchmarks.md, twelfth session)."""
+    (ggml_qmatmul_rms_norm). Off by default: on the H100 its first kernel (one block per column) made the 27B
+    shape's decode slower than the separate norm and quantisation; the current one is unmeasured
+    (docs/benchmarks.md, twelfth session)."""
     return env_switch("PYDFLASH_NORM_IN_QMATMUL", default="0")
 
 
