@@ -173,3 +173,26 @@ def test_norms_computed_inside_qmatmul_give_the_same_logits(tmp_path, monkeypatc
     assert count(plain)[0] == 0 and normed == 2 * n_layer
     assert count(plain)[1] - norms == 2 * n_layer   # both input norms of every layer
     assert np.array_equal(got, ref)
+
+
+def test_recurrent_projections_of_two_types_fuse_in_two_runs(tmp_path, monkeypatch):
+    """A file whose beta and alpha are stored in another type than qkv and z (Q8_0 beside Q4_K): the four split into
+    two fused matrices, qkv+z and beta+alpha, and the logits stay the unfused model's, bit for bit (CPU)."""
+    import pydflash.testing as testing
+    storage_type = testing._storage_type
+
+    def mixed(spec, weight_type):
+        if spec.name.endswith(("ssm_beta.weight", "ssm_alpha.weight")):
+            return "Q8_0"
+        return storage_type(spec, weight_type)
+    monkeypatch.setattr(testing, "_storage_type", mixed)
+    path = str(tmp_path / "mixed.gguf")
+    write_qwen35_gguf(path, **dict(CUDA_SHAPE, n_embd=256, weight_type="Q4_K", seed=9))
+    prompt = [int(t) for t in np.random.default_rng(4).integers(0, 400, 20)]
+    fused, got = _run(path, "cpu", prompt, 3)
+    monkeypatch.setenv("PYDFLASH_FUSED_WEIGHTS", "0")
+    plain, ref = _run(path, "cpu", prompt, 3)
+    assert GGUFFile(path).tensors["blk.0.ssm_beta.weight"].type != GGUFFile(path).tensors["blk.0.attn_qkv.weight"].type
+    assert sorted(k for k in fused.weights.fused if k.startswith("blk.0.") and k.endswith(".weight")) == \
+        ["blk.0.attn_qkv+attn_gate.weight", "blk.0.ffn_gate+ffn_up.weight", "blk.0.ssm_beta+ssm_alpha.weight"]
+    assert np.array_equal(got, ref)
