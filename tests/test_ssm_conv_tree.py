@@ -102,6 +102,30 @@ def test_padding_slots_do_not_touch_real_nodes(backend, rng):
     np.testing.assert_array_equal(got_full[:, :used], got_small)
 
 
+@pytest.mark.parametrize("kind, n_t, n_s", [("ddtree", 23, 1), ("bushy", 9, 3), ("chain", 1, 1)])
+def test_split_form_equals_the_concatenated_one(backend, rng, kind, n_t, n_s):
+    """ggml_ssm_conv_tree_split over the state and the new inputs where they are (x a row range of a wider
+    projection output, as a fused qkv's) gives the concatenated form's numbers bit for bit."""
+    d_conv, d_inner, width = 4, 640, 1000
+    parents = np.stack([make_tree(kind, n_t, rng) for _ in range(n_s)])
+    inputs = {"state": rng.standard_normal((n_s, d_inner, d_conv - 1)).astype(np.float32),
+              "proj": rng.standard_normal((n_s, n_t, width)).astype(np.float32),
+              "c": rng.standard_normal((d_inner, d_conv)).astype(np.float32),
+              "parent": parents.astype(np.int32)}
+
+    def both(ctx, t):
+        proj = t["proj"]
+        x = ctx.view_3d(proj, d_inner, n_t, n_s, proj.nb[1], proj.nb[2], 7 * 4)   # rows 7 .. 7 + d_inner
+        sx = ctx.concat(t["state"], ctx.transpose(ctx.cont(x)), 0)
+        return [ggml.ssm_conv_tree_split(ctx, t["state"], x, t["c"], t["parent"]),
+                ggml.ssm_conv_tree(ctx, sx, t["c"], t["parent"])]
+    split, concatenated = run_graph(backend, both, inputs)
+    np.testing.assert_array_equal(split, concatenated)
+    sx = np.concatenate([inputs["state"], inputs["proj"][:, :, 7:7 + d_inner].transpose(0, 2, 1)], axis=2)
+    ref = ssm_conv_tree_ref(sx=sx, c=inputs["c"], parent=inputs["parent"])
+    assert rel_err(split.reshape(n_s, n_t, d_inner), ref) < TOL
+
+
 # --- the wrapper's checks (no compute) ------------------------------------------------------------------------------
 
 def test_wrapper_rejects_bad_inputs():
@@ -125,6 +149,14 @@ def test_wrapper_rejects_bad_inputs():
     with pytest.raises(ValueError, match="> 16"):
         ggml.ssm_conv_tree(ctx, ctx.new_tensor(np.float32, (16 + 5, 16, 2)), ctx.new_tensor(np.float32, (17, 16)),
                            parent)
+    state, x = ctx.new_tensor(np.float32, (3, 16, 2)), ctx.new_tensor(np.float32, (16, 5, 2))
+    ggml.ssm_conv_tree_split(ctx, state, x, c, parent)  # fine
+    with pytest.raises(ValueError, match="state must have ne"):
+        ggml.ssm_conv_tree_split(ctx, ctx.new_tensor(np.float32, (4, 16, 2)), x, c, parent)
+    with pytest.raises(ValueError, match="x must have ne"):
+        ggml.ssm_conv_tree_split(ctx, state, ctx.new_tensor(np.float32, (17, 5, 2)), c, parent)
+    with pytest.raises(ValueError, match="parent must have ne"):
+        ggml.ssm_conv_tree_split(ctx, state, ctx.new_tensor(np.float32, (16, 4, 2)), c, parent)
 
 
 @pytest.mark.parametrize("bad, where", [([0, 0, 1], "parent\\[0, 0\\] = 0"), ([-1, 1, 0], "parent\\[0, 1\\] = 1"),
@@ -149,3 +181,24 @@ def test_set_parents(backend):
     ggml.set_parents(parent, [[-1, 0, 0, 1], [-1, -1, 1, 2]])
     np.testing.assert_array_equal(parent.numpy(), [[-1, 0, 0, 1], [-1, -1, 1, 2]])
     del buf
+
+
+# --- in the model ------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_verify_with_the_split_conv_gives_the_same_logits(tmp_path, monkeypatch, device):
+    """PYDFLASH_CONV_SPLIT=1 (a tree verify's conv reading the state and the projection's rows where they are):
+    prefill, decode and a tree verify give the very logits of the concatenated form."""
+    from test_engine import CUDA_SHAPE
+    from test_fused_weights import _run
+
+    from pydflash.testing import write_qwen35_gguf
+    path = str(tmp_path / "q35.gguf")
+    write_qwen35_gguf(path, **dict(CUDA_SHAPE, weight_type="Q8_0"))
+    prompt = [int(t) for t in np.random.default_rng(5).integers(0, 400, 20)]
+    _, ref = _run(path, device, prompt, 3)
+    monkeypatch.setenv("PYDFLASH_CONV_SPLIT", "1")
+    split, got = _run(path, device, prompt, 3)
+    ops = [n.op for n in split._last.graph.nodes()]
+    assert ggml.Op.CONCAT not in ops and ggml.Op.SSM_CONV_TREE in ops
+    np.testing.assert_array_equal(got, ref)

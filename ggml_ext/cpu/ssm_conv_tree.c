@@ -1,4 +1,4 @@
-// ggml_ssm_conv_tree on the CPU: threads split d_inner.
+// ggml_ssm_conv_tree (and its split form, ggml_ssm_conv_tree_split) on the CPU: threads split d_inner.
 
 #include "ggml-ext-cpu.h"
 #include "ggml-cpu-impl.h"
@@ -7,10 +7,21 @@
 
 #define GGML_EXT_MAX_CONV 16
 
+// One output: the window's d_conv values of x (at cols) dotted with the kernel row, in order. Not inlined, so that
+// both forms of the op run the same machine code, contractions into FMAs included: bit-identical results.
+__attribute__((noinline)) static float window_dot(const float * x, const int * cols, const float * w, int d_conv) {
+    float sum = 0.0f;
+    for (int j = 0; j < d_conv; ++j) {
+        sum += x[cols[j]] * w[j];
+    }
+    return sum;
+}
+
 void ggml_ext_cpu_ssm_conv_tree(const struct ggml_compute_params * params, struct ggml_tensor * dst) {
-    const struct ggml_tensor * sx     = dst->src[0];
+    const struct ggml_tensor * sx     = dst->src[0];   // split form: the state columns only
     const struct ggml_tensor * c      = dst->src[1];
     const struct ggml_tensor * parent = dst->src[2];
+    const struct ggml_tensor * xin    = dst->src[3];   // split form: the new inputs [d_inner, n_t, n_s]
 
     const int d_conv  = (int) c->ne[0];
     const int d_inner = (int) c->ne[1];
@@ -24,6 +35,10 @@ void ggml_ext_cpu_ssm_conv_tree(const struct ggml_compute_params * params, struc
     const int r1 = MIN(r0 + per_thread, d_inner);
 
     int cols[GGML_EXT_MAX_CONV];
+    int identity[GGML_EXT_MAX_CONV];
+    for (int j = 0; j < GGML_EXT_MAX_CONV; ++j) {
+        identity[j] = j;
+    }
     for (int s = 0; s < n_s; ++s) {
         const int * par = (const int *) ((const char *) parent->data + s * parent->nb[1]);
         for (int t = 0; t < n_t; ++t) {
@@ -32,11 +47,17 @@ void ggml_ext_cpu_ssm_conv_tree(const struct ggml_compute_params * params, struc
             for (int r = r0; r < r1; ++r) {
                 const float * x = (const float *) ((const char *) sx->data + r * sx->nb[1] + s * sx->nb[2]);
                 const float * w = (const float *) ((const char *) c->data + r * c->nb[1]);
-                float sum = 0.0f;
-                for (int j = 0; j < d_conv; ++j) {
-                    sum += x[cols[j]] * w[j];
+                if (xin == NULL) {
+                    out[r] = window_dot(x, cols, w, d_conv);
+                } else {   // the window's values gathered, then the very same dot product
+                    const char * xr = (const char *) xin->data + r * sizeof(float) + s * xin->nb[2];
+                    float win[GGML_EXT_MAX_CONV];
+                    for (int j = 0; j < d_conv; ++j) {
+                        win[j] = cols[j] < d_conv - 1 ? x[cols[j]] :
+                                 *(const float *) (xr + (cols[j] - (d_conv - 1)) * xin->nb[1]);
+                    }
+                    out[r] = window_dot(win, identity, w, d_conv);
                 }
-                out[r] = sum;
             }
         }
     }

@@ -1,7 +1,8 @@
 // ggml_ssm_conv_tree on CUDA. A block takes 128 channels of one sequence over SSM_CONV_TREE_TOKENS tokens: its
 // first threads walk the tree once for each token (the window's sx columns, into shared memory), then each
 // thread convolves its channel for every token, the kernel row in registers; the output stores are coalesced
-// over channels. d_conv is a template parameter.
+// over channels. d_conv is a template parameter. SPLIT (ggml_ssm_conv_tree_split): sx holds only the state
+// columns and the token columns are read from x [d_inner, n_t, n_s] (loads coalesced over channels).
 
 #include "ggml-ext-cuda.cuh"
 #include "../src/tree-walk.h"
@@ -9,11 +10,11 @@
 #define SSM_CONV_TREE_THREADS 128
 #define SSM_CONV_TREE_TOKENS  8
 
-template <int D_CONV>
+template <int D_CONV, bool SPLIT>
 static __global__ void __launch_bounds__(SSM_CONV_TREE_THREADS)
-ssm_conv_tree_kernel(const char * sx, const float * c, const int * parent, float * dst,
-                     int d_inner, int n_t, size_t sx_nb1, size_t sx_nb2, size_t c_nb1, size_t par_nb1,
-                     size_t dst_nb1, size_t dst_nb2) {
+ssm_conv_tree_kernel(const char * sx, const char * xin, const float * c, const int * parent, float * dst,
+                     int d_inner, int n_t, size_t sx_nb1, size_t sx_nb2, size_t x_nb1, size_t x_nb2, size_t c_nb1,
+                     size_t par_nb1, size_t dst_nb1, size_t dst_nb2) {
     __shared__ int cols[SSM_CONV_TREE_TOKENS][D_CONV];
 
     const int r  = blockIdx.x * SSM_CONV_TREE_THREADS + threadIdx.x;
@@ -37,11 +38,14 @@ ssm_conv_tree_kernel(const char * sx, const float * c, const int * parent, float
         w[j] = ((const float *) ((const char *) c + r * c_nb1))[j];
     }
     const float * x = (const float *) (sx + r * sx_nb1 + s * sx_nb2);
+    const char  * xr = SPLIT ? xin + r * sizeof(float) + s * x_nb2 : nullptr;
     for (int tt = 0; tt < tc; ++tt) {
         float sum = 0.0f;
 #pragma unroll
         for (int j = 0; j < D_CONV; ++j) {
-            sum += x[cols[tt][j]] * w[j];
+            const int col = cols[tt][j];
+            const float v = !SPLIT || col < D_CONV - 1 ? x[col] : *(const float *) (xr + (col - (D_CONV - 1)) * x_nb1);
+            sum += v * w[j];
         }
         *(float *) ((char *) dst + r * sizeof(float) + (t0 + tt) * dst_nb1 + s * dst_nb2) = sum;
     }
@@ -51,6 +55,7 @@ void ggml_ext_cuda_ssm_conv_tree(ggml_backend_cuda_context & ctx, ggml_tensor * 
     const ggml_tensor * sx     = dst->src[0];
     const ggml_tensor * c      = dst->src[1];
     const ggml_tensor * parent = dst->src[2];
+    const ggml_tensor * xin    = dst->src[3];   // ggml_ssm_conv_tree_split, else NULL
     GGML_ASSERT(c->ne[0] == 4);  // ggml_ext_cuda_supports_op refuses other kernel sizes
 
     const int d_inner = (int) c->ne[1];
@@ -58,7 +63,10 @@ void ggml_ext_cuda_ssm_conv_tree(ggml_backend_cuda_context & ctx, ggml_tensor * 
     const int n_s     = (int) dst->ne[2];
     const dim3 grid((d_inner + SSM_CONV_TREE_THREADS - 1) / SSM_CONV_TREE_THREADS,
                     (n_t + SSM_CONV_TREE_TOKENS - 1) / SSM_CONV_TREE_TOKENS, n_s);
-    ggml_cuda_kernel_launch(ssm_conv_tree_kernel<4>, ggml_cuda_kernel_launch_params(grid, SSM_CONV_TREE_THREADS, 0, ctx.stream()),
-        (const char *) sx->data, (const float *) c->data, (const int *) parent->data, (float *) dst->data,
-        d_inner, n_t, sx->nb[1], sx->nb[2], c->nb[1], parent->nb[1], dst->nb[1], dst->nb[2]);
+    const ggml_cuda_kernel_launch_params params(grid, SSM_CONV_TREE_THREADS, 0, ctx.stream());
+    const char * x  = xin ? (const char *) xin->data : nullptr;
+    const size_t x_nb1 = xin ? xin->nb[1] : 0, x_nb2 = xin ? xin->nb[2] : 0;
+    ggml_cuda_kernel_launch(xin ? ssm_conv_tree_kernel<4, true> : ssm_conv_tree_kernel<4, false>, params,
+        (const char *) sx->data, x, (const float *) c->data, (const int *) parent->data, (float *) dst->data,
+        d_inner, n_t, sx->nb[1], sx->nb[2], x_nb1, x_nb2, c->nb[1], parent->nb[1], dst->nb[1], dst->nb[2]);
 }

@@ -46,6 +46,17 @@ GGML_API struct ggml_tensor * ggml_ssm_conv_tree(
         struct ggml_tensor  * c,
         struct ggml_tensor  * parent);
 
+// ggml_ssm_conv_tree reading the conv state and the new inputs where they are, not their concatenation:
+//   state f32 [d_conv-1, d_inner, n_s]  contiguous: the cached inputs of each channel, oldest first
+//   x     f32 [d_inner, n_t, n_s]       rows contiguous (e.g. a row range of a fused projection's output)
+// The result is ggml_ssm_conv_tree(concat(state, transpose(x)), c, parent)'s, to the bit, without the copy.
+GGML_API struct ggml_tensor * ggml_ssm_conv_tree_split(
+        struct ggml_context * ctx,
+        struct ggml_tensor  * state,
+        struct ggml_tensor  * x,
+        struct ggml_tensor  * c,
+        struct ggml_tensor  * parent);
+
 
 // --- TQ3_0: the 3.5-bit KV-cache type (GGML_TYPE_TQ3_0; format below) ------------------------------------------
 //

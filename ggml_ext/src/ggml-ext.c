@@ -56,6 +56,35 @@ struct ggml_tensor * ggml_ssm_conv_tree(
     return result;
 }
 
+struct ggml_tensor * ggml_ssm_conv_tree_split(
+        struct ggml_context * ctx,
+        struct ggml_tensor  * state,
+        struct ggml_tensor  * x,
+        struct ggml_tensor  * c,
+        struct ggml_tensor  * parent) {
+    GGML_ASSERT(ggml_is_matrix(c) && c->type == GGML_TYPE_F32);
+    GGML_ASSERT(parent->type == GGML_TYPE_I32 && ggml_is_contiguous(parent));
+    GGML_ASSERT(state->type == GGML_TYPE_F32 && ggml_is_contiguous(state) && ggml_is_3d(state));
+    GGML_ASSERT(x->type == GGML_TYPE_F32 && ggml_is_3d(x) && x->nb[0] == sizeof(float));
+
+    const int64_t d_conv  = c->ne[0];
+    const int64_t d_inner = c->ne[1];
+    const int64_t n_t     = x->ne[1];
+    const int64_t n_s     = x->ne[2];
+
+    GGML_ASSERT(state->ne[0] == d_conv - 1 && state->ne[1] == d_inner && state->ne[2] == n_s);
+    GGML_ASSERT(x->ne[0] == d_inner && n_t >= 1);
+    GGML_ASSERT(parent->ne[0] == n_t && parent->ne[1] == n_s && parent->ne[2] == 1 && parent->ne[3] == 1);
+
+    struct ggml_tensor * result = ggml_new_tensor_3d(ctx, GGML_TYPE_F32, d_inner, n_t, n_s);
+    result->op     = GGML_OP_SSM_CONV_TREE;
+    result->src[0] = state;
+    result->src[1] = c;
+    result->src[2] = parent;
+    result->src[3] = x;    // the split form: src[0] holds the state only
+    return result;
+}
+
 // Checks shared by both gated delta net tree ops (the Python wrappers raise on the same conditions first).
 static void ggml_ext_check_gdn_tree(
         const struct ggml_tensor * q, const struct ggml_tensor * k, const struct ggml_tensor * v,

@@ -74,6 +74,26 @@ def ssm_conv_tree(ctx: Context, sx: Tensor, c: Tensor, parent: Tensor) -> Tensor
     return Tensor(lib.ggml_ssm_conv_tree(ctx._ptr, sx._ptr, c._ptr, parent._ptr), ctx)
 
 
+def ssm_conv_tree_split(ctx: Context, state: Tensor, x: Tensor, c: Tensor, parent: Tensor) -> Tensor:
+    """`ssm_conv_tree` over state [d_conv-1, d_inner, n_s] (contiguous: each channel's cached inputs, oldest
+    first) and the new inputs x [d_inner, n_t, n_s] (rows contiguous, e.g. a row range of a projection's output)
+    where they are: the result of ssm_conv_tree(concat(state, transpose(x)), c, parent), bit for bit, without
+    the concatenated copy."""
+    d_conv, d_inner = c.ne[0], c.ne[1]
+    _expect(c, "c (conv kernel)", Type.F32, (d_conv, d_inner))
+    _expect_rows(c, "c (conv kernel)")
+    n_t, n_s = x.ne[1], x.ne[2]
+    _expect(x, "x", Type.F32, (d_inner, n_t, n_s))
+    _expect_rows(x, "x")
+    _expect(state, "state", Type.F32, (d_conv - 1, d_inner, n_s))
+    _expect_contiguous(state, "state")
+    _expect(parent, "parent", Type.I32, (n_t, n_s))
+    _expect_contiguous(parent, "parent")
+    if not 2 <= d_conv <= 16:
+        raise ValueError(f"conv kernel size {d_conv} must be 2 to 16")
+    return Tensor(lib.ggml_ssm_conv_tree_split(ctx._ptr, state._ptr, x._ptr, c._ptr, parent._ptr), ctx)
+
+
 def tq3_0_rotate(x: np.ndarray, inverse: bool = False) -> np.ndarray:
     """TQ3_0's rotation R (or R^T with inverse=True) of every 128-value group of the last axis, float32,
     computed by the library itself (ggml_ext_tq3_0_rotate)."""

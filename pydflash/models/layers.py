@@ -129,6 +129,13 @@ def norm_in_qmatmul_enabled() -> bool:
     return env_switch("PYDFLASH_NORM_IN_QMATMUL", default="0")
 
 
+def conv_split_enabled() -> bool:
+    """PYDFLASH_CONV_SPLIT=1: a tree verify's recurrent conv reads the conv state and the projection's rows where
+    they are (ggml_ssm_conv_tree_split: the same bits without the concatenated copy). Off until measured on a GPU
+    (docs/benchmarks.md, twelfth session)."""
+    return env_switch("PYDFLASH_CONV_SPLIT", default="0")
+
+
 class Normed:
     """rms_norm(h, eps) * weight as the input of projections (linear, TargetRuntime.project): with
     PYDFLASH_NORM_IN_QMATMUL=1 a product that ggml_qmatmul takes computes the norm where it quantises the

@@ -207,10 +207,10 @@ class Qwen35Target(TargetRuntime):
         hp, w, cache = self.hp, self.weights, self.cache
         p, n, parent, side_effects = f"blk.{il}.", g.n_tokens, g.parent, g.side_effects
         d_k, h_k, d_v, h_v = hp.ssm_d_k, hp.ssm_n_k_heads, hp.ssm_d_v, hp.ssm_n_v_heads
-        # qkv [conv_dim, n], z [value_dim, n], beta and alpha [h_v, n]; contiguous copies of row ranges of a
-        # fused product where the ops below need whole tensors (only verify and prefill: one column is contiguous)
+        # qkv [conv_dim, n], z [value_dim, n], beta and alpha [h_v, n]: row ranges of a fused product (views; one
+        # column is contiguous), copied where the ops below need whole tensors
         qkv, z, beta, alpha = self.project(ctx, x, [p + "attn_qkv", p + "attn_gate", p + "ssm_beta", p + "ssm_alpha"])
-        qkv, z = (t if t.is_contiguous else ctx.cont(t) for t in (qkv, z))
+        z = z if z.is_contiguous else ctx.cont(z)
         # log-decay g = softplus(alpha + dt_bias) * a (<= 0) and sigmoid(beta), one op (it reads row ranges as they are)
         gk, beta = ggml.gdn_gates(ctx, beta, alpha, w[p + "ssm_dt.bias"], w[p + "ssm_a"])
         gk = ctx.reshape_4d(gk, 1, h_v, n, 1).named(f"l{il}.gdn.g")
@@ -218,20 +218,29 @@ class Qwen35Target(TargetRuntime):
 
         # causal depthwise conv over (last d_conv-1 inputs ‖ this batch), then keep the newest d_conv-1 inputs
         conv_state = cache.conv[il]
+        conv_w = w[p + "ssm_conv1d.weight"]
         state_3d = ctx.reshape_3d(conv_state, hp.ssm_d_conv - 1, hp.conv_dim, 1)
-        conv_in = ctx.concat(state_3d, ctx.transpose(ctx.reshape_3d(qkv, hp.conv_dim, n, 1)), 0)
+
+        def conv_input():   # state ‖ qkv along time, channel by channel
+            rows = qkv if qkv.is_contiguous else ctx.cont(qkv)
+            return ctx.concat(state_3d, ctx.transpose(ctx.reshape_3d(rows, hp.conv_dim, n, 1)), 0)
         if parent is None:
+            conv_in = conv_input()
             tail = ctx.view_3d(conv_in, hp.ssm_d_conv - 1, hp.conv_dim, 1, conv_in.nb[1], conv_in.nb[2], n * 4)
             side_effects.append(ctx.cpy(tail, state_3d).named(f"l{il}.gdn.conv_state_out"))
             if g.decode_parent is not None:   # bit-exact decode: the verify's conv op, over a one-node tree
-                conv = ggml.ssm_conv_tree(ctx, conv_in, w[p + "ssm_conv1d.weight"], g.decode_parent)
+                conv = ggml.ssm_conv_tree(ctx, conv_in, conv_w, g.decode_parent)
             else:
-                conv = ctx.ssm_conv(conv_in, w[p + "ssm_conv1d.weight"])
+                conv = ctx.ssm_conv(conv_in, conv_w)
         else:
             inputs = self.slot_inputs[il]
             side_effects.append(ctx.cpy(qkv, ctx.view_2d(inputs, hp.conv_dim, n, inputs.nb[1], 0))
                                 .named(f"l{il}.gdn.slot_inputs"))
-            conv = ggml.ssm_conv_tree(ctx, conv_in, w[p + "ssm_conv1d.weight"], parent)
+            if layers.conv_split_enabled():   # the state and qkv's rows where they are: no concatenated copy
+                rows = ctx.view_3d(qkv, hp.conv_dim, n, 1, qkv.nb[1], qkv.nb[1] * n, 0)
+                conv = ggml.ssm_conv_tree_split(ctx, state_3d, rows, conv_w, parent)
+            else:
+                conv = ggml.ssm_conv_tree(ctx, conv_input(), conv_w, parent)
         conv = ctx.silu(conv).named(f"l{il}.gdn.conv")              # [conv_dim, n, 1]
 
         row = hp.conv_dim * 4
