@@ -162,35 +162,35 @@ template <typename F> static double time_graph(F launch, int copies, cudaStream_
     return 1000.0 * t[t.size() / 2] / copies;
 }
 
-template <ggml_type type, int R, int S>
+template <ggml_type type, int R, int S, bool GSUM = false>
 static void run_stream(const qms_args & a, int n_sm, bool persist, cudaStream_t st) {
-    const size_t smem = qms_smem_bytes<R, S>(a);
-    CK(cudaFuncSetAttribute(qms_gemv<type, R, S>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int) smem));
+    const size_t smem = qms_smem_bytes<R, S, GSUM>(a);
+    CK(cudaFuncSetAttribute(qms_gemv<type, R, S, GSUM>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int) smem));
     int per_sm = 0;
-    CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, qms_gemv<type, R, S>, QMS_SLOTS * R, smem));
+    CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, qms_gemv<type, R, S, GSUM>, QMS_SLOTS * R, smem));
     const int n_groups = (a.M + R - 1) / R;
     const int grid = persist ? std::min(n_groups, std::max(1, per_sm) * n_sm) : n_groups;
-    qms_gemv<type, R, S><<<grid, QMS_SLOTS * R, smem, st>>>(a);
+    qms_gemv<type, R, S, GSUM><<<grid, QMS_SLOTS * R, smem, st>>>(a);
 }
 
 struct candidate { std::string name; double us; bool same; };
 
-template <ggml_type type, int R, int S>
+template <ggml_type type, int R, int S, bool GSUM = false>
 static void try_stream(std::vector<candidate> & out, qms_args a, const std::vector<const char *> & Ws, float * dst,
                        const std::vector<float> & ref, int chunk, bool persist, int n_sm, cudaStream_t st) {
     a.chunk = chunk;
     a.pitch = qms_pitch<type>(chunk);
-    const size_t smem = qms_smem_bytes<R, S>(a);
+    const size_t smem = qms_smem_bytes<R, S, GSUM>(a);
     if (smem > 227 * 1024) return;
     int per_sm = 0;
-    CK(cudaFuncSetAttribute(qms_gemv<type, R, S>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int) smem));
-    CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, qms_gemv<type, R, S>, QMS_SLOTS * R, smem));
+    CK(cudaFuncSetAttribute(qms_gemv<type, R, S, GSUM>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int) smem));
+    CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, qms_gemv<type, R, S, GSUM>, QMS_SLOTS * R, smem));
     char name[96];
-    snprintf(name, sizeof name, "R%d S%d C%d %s (%d/SM, %zu KB)", R, S, chunk, persist ? "persist" : "grid",
-             per_sm, smem / 1024);
+    snprintf(name, sizeof name, "R%d S%d C%d %s%s (%d/SM, %zu KB)", R, S, chunk, persist ? "persist" : "grid",
+             GSUM ? " group-sums" : "", per_sm, smem / 1024);
     CK(cudaMemset(dst, 0, ref.size() * 4));
     a.W = Ws[0];
-    run_stream<type, R, S>(a, n_sm, persist, st);
+    run_stream<type, R, S, GSUM>(a, n_sm, persist, st);
     CK(cudaStreamSynchronize(st));
     CK(cudaGetLastError());
     std::vector<float> got(ref.size());
@@ -204,7 +204,7 @@ static void try_stream(std::vector<candidate> & out, qms_args a, const std::vect
         printf("    %s: %d of %zu rows differ, first %zu: %.9g vs %.9g\n", name, bad, ref.size(), i, got[i], ref[i]);
     }
     const double us = profile ? 0.0 : time_graph([&](int c) {
-        qms_args b = a; b.W = Ws[c]; run_stream<type, R, S>(b, n_sm, persist, st);
+        qms_args b = a; b.W = Ws[c]; run_stream<type, R, S, GSUM>(b, n_sm, persist, st);
     }, (int) Ws.size(), st);
     out.push_back({name, us, same});
 }
@@ -253,6 +253,10 @@ template <ggml_type type> static void run_shape(const shape & sh, int n_sm, doub
     try_stream<type, 16, 2>(cands, a, Ws, dst, ref, 8, true, n_sm, st);
     try_stream<type, 16, 4>(cands, a, Ws, dst, ref, 8, true, n_sm, st);
     try_stream<type, 8, 3>(cands, a, Ws, dst, ref, 8, true, n_sm, st);
+    if constexpr (type == GGML_TYPE_Q6_K) {   // the column's group sums formed once per block (qms_unit<Q6_K>)
+        try_stream<type, 8, 3, true>(cands, a, Ws, dst, ref, 8, true, n_sm, st);
+        try_stream<type, 8, 2, true>(cands, a, Ws, dst, ref, 8, true, n_sm, st);
+    }
     try_stream<type, 4, 3>(cands, a, Ws, dst, ref, 8, true, n_sm, st);
     try_stream<type, 4, 4>(cands, a, Ws, dst, ref, 8, true, n_sm, st);
     try_stream<type, 4, 6>(cands, a, Ws, dst, ref, 8, true, n_sm, st);

@@ -208,9 +208,12 @@ template <> struct qms_unit<GGML_TYPE_Q5_K> {
 
 // Q6_K: group G = 8 hh + 2 j + e holds values 128 hh + 32 j + 16 e + (0..15): ql bytes 64 hh + 32 (j % 2) + 16 e
 // + (0..15), nibble j / 2; qh bytes 32 hh + 16 e + (0..15), bits 2 j; scale byte G; activation block 8u + G / 2.
-// The integer sum of a group, sum (q - 32) y, is formed as sum q y - 32 sum y (both exact).
+// The integer sum of a group, sum (q - 32) y, is formed as sum q y - 32 sum y (both exact). GSUM: sum y comes
+// from gs[G], the column's group sums formed once per CUDA block (qms_gemv), not again for every row.
 template <> struct qms_unit<GGML_TYPE_Q6_K> {
-    static __device__ __forceinline__ void run(const char * b, const int8_t * y, const float2 * d, float & acc) {
+    template <bool GSUM = false>
+    static __device__ __forceinline__ void run(const char * b, const int8_t * y, const float2 * d, float & acc,
+                                               const int16_t * gs = nullptr) {
         int sc[4];   // the scale bytes plus 128 (qmm_sbyte_f)
         qms_words(b + 192, sc);
 #pragma unroll
@@ -238,7 +241,12 @@ template <> struct qms_unit<GGML_TYPE_Q6_K> {
                     const int lo = (ql[j % 2][e][k] >> (4 * (j / 2))) & 0x0F0F0F0F;
                     const int hi = ((qh[e][k] >> (2 * j)) & 0x03030303) << 4;
                     sq = ggml_cuda_dp4a(lo | hi, yw[k], sq);
-                    sy = ggml_cuda_dp4a(0x01010101, yw[k], sy);
+                    if constexpr (!GSUM) {
+                        sy = ggml_cuda_dp4a(0x01010101, yw[k], sy);
+                    }
+                }
+                if constexpr (GSUM) {
+                    sy = gs[G];
                 }
                 const float dsc = __fmul_rn(dw, qmm_sbyte_f(sc[G / 4], G % 4));
                 acc = __fmaf_rn(__fmul_rn(dsc, d[G / 2].x), qmm_magic_f(sq - 32 * sy), acc);
@@ -260,10 +268,12 @@ struct qms_args {
 };
 
 // One CUDA block: QMS_SLOTS * ROWS threads (thread (r, w): row r of the group, K slot w), a contiguous range of
-// row groups; STAGES buffers. Dynamic shared memory: the stages, then K's activations and scales.
-template <ggml_type type, int ROWS, int STAGES>
+// row groups; STAGES buffers. Dynamic shared memory: the stages, then K's activations and scales (GSUM, Q6_K
+// only: then the sums of its 16-value groups; a variant for tools/qmm_lab.cu, not yet the product's).
+template <ggml_type type, int ROWS, int STAGES, bool GSUM = false>
 static __global__ void __launch_bounds__(QMS_SLOTS * ROWS)
 qms_gemv(const qms_args p) {
+    static_assert(!GSUM || type == GGML_TYPE_Q6_K, "group sums serve Q6_K's unit only");
     constexpr int bs = qms_block_bytes<type>::value;
     constexpr int threads = QMS_SLOTS * ROWS;
     extern __shared__ __align__(128) char qms_smem[];
@@ -280,6 +290,7 @@ qms_gemv(const qms_args p) {
     const int stage_bytes = ROWS * p.pitch;
     int8_t * const ys = (int8_t *) (qms_smem + STAGES * stage_bytes);
     float2 * const ds = (float2 *) (ys + n_units * QMS_Y_PITCH);
+    int16_t * const gsum = (int16_t *) (ds + n_units * QMS_D_PITCH);   // GSUM: [unit][16 groups]
 
     if (tid < STAGES) {
         qms_bar_init(&bar[tid]);
@@ -303,9 +314,14 @@ qms_gemv(const qms_args p) {
         }
     }
     ggml_cuda_pdl_sync();
-    for (int i = tid; i < n_units * (QMM_UNIT / 16); i += threads) {
+    for (int i = tid; i < n_units * (QMM_UNIT / 16); i += threads) {   // piece i: unit u's 16-value group o / 16
         const int u = i / (QMM_UNIT / 16), o = 16 * (i % (QMM_UNIT / 16));
-        *(int4 *) (ys + u * QMS_Y_PITCH + o) = *(const int4 *) (p.yq + u * QMM_UNIT + o);
+        const int4 v = *(const int4 *) (p.yq + u * QMM_UNIT + o);
+        *(int4 *) (ys + u * QMS_Y_PITCH + o) = v;
+        if constexpr (GSUM) {
+            gsum[i] = (int16_t) ggml_cuda_dp4a(0x01010101, v.w, ggml_cuda_dp4a(0x01010101, v.z,
+                                  ggml_cuda_dp4a(0x01010101, v.y, ggml_cuda_dp4a(0x01010101, v.x, 0))));
+        }
     }
     for (int i = tid; i < n_units * (QMM_UNIT / QK8_1); i += threads) {
         const int u = i / (QMM_UNIT / QK8_1), s = i % (QMM_UNIT / QK8_1);
@@ -328,7 +344,12 @@ qms_gemv(const qms_args p) {
                              qms_row_offset(row, row_bytes, u0, bs);
             for (int j = slot; j < nu; j += QMS_SLOTS) {   // u0 is a multiple of 8: unit u0 + j is slot j % 8's
                 const int u = u0 + j;
-                qms_unit<type>::run(b + j * bs, ys + u * QMS_Y_PITCH, ds + u * QMS_D_PITCH, acc);
+                if constexpr (GSUM) {
+                    qms_unit<type>::template run<true>(b + j * bs, ys + u * QMS_Y_PITCH, ds + u * QMS_D_PITCH, acc,
+                                                       gsum + u * (QMM_UNIT / 16));
+                } else {
+                    qms_unit<type>::run(b + j * bs, ys + u * QMS_Y_PITCH, ds + u * QMS_D_PITCH, acc);
+                }
             }
         }
         if (++c == n_chunks) {   // the row's 8 slot sums (8 neighbouring lanes) in slot order
@@ -348,8 +369,9 @@ qms_gemv(const qms_args p) {
 }
 
 // shared memory of a CUDA block
-template <int ROWS, int STAGES> static size_t qms_smem_bytes(const qms_args & p) {
-    return (size_t) STAGES * ROWS * p.pitch + (size_t) p.nb * (QMS_Y_PITCH + QMS_D_PITCH * sizeof(float2));
+template <int ROWS, int STAGES, bool GSUM = false> static size_t qms_smem_bytes(const qms_args & p) {
+    return (size_t) STAGES * ROWS * p.pitch +
+           (size_t) p.nb * (QMS_Y_PITCH + QMS_D_PITCH * sizeof(float2) + (GSUM ? QMM_UNIT / 16 * sizeof(int16_t) : 0));
 }
 
 // bytes per row of a stage: a chunk of units rounded out to 16-byte boundaries, and the 4 bytes qms_words may
