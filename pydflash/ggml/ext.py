@@ -66,12 +66,18 @@ def ssm_conv_tree(ctx: Context, sx: Tensor, c: Tensor, parent: Tensor) -> Tensor
         raise ValueError(f"sx needs d_conv-1={d_conv - 1} state columns plus at least one token, has {sx.ne[0]}")
     _expect(sx, "sx", Type.F32, (sx.ne[0], d_inner, sx.ne[2]))
     _expect_rows(sx, "sx")
-    _expect_rows(c, "c (conv kernel)")
-    _expect(parent, "parent", Type.I32, (n_t, sx.ne[2]))
-    _expect_contiguous(parent, "parent")
-    if d_conv > 16:
-        raise ValueError(f"conv kernel size {d_conv} > 16 is not supported")
+    _check_conv_kernel_and_parents(c, parent, n_t, sx.ne[2])
     return Tensor(lib.ggml_ssm_conv_tree(ctx._ptr, sx._ptr, c._ptr, parent._ptr), ctx)
+
+
+def _check_conv_kernel_and_parents(c: Tensor, parent: Tensor, n_t: int, n_s: int) -> None:
+    """The checks both forms of ssm_conv_tree make of the kernel c [d_conv, d_inner] and the parents."""
+    _expect(c, "c (conv kernel)", Type.F32, (c.ne[0], c.ne[1]))
+    _expect_rows(c, "c (conv kernel)")
+    _expect(parent, "parent", Type.I32, (n_t, n_s))
+    _expect_contiguous(parent, "parent")
+    if c.ne[0] > 16:
+        raise ValueError(f"conv kernel size {c.ne[0]} > 16 is not supported")
 
 
 def ssm_conv_tree_split(ctx: Context, state: Tensor, x: Tensor, c: Tensor, parent: Tensor) -> Tensor:
@@ -81,16 +87,14 @@ def ssm_conv_tree_split(ctx: Context, state: Tensor, x: Tensor, c: Tensor, paren
     the concatenated copy."""
     d_conv, d_inner = c.ne[0], c.ne[1]
     _expect(c, "c (conv kernel)", Type.F32, (d_conv, d_inner))
-    _expect_rows(c, "c (conv kernel)")
+    if d_conv < 2:
+        raise ValueError(f"the split form needs a conv kernel of at least 2 taps (a state column), got {d_conv}")
     n_t, n_s = x.ne[1], x.ne[2]
     _expect(x, "x", Type.F32, (d_inner, n_t, n_s))
     _expect_rows(x, "x")
     _expect(state, "state", Type.F32, (d_conv - 1, d_inner, n_s))
     _expect_contiguous(state, "state")
-    _expect(parent, "parent", Type.I32, (n_t, n_s))
-    _expect_contiguous(parent, "parent")
-    if not 2 <= d_conv <= 16:
-        raise ValueError(f"conv kernel size {d_conv} must be 2 to 16")
+    _check_conv_kernel_and_parents(c, parent, n_t, n_s)
     return Tensor(lib.ggml_ssm_conv_tree_split(ctx._ptr, state._ptr, x._ptr, c._ptr, parent._ptr), ctx)
 
 
