@@ -178,13 +178,14 @@ STREAM_TYPES = list(ggml.QMATMUL_STREAM_TYPES)
 @pytest.mark.parametrize("wtype", STREAM_TYPES, ids=[t.name for t in STREAM_TYPES])
 def test_one_column_streaming_kernel_gives_the_mma_bits(rng, wtype):
     """One column at the kernel's own choice (the streaming kernel, qmatmul_stream.cuh) equals the tensor-core
-    kernel forced to one row tile, bit for bit: with many more 8-row groups than the GPU holds CUDA blocks at once
-    (each block streams several through its ring of stage buffers), rows ending mid-chunk (11 units: chunks of
-    8 and 3), a one-unit K (slots 1-7 idle), odd row counts; and it matches the float64 reference."""
+    kernel forced to one row tile, bit for bit: with many more 4-row groups than the GPU holds warps at once (40,001
+    rows of one unit: each warp streams several groups through its ring of stage buffers), rows ending mid-chunk
+    (11 units: chunks of 8 and 3), a one-unit K (slots 1-7 idle), odd row counts (a last group of one row); and it
+    matches the float64 reference."""
     backend = ggml.Backend("cuda")
     if not ggml.qmatmul_streams(backend._dev):
         pytest.skip(f"{backend.name} has no streaming one-column kernel (Hopper and later)")
-    for K, M in ((2816, 7001), (256, 1029)):
+    for K, M in ((2816, 7001), (256, 40001)):
         op, w_ref = make(backend, rng, wtype, {wtype: (K, M)})
         x = rng.standard_normal((1, K)).astype(np.float32)
         streamed = op.run(x)

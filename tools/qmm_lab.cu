@@ -1,6 +1,6 @@
 // A kernel lab for ggml_qmatmul's one-column path, without building pydflash: one nvcc call on the GPU machine
 // (seconds, where the whole build takes minutes), then the streaming kernel (ggml_ext/cuda/qmatmul_stream.cuh) at
-// several of its shapes (rows per group, stages, units per stage, persistent or not) against the tensor-core
+// several of its shapes (warps per block, stages per warp) against the tensor-core
 // kernel it must match to the bit (qmatmul_mma.cuh) and against a plain read of the same bytes. Set
 // QMM_LAB_PROFILE=1 to run each kernel once, untimed, under Nsight Compute.
 //
@@ -162,49 +162,41 @@ template <typename F> static double time_graph(F launch, int copies, cudaStream_
     return 1000.0 * t[t.size() / 2] / copies;
 }
 
-template <ggml_type type, int R, int S, bool GSUM = false>
-static void run_stream(const qms_args & a, int n_sm, bool persist, cudaStream_t st) {
-    const size_t smem = qms_smem_bytes<R, S, GSUM>(a);
-    CK(cudaFuncSetAttribute(qms_gemv<type, R, S, GSUM>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int) smem));
-    int per_sm = 0;
-    CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, qms_gemv<type, R, S, GSUM>, QMS_SLOTS * R, smem));
-    const int n_groups = (a.M + R - 1) / R;
-    const int grid = persist ? std::min(n_groups, std::max(1, per_sm) * n_sm) : n_groups;
-    qms_gemv<type, R, S, GSUM><<<grid, QMS_SLOTS * R, smem, st>>>(a);
-}
-
 struct candidate { std::string name; double us; bool same; };
 
-template <ggml_type type, int R, int S, bool GSUM = false>
-static void try_stream(std::vector<candidate> & out, qms_args a, const std::vector<const char *> & Ws, float * dst,
-                       const std::vector<float> & ref, int chunk, bool persist, int n_sm, cudaStream_t st) {
-    a.chunk = chunk;
-    a.pitch = qms_pitch<type>(chunk);
-    const size_t smem = qms_smem_bytes<R, S, GSUM>(a);
-    if (smem > 227 * 1024) return;
+// the streaming kernel: NW warps per block (a ring of S stages each), persistent
+template <ggml_type type, int NW, int S>
+static void run_stream(const qms_args & a, int n_sm, cudaStream_t st) {
+    const size_t smem = qms_smem_bytes<NW, S>(a);
     int per_sm = 0;
-    CK(cudaFuncSetAttribute(qms_gemv<type, R, S, GSUM>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int) smem));
-    CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, qms_gemv<type, R, S, GSUM>, QMS_SLOTS * R, smem));
+    CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, qms_gemv<type, NW, S>, WARP_SIZE * NW, smem));
+    const int n_groups = (a.M + QMS_WARP_ROWS - 1) / QMS_WARP_ROWS;
+    const int grid = std::min((n_groups + NW - 1) / NW, std::max(1, per_sm) * n_sm);
+    qms_gemv<type, NW, S><<<grid, WARP_SIZE * NW, smem, st>>>(a);
+}
+
+template <ggml_type type, int NW, int S>
+static void try_stream(std::vector<candidate> & out, qms_args a, const std::vector<const char *> & Ws, float * dst,
+                      const std::vector<float> & ref, int n_sm, cudaStream_t st) {
+    a.chunk = 8;
+    a.pitch = qms_pitch<type>(8);
+    const size_t smem = qms_smem_bytes<NW, S>(a);
+    if (smem > 227 * 1024) return;
+    CK(cudaFuncSetAttribute(qms_gemv<type, NW, S>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int) smem));
+    int per_sm = 0;
+    CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, qms_gemv<type, NW, S>, WARP_SIZE * NW, smem));
     char name[96];
-    snprintf(name, sizeof name, "R%d S%d C%d %s%s (%d/SM, %zu KB)", R, S, chunk, persist ? "persist" : "grid",
-             GSUM ? " group-sums" : "", per_sm, smem / 1024);
+    snprintf(name, sizeof name, "W%d S%d (%d/SM, %zu KB)", NW, S, per_sm, smem / 1024);
     CK(cudaMemset(dst, 0, ref.size() * 4));
     a.W = Ws[0];
-    run_stream<type, R, S, GSUM>(a, n_sm, persist, st);
+    run_stream<type, NW, S>(a, n_sm, st);
     CK(cudaStreamSynchronize(st));
     CK(cudaGetLastError());
     std::vector<float> got(ref.size());
     CK(cudaMemcpy(got.data(), dst, got.size() * 4, cudaMemcpyDeviceToHost));
     const bool same = memcmp(got.data(), ref.data(), got.size() * 4) == 0;
-    if (!same) {
-        int bad = 0;
-        for (size_t i = 0; i < ref.size(); ++i) bad += memcmp(&got[i], &ref[i], 4) != 0;
-        size_t i = 0;
-        while (memcmp(&got[i], &ref[i], 4) == 0) ++i;
-        printf("    %s: %d of %zu rows differ, first %zu: %.9g vs %.9g\n", name, bad, ref.size(), i, got[i], ref[i]);
-    }
     const double us = profile ? 0.0 : time_graph([&](int c) {
-        qms_args b = a; b.W = Ws[c]; run_stream<type, R, S, GSUM>(b, n_sm, persist, st);
+        qms_args b = a; b.W = Ws[c]; run_stream<type, NW, S>(b, n_sm, st);
     }, (int) Ws.size(), st);
     out.push_back({name, us, same});
 }
@@ -248,25 +240,17 @@ template <ggml_type type> static void run_shape(const shape & sh, int n_sm, doub
     }, copies, st), true});
     cands.push_back({"mma", profile ? 0.0 : time_graph([&](int c) { qmm_args q = m; q.W = Ws[c]; mma(q); }, copies, st), true});
     qms_args a = {Ws[0], yq, yds, dst, nb, sh.M, npad, 8, 0};
-    // (R, S): rows per group, stages; then the chunk and grid
-    try_stream<type, 16, 3>(cands, a, Ws, dst, ref, 8, true, n_sm, st);
-    try_stream<type, 16, 2>(cands, a, Ws, dst, ref, 8, true, n_sm, st);
-    try_stream<type, 16, 4>(cands, a, Ws, dst, ref, 8, true, n_sm, st);
-    try_stream<type, 8, 3>(cands, a, Ws, dst, ref, 8, true, n_sm, st);
-    if constexpr (type == GGML_TYPE_Q6_K) {   // the column's group sums formed once per block (qms_unit<Q6_K>)
-        try_stream<type, 8, 3, true>(cands, a, Ws, dst, ref, 8, true, n_sm, st);
-        try_stream<type, 8, 2, true>(cands, a, Ws, dst, ref, 8, true, n_sm, st);
-    }
-    try_stream<type, 4, 3>(cands, a, Ws, dst, ref, 8, true, n_sm, st);
-    try_stream<type, 4, 4>(cands, a, Ws, dst, ref, 8, true, n_sm, st);
-    try_stream<type, 4, 6>(cands, a, Ws, dst, ref, 8, true, n_sm, st);
-    try_stream<type, 8, 4>(cands, a, Ws, dst, ref, 8, true, n_sm, st);
-    try_stream<type, 8, 6>(cands, a, Ws, dst, ref, 8, true, n_sm, st);
-    try_stream<type, 32, 2>(cands, a, Ws, dst, ref, 8, true, n_sm, st);
-    try_stream<type, 32, 3>(cands, a, Ws, dst, ref, 8, true, n_sm, st);
-    try_stream<type, 16, 3>(cands, a, Ws, dst, ref, 8, false, n_sm, st);
-    try_stream<type, 8, 4>(cands, a, Ws, dst, ref, 16, true, n_sm, st);
-    try_stream<type, 16, 2>(cands, a, Ws, dst, ref, 16, true, n_sm, st);
+    // (W, S): warps per block, stages per warp
+    try_stream<type, 2, 3>(cands, a, Ws, dst, ref, n_sm, st);
+    try_stream<type, 3, 2>(cands, a, Ws, dst, ref, n_sm, st);
+    try_stream<type, 4, 2>(cands, a, Ws, dst, ref, n_sm, st);
+    try_stream<type, 4, 3>(cands, a, Ws, dst, ref, n_sm, st);
+    try_stream<type, 6, 2>(cands, a, Ws, dst, ref, n_sm, st);
+    try_stream<type, 6, 3>(cands, a, Ws, dst, ref, n_sm, st);
+    try_stream<type, 8, 2>(cands, a, Ws, dst, ref, n_sm, st);
+    try_stream<type, 10, 2>(cands, a, Ws, dst, ref, n_sm, st);
+    try_stream<type, 12, 2>(cands, a, Ws, dst, ref, n_sm, st);
+    try_stream<type, 16, 2>(cands, a, Ws, dst, ref, n_sm, st);
     printf("%s %dx%d %s, %.1f MB, %d copies (read bandwidth %.0f GB/s):\n", sh.name, sh.M, sh.K,
            type == GGML_TYPE_Q4_K ? "Q4_K" : type == GGML_TYPE_Q5_K ? "Q5_K" : "Q6_K", bytes / 1e6, copies, read_gbs);
     for (const candidate & c : cands) {

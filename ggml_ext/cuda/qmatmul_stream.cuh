@@ -10,10 +10,12 @@
 //
 // The speed: a one-column product is a stream of weight bytes. ggml's mul_mat_vec_q and our earlier vector
 // kernels read them straight into registers and reach 40-56% of the H100's read bandwidth (docs/benchmarks.md).
-// Here each CUDA block owns a contiguous range of row groups (ROWS rows) and runs a ring of STAGES shared-memory
-// buffers, each a row group times a chunk of K units: one lane per row asks the TMA for its row's chunk (one
-// instruction, completion counted on the buffer's mbarrier) STAGES - 1 items ahead of the one computed. The
-// activations of the whole column sit in shared memory from the start.
+// Here each warp owns a contiguous range of 4-row groups (lane = 8 r + slot) and runs its own ring of STAGES
+// shared-memory buffers, each a row group times a chunk of K units: one lane per row asks the TMA for its row's
+// chunk (one instruction, completion counted on the buffer's mbarrier) STAGES - 1 items ahead of the one computed.
+// A warp waits only on its own copies; the CUDA block's warps share one copy of the column's activations, put in
+// shared memory at the start. (A ring per block, synchronised by block barriers, kept fewer warps per SM on a
+// long-K product for the same shared memory: Q6_K ffn_down 41 us against 35, docs/benchmarks.md.)
 
 #pragma once
 
@@ -208,12 +210,10 @@ template <> struct qms_unit<GGML_TYPE_Q5_K> {
 
 // Q6_K: group G = 8 hh + 2 j + e holds values 128 hh + 32 j + 16 e + (0..15): ql bytes 64 hh + 32 (j % 2) + 16 e
 // + (0..15), nibble j / 2; qh bytes 32 hh + 16 e + (0..15), bits 2 j; scale byte G; activation block 8u + G / 2.
-// The integer sum of a group, sum (q - 32) y, is formed as sum q y - 32 sum y (both exact). GSUM: sum y comes
-// from gs[G], the column's group sums formed once per CUDA block (qms_gemv), not again for every row.
+// The integer sum of a group, sum (q - 32) y, is formed as sum q y - 32 sum y (both exact). (Reading sum y from
+// shared memory, formed once per block, was no faster: docs/benchmarks.md.)
 template <> struct qms_unit<GGML_TYPE_Q6_K> {
-    template <bool GSUM = false>
-    static __device__ __forceinline__ void run(const char * b, const int8_t * y, const float2 * d, float & acc,
-                                               const int16_t * gs = nullptr) {
+    static __device__ __forceinline__ void run(const char * b, const int8_t * y, const float2 * d, float & acc) {
         int sc[4];   // the scale bytes plus 128 (qmm_sbyte_f)
         qms_words(b + 192, sc);
 #pragma unroll
@@ -241,12 +241,7 @@ template <> struct qms_unit<GGML_TYPE_Q6_K> {
                     const int lo = (ql[j % 2][e][k] >> (4 * (j / 2))) & 0x0F0F0F0F;
                     const int hi = ((qh[e][k] >> (2 * j)) & 0x03030303) << 4;
                     sq = ggml_cuda_dp4a(lo | hi, yw[k], sq);
-                    if constexpr (!GSUM) {
-                        sy = ggml_cuda_dp4a(0x01010101, yw[k], sy);
-                    }
-                }
-                if constexpr (GSUM) {
-                    sy = gs[G];
+                    sy = ggml_cuda_dp4a(0x01010101, yw[k], sy);
                 }
                 const float dsc = __fmul_rn(dw, qmm_sbyte_f(sc[G / 4], G % 4));
                 acc = __fmaf_rn(__fmul_rn(dsc, d[G / 2].x), qmm_magic_f(sq - 32 * sy), acc);
@@ -267,89 +262,79 @@ struct qms_args {
     int pitch;              // shared-memory bytes per weight row of a stage, a multiple of 16
 };
 
-// One CUDA block: QMS_SLOTS * ROWS threads (thread (r, w): row r of the group, K slot w), a contiguous range of
-// row groups; STAGES buffers. Dynamic shared memory: the stages, then K's activations and scales (GSUM, Q6_K
-// only: then the sums of its 16-value groups; a variant for tools/qmm_lab.cu, not yet the product's).
-template <ggml_type type, int ROWS, int STAGES, bool GSUM = false>
-static __global__ void __launch_bounds__(QMS_SLOTS * ROWS)
-qms_gemv(const qms_args p) {
-    static_assert(!GSUM || type == GGML_TYPE_Q6_K, "group sums serve Q6_K's unit only");
-    constexpr int bs = qms_block_bytes<type>::value;
-    constexpr int threads = QMS_SLOTS * ROWS;
-    extern __shared__ __align__(128) char qms_smem[];
-    __shared__ uint64_t bar[STAGES];
+// One CUDA block: NW warps, each with its own ring of STAGES buffers and its own range of the 4-row groups (thread
+// (r, w) of a warp: row r of the group, K slot w), sharing the column's activations. Dynamic shared memory: the NW
+// rings, then K's activations and scales.
+#define QMS_WARP_ROWS (WARP_SIZE / QMS_SLOTS)
 
-    const int tid = threadIdx.x;
-    const int n_units  = p.nb;                 // K-quant blocks are the units
+template <ggml_type type, int NW, int STAGES>
+static __global__ void __launch_bounds__(WARP_SIZE * NW)
+qms_gemv(const qms_args p) {
+    constexpr int bs = qms_block_bytes<type>::value;
+    constexpr int R  = QMS_WARP_ROWS;
+    extern __shared__ __align__(128) char qms_smem[];
+    __shared__ uint64_t bars[NW][STAGES];
+
+    const int tid = threadIdx.x, warp = tid / WARP_SIZE, lane = tid % WARP_SIZE;
+    const int n_units  = p.nb;
     const int n_chunks = (n_units + p.chunk - 1) / p.chunk;
     const int64_t row_bytes = (int64_t) p.nb * bs;
-    const int n_groups = (p.M + ROWS - 1) / ROWS;
-    const int g0 = (int) ((int64_t) blockIdx.x * n_groups / gridDim.x);
-    const int g1 = (int) ((int64_t) (blockIdx.x + 1) * n_groups / gridDim.x);
-    const int n_items = (g1 - g0) * n_chunks;   // item k: group g0 + k / n_chunks, chunk k % n_chunks
-    const int stage_bytes = ROWS * p.pitch;
-    int8_t * const ys = (int8_t *) (qms_smem + STAGES * stage_bytes);
+    const int n_groups = (p.M + R - 1) / R;
+    const int64_t gw = (int64_t) blockIdx.x * NW + warp, n_warps = (int64_t) gridDim.x * NW;
+    const int g0 = (int) (gw * n_groups / n_warps);
+    const int g1 = (int) ((gw + 1) * n_groups / n_warps);
+    const int n_items = (g1 - g0) * n_chunks;
+    const int stage_bytes = R * p.pitch;
+    char * const ring = qms_smem + warp * STAGES * stage_bytes;
+    uint64_t * const bar = bars[warp];
+    int8_t * const ys = (int8_t *) (qms_smem + NW * STAGES * stage_bytes);
     float2 * const ds = (float2 *) (ys + n_units * QMS_Y_PITCH);
-    int16_t * const gsum = (int16_t *) (ds + n_units * QMS_D_PITCH);   // GSUM: [unit][16 groups]
 
-    if (tid < STAGES) {
-        qms_bar_init(&bar[tid]);
+    if (lane < STAGES) {
+        qms_bar_init(&bar[lane]);
     }
-    __syncthreads();
+    __syncwarp();
 
-    int ig = g0, ic = 0;   // the next item to ask for (warp 0)
+    int ig = g0, ic = 0;   // the next item to ask for (item k: group g0 + k / n_chunks, chunk k % n_chunks)
     auto issue = [&](int k) {
         const int u0 = p.chunk * ic;
-        qms_ask(p.W, row_bytes, p.M, bs, ig * ROWS, ROWS, u0, min(p.chunk, n_units - u0),
-                qms_smem + (k % STAGES) * stage_bytes, p.pitch, &bar[k % STAGES]);
+        qms_ask(p.W, row_bytes, p.M, bs, ig * R, R, u0, min(p.chunk, n_units - u0), ring + (k % STAGES) * stage_bytes,
+                p.pitch, &bar[k % STAGES]);
         if (++ic == n_chunks) {
             ic = 0;
             ++ig;
         }
     };
-
-    if (tid < WARP_SIZE) {   // the weights do not depend on the previous kernel: ask before waiting for it
-        for (int k = 0; k < min(STAGES - 1, n_items); ++k) {
-            issue(k);
-        }
+    for (int k = 0; k < min(STAGES - 1, n_items); ++k) {   // the weights do not depend on the previous kernel
+        issue(k);
     }
     ggml_cuda_pdl_sync();
-    for (int i = tid; i < n_units * (QMM_UNIT / 16); i += threads) {   // piece i: unit u's 16-value group o / 16
+    for (int i = tid; i < n_units * (QMM_UNIT / 16); i += WARP_SIZE * NW) {
         const int u = i / (QMM_UNIT / 16), o = 16 * (i % (QMM_UNIT / 16));
-        const int4 v = *(const int4 *) (p.yq + u * QMM_UNIT + o);
-        *(int4 *) (ys + u * QMS_Y_PITCH + o) = v;
-        if constexpr (GSUM) {
-            gsum[i] = (int16_t) ggml_cuda_dp4a(0x01010101, v.w, ggml_cuda_dp4a(0x01010101, v.z,
-                                  ggml_cuda_dp4a(0x01010101, v.y, ggml_cuda_dp4a(0x01010101, v.x, 0))));
-        }
+        *(int4 *) (ys + u * QMS_Y_PITCH + o) = *(const int4 *) (p.yq + u * QMM_UNIT + o);
     }
-    for (int i = tid; i < n_units * (QMM_UNIT / QK8_1); i += threads) {
+    for (int i = tid; i < n_units * (QMM_UNIT / QK8_1); i += WARP_SIZE * NW) {
         const int u = i / (QMM_UNIT / QK8_1), s = i % (QMM_UNIT / QK8_1);
         ds[u * QMS_D_PITCH + s] = p.yds[(int64_t) i * p.npad];
     }
+    __syncthreads();
 
-    const int r = tid / QMS_SLOTS, slot = tid % QMS_SLOTS;
-    int g = g0, c = 0;   // the item computed
+    const int r = lane / QMS_SLOTS, slot = lane % QMS_SLOTS;
+    int g = g0, c = 0;
     float acc = 0.0f;
     for (int i = 0; i < n_items; ++i) {
         qms_bar_wait(&bar[i % STAGES], (i / STAGES) & 1);
-        __syncthreads();   // (item i - 1's buffer is free for item i + STAGES - 1; the activations are in)
-        if (tid < WARP_SIZE && i + STAGES - 1 < n_items) {
+        __syncwarp();   // (item i - 1's buffer is free for item i + STAGES - 1)
+        if (i + STAGES - 1 < n_items) {
             issue(i + STAGES - 1);
         }
-        const int row = g * ROWS + r;
+        const int row = g * R + r;
         const int u0 = p.chunk * c, nu = min(p.chunk, n_units - u0);
         if (row < p.M) {
-            const char * b = qms_smem + (i % STAGES) * stage_bytes + r * p.pitch +
-                             qms_row_offset(row, row_bytes, u0, bs);
+            const char * b = ring + (i % STAGES) * stage_bytes + r * p.pitch + qms_row_offset(row, row_bytes, u0, bs);
             for (int j = slot; j < nu; j += QMS_SLOTS) {   // u0 is a multiple of 8: unit u0 + j is slot j % 8's
                 const int u = u0 + j;
-                if constexpr (GSUM) {
-                    qms_unit<type>::template run<true>(b + j * bs, ys + u * QMS_Y_PITCH, ds + u * QMS_D_PITCH, acc,
-                                                       gsum + u * (QMM_UNIT / 16));
-                } else {
-                    qms_unit<type>::run(b + j * bs, ys + u * QMS_Y_PITCH, ds + u * QMS_D_PITCH, acc);
-                }
+                qms_unit<type>::run(b + j * bs, ys + u * QMS_Y_PITCH, ds + u * QMS_D_PITCH, acc);
             }
         }
         if (++c == n_chunks) {   // the row's 8 slot sums (8 neighbouring lanes) in slot order
@@ -369,9 +354,8 @@ qms_gemv(const qms_args p) {
 }
 
 // shared memory of a CUDA block
-template <int ROWS, int STAGES, bool GSUM = false> static size_t qms_smem_bytes(const qms_args & p) {
-    return (size_t) STAGES * ROWS * p.pitch +
-           (size_t) p.nb * (QMS_Y_PITCH + QMS_D_PITCH * sizeof(float2) + (GSUM ? QMM_UNIT / 16 * sizeof(int16_t) : 0));
+template <int NW, int STAGES> static size_t qms_smem_bytes(const qms_args & p) {
+    return (size_t) NW * STAGES * QMS_WARP_ROWS * p.pitch + (size_t) p.nb * (QMS_Y_PITCH + QMS_D_PITCH * sizeof(float2));
 }
 
 // bytes per row of a stage: a chunk of units rounded out to 16-byte boundaries, and the 4 bytes qms_words may
@@ -380,10 +364,10 @@ template <ggml_type type> static int qms_pitch(int chunk) {
     return (chunk * qms_block_bytes<type>::value + 15 + 4 + 15) / 16 * 16;
 }
 
-// The shape ggml_qmatmul runs, from the H100 sweep of tools/qmm_lab.cu (docs/benchmarks.md, "A one-column kernel
-// that streams"): 8-row groups, 3 stages, 8 units (one per slot) a stage.
-#define QMS_RUN_ROWS   8
-#define QMS_RUN_STAGES 3
+// The shape ggml_qmatmul runs, from the H100 sweep of tools/qmm_lab.cu (docs/benchmarks.md, "A ring per warp"):
+// 6 warps a block, 2 stages a warp, 8 units (one per slot) a stage.
+#define QMS_RUN_WARPS  6
+#define QMS_RUN_STAGES 2
 #define QMS_RUN_CHUNK  8
 
 // shared memory qms_run needs for K (too much for a very long row: then the caller takes the MMA kernel)
@@ -391,32 +375,33 @@ template <ggml_type type> static size_t qms_run_smem(int K) {
     qms_args p = {};
     p.nb    = K / QK_K;
     p.pitch = qms_pitch<type>(QMS_RUN_CHUNK);
-    return qms_smem_bytes<QMS_RUN_ROWS, QMS_RUN_STAGES>(p);
+    return qms_smem_bytes<QMS_RUN_WARPS, QMS_RUN_STAGES>(p);
 }
 
 // W * x for one column on a Hopper GPU (p as for qmm_mma_run, N = 1). Instantiated by qmatmul_mma_<type>.cu.
 template <ggml_type type>
 void qms_run(const qmm_args & m, int device, cudaStream_t stream) {
-    constexpr auto kernel = qms_gemv<type, QMS_RUN_ROWS, QMS_RUN_STAGES>;
+    constexpr auto kernel = qms_gemv<type, QMS_RUN_WARPS, QMS_RUN_STAGES>;
+    constexpr int threads = WARP_SIZE * QMS_RUN_WARPS;
     const qms_args p = {m.W, m.yq, m.yds, m.dst, m.nb, m.M, m.npad, QMS_RUN_CHUNK, qms_pitch<type>(QMS_RUN_CHUNK)};
-    const size_t smem = qms_smem_bytes<QMS_RUN_ROWS, QMS_RUN_STAGES>(p);
+    const size_t smem = qms_smem_bytes<QMS_RUN_WARPS, QMS_RUN_STAGES>(p);
     static size_t smem_allowed[GGML_CUDA_MAX_DEVICES] = {};   // what the kernel may take, per device
     if (smem > smem_allowed[device]) {
         CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int) smem));
         smem_allowed[device] = smem;
     }
-    // persistent: as many CUDA blocks as fit at once, each taking a contiguous range of the row groups (asked of
-    // the runtime once per device and shared-memory size: without CUDA graphs this runs for every product)
+    // persistent: as many CUDA blocks as fit at once, each warp taking a contiguous range of the row groups (asked
+    // of the runtime once per device and shared-memory size: without CUDA graphs this runs for every product)
     static std::unordered_map<size_t, int> blocks_per_sm[GGML_CUDA_MAX_DEVICES];
     auto known = blocks_per_sm[device].find(smem);
     if (known == blocks_per_sm[device].end()) {
         int n = 0;
-        CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, QMS_SLOTS * QMS_RUN_ROWS, smem));
+        CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, threads, smem));
         known = blocks_per_sm[device].emplace(smem, n).first;
     }
     const int per_sm = known->second;
-    const int n_groups = (m.M + QMS_RUN_ROWS - 1) / QMS_RUN_ROWS;
-    const int grid = std::min(n_groups, std::max(per_sm, 1) * ggml_cuda_info().devices[device].nsm);
-    ggml_cuda_kernel_launch(kernel, ggml_cuda_kernel_launch_params(dim3(grid), dim3(QMS_SLOTS * QMS_RUN_ROWS), smem, stream),
-                            p);
+    const int n_groups = (m.M + QMS_WARP_ROWS - 1) / QMS_WARP_ROWS;
+    const int grid = std::min((n_groups + QMS_RUN_WARPS - 1) / QMS_RUN_WARPS,
+                              std::max(per_sm, 1) * ggml_cuda_info().devices[device].nsm);
+    ggml_cuda_kernel_launch(kernel, ggml_cuda_kernel_launch_params(dim3(grid), dim3(threads), smem, stream), p);
 }
