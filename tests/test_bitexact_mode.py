@@ -146,9 +146,10 @@ def test_probe_names_the_first_differing_node(model, prompt, bitexact, monkeypat
 
     plain = Qwen35Target.gated_ffn
 
-    def nudged(self, ctx, x, prefix, glu, name):
+    def nudged(self, ctx, x, prefix, glu, name, add=None):
         out = plain(self, ctx, x, prefix, glu, name + ".raw")
-        return ctx.scale(out, 1.0 + 2.0 ** -10 if name == "l2.ffn_out" and x.ne[1] == 1 else 1.0).named(name)
+        out = ctx.scale(out, 1.0 + 2.0 ** -10 if name == "l2.ffn_out" and x.ne[1] == 1 else 1.0).named(name)
+        return out if add is None else ctx.add(out, add)
 
     monkeypatch.setattr(Qwen35Target, "gated_ffn", nudged)
     report = probe.first_divergence(Qwen35Target(model, "cpu", n_ctx=512, n_ubatch=64), prompt, chain)

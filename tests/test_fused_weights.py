@@ -175,6 +175,36 @@ def test_norms_computed_inside_qmatmul_give_the_same_logits(tmp_path, monkeypatc
     assert np.array_equal(got, ref)
 
 
+@pytest.mark.parametrize("case", ["llama-q8_0", "qwen35-q8_0"])
+def test_residuals_added_inside_qmatmul_give_the_same_logits(tmp_path, monkeypatch, case):
+    """Where ggml_qmatmul takes a layer's output projections (forced as above) it adds the residual as it stores
+    each output (ggml_qmatmul_fused): both output projections of every layer carry the residual, no ADD node is
+    left for it, and the logits are those of the same products followed by ggml's add, bit for bit."""
+    from pydflash.ggml._ffi import ffi
+    path = str(tmp_path / f"{case}.gguf")
+    _write(path, case)
+    monkeypatch.setenv("PYDFLASH_QMATMUL", "1")
+    monkeypatch.setattr(layers, "_on_device", lambda w: True)
+    prompt = [int(t) for t in np.random.default_rng(5).integers(0, 400, 20)]
+    fused, got = _run(path, "cpu", prompt, 3)
+    product = ggml.qmatmul
+
+    def then_add(ctx, w, x, row_tiles=0, norm=None, eps=0.0, add=None):
+        out = product(ctx, w, x, row_tiles, norm=norm, eps=eps)
+        return out if add is None else ctx.add(out, add)
+    monkeypatch.setattr(ggml, "qmatmul", then_add)
+    plain, ref = _run(path, "cpu", prompt, 3)
+
+    def count(target):
+        nodes = target._last.graph.nodes()   # the 4-slot verify
+        adding = sum(n.op == ggml.Op.QMATMUL and n._ptr.src[3] != ffi.NULL for n in nodes)
+        return adding, sum(n.op == ggml.Op.ADD for n in nodes)
+    n_layer = fused.hp.n_layer
+    assert count(fused)[0] == 2 * n_layer and count(plain)[0] == 0
+    assert count(plain)[1] - count(fused)[1] == 2 * n_layer
+    assert np.array_equal(got, ref)
+
+
 def test_recurrent_projections_of_two_types_fuse_in_two_runs(tmp_path, monkeypatch):
     """A file whose beta and alpha are stored in another type than qkv and z (Q8_0 beside Q4_K): the four split into
     two fused matrices, qkv+z and beta+alpha, and the logits stay the unfused model's, bit for bit (CPU)."""

@@ -1,7 +1,8 @@
 """ggml_qmatmul (our quantised W * X for 1..48 columns) against float64 numpy on the weights as gguf-py decodes
 them, on the CPU and (with `-m cuda`) on CUDA, where every column must also come out bit-identical whatever the
 number of columns around it and whatever number of row tiles the kernel runs; likewise ggml_qmatmul_rms_norm
-(the product of RMS-normed columns) against float64 numpy on the normed columns.
+(the product of RMS-normed columns) against float64 numpy on the normed columns, and ggml_qmatmul_fused's added
+tensor against ggml's own add after the product, bit for bit.
 
 Bounds: the CPU kernel dequantises to f32 and sums in float (far below 1e-5 relative error). CUDA quantises
 each column of x to 8 bits per 32 values first, as ggml's own vector kernel does; the reference applies the same
@@ -67,6 +68,28 @@ class QMatmul:
         """qmatmul of ggml's own rms_norm and mul of the columns."""
         return self._compute(x, lambda ctx, w, xt, g: ggml.qmatmul(ctx, w, ctx.mul(ctx.rms_norm(xt, EPS), g)), norm)
 
+    def run_add(self, x: np.ndarray, r: np.ndarray, row_tiles: int = 0, separate: bool = False,
+                pad: int = 0) -> np.ndarray:
+        """qmatmul(w, x) + r for r [N, M] (numpy order), r a view of a tensor of M + pad rows (columns M + pad floats
+        apart): added inside the product (ggml_qmatmul_fused), or by ggml's add after it (separate)."""
+        n = x.shape[0]
+        ctx = ggml.Context(n_tensors=8, graph_size=8)
+        w = ctx.new_tensor(self.wtype, (self.K, self.M), name="w").mark_input()
+        xt = ctx.new_tensor(np.float32, (self.K, n), name="x").mark_input()
+        rt = ctx.new_tensor(np.float32, (self.M + pad, n), name="r").mark_input()
+        rv = ctx.view_2d(rt, self.M, n, rt.nb[1], 0)
+        if separate:
+            out = ctx.add(ggml.qmatmul(ctx, w, xt, row_tiles), rv)
+        else:
+            out = ggml.qmatmul(ctx, w, xt, row_tiles, add=rv)
+        graph = ctx.graph(out)
+        ggml.Allocator(self.backend).allocate(graph)
+        w.set(self.w_data)
+        xt.set(np.ascontiguousarray(x, dtype=np.float32))
+        rt.set(np.ascontiguousarray(np.pad(r, ((0, 0), (0, pad))), dtype=np.float32))
+        self.backend.compute(graph)
+        return graph.outputs[0].numpy().reshape(n, self.M)
+
     def _compute(self, x: np.ndarray, product, norm: np.ndarray | None = None) -> np.ndarray:
         ctx = ggml.Context(n_tensors=8, graph_size=8)
         w = ctx.new_tensor(self.wtype, (self.K, self.M), name="w").mark_input()
@@ -126,6 +149,27 @@ def test_qmatmul_rms_norm_matches_normed_reference(backend, rng, wtype):
             err = rel_err(got, as_q8(xn) @ w_ref.T)
             assert err < 1e-3, f"{wtype.name} N={n}: relative error {err:.2e} against q8-rounded normed x"
             assert rel_err(got, xn @ w_ref.T) > 5 * err, f"{wtype.name} N={n}: x was not rounded as documented"
+
+
+@pytest.mark.parametrize("wtype", TYPES, ids=[t.name for t in TYPES])
+def test_qmatmul_add_is_the_product_then_ggml_add(backend, rng, wtype):
+    """ggml_qmatmul_fused's added tensor (a residual: strided columns, values far larger than the product's, so
+    that the rounding of the sum shows) gives the bits of ggml's add after the product, at every column count the
+    kernels split differently (the streaming kernel at one column, the staged and tensor-core kernels above), and
+    on CUDA at every row-tile count; the sum also matches float64."""
+    op, w_ref = make(backend, rng, wtype, SHAPES_TALL)
+    tiles = [0] if backend.is_cpu else [0] + ROW_TILES
+    for n in (1, 3, 16, 23, 48):
+        x = rng.standard_normal((n, op.K)).astype(np.float32)
+        r = (rng.standard_normal((n, op.M)) * 300.0).astype(np.float32)
+        for rt in tiles:
+            fused = op.run_add(x, r, row_tiles=rt, pad=5)
+            separate = op.run_add(x, r, row_tiles=rt, separate=True)
+            assert np.array_equal(fused, separate), f"{wtype.name} N={n} row_tiles={rt}: not the bits of ggml's add"
+        # (CUDA rounds x to 8 bits per 32 values first: the bounds of the product's tests)
+        exact = (x.astype(np.float64) if backend.is_cpu else as_q8(x)) @ w_ref.T + r
+        err = rel_err(fused, exact)
+        assert err < (1e-5 if backend.is_cpu else 1e-3), f"{wtype.name} N={n}: relative error {err:.2e} of the sum"
 
 
 @pytest.mark.cuda
@@ -229,3 +273,7 @@ def test_qmatmul_rejects_bad_input():
         ggml.qmatmul(ctx, w, ctx.new_tensor(np.float32, (256, 3)), norm=ctx.new_tensor(np.float32, (128,)))
     with pytest.raises(ValueError, match="eps must be >= 0"):
         ggml.qmatmul(ctx, w, ctx.new_tensor(np.float32, (256, 3)), norm=ctx.new_tensor(np.float32, (256,)), eps=-1.0)
+    with pytest.raises(ValueError, match=r"qmatmul add must have ne \(4, 3\)"):
+        ggml.qmatmul(ctx, w, ctx.new_tensor(np.float32, (256, 3)), add=ctx.new_tensor(np.float32, (4, 2)))
+    with pytest.raises(TypeError, match="qmatmul add must be F32"):
+        ggml.qmatmul(ctx, w, ctx.new_tensor(np.float32, (256, 3)), add=ctx.new_tensor(np.float16, (4, 3)))

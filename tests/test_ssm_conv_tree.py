@@ -187,8 +187,9 @@ def test_set_parents(backend):
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
 def test_verify_with_the_split_conv_gives_the_same_logits(tmp_path, monkeypatch, device):
-    """PYDFLASH_CONV_SPLIT=1 (a tree verify's conv reading the state and the projection's rows where they are):
-    prefill, decode and a tree verify give the very logits of the concatenated form."""
+    """The split conv (a tree verify's conv reading the state and the projection's rows where they are, the
+    default): prefill, decode and a tree verify give the very logits of the concatenated form
+    (PYDFLASH_CONV_SPLIT=0)."""
     from test_engine import CUDA_SHAPE
     from test_fused_weights import _run
 
@@ -196,8 +197,10 @@ def test_verify_with_the_split_conv_gives_the_same_logits(tmp_path, monkeypatch,
     path = str(tmp_path / "q35.gguf")
     write_qwen35_gguf(path, **dict(CUDA_SHAPE, weight_type="Q8_0"))
     prompt = [int(t) for t in np.random.default_rng(5).integers(0, 400, 20)]
-    _, ref = _run(path, device, prompt, 3)
-    monkeypatch.setenv("PYDFLASH_CONV_SPLIT", "1")
+    monkeypatch.setenv("PYDFLASH_CONV_SPLIT", "0")
+    concatenated, ref = _run(path, device, prompt, 3)
+    assert ggml.Op.CONCAT in [n.op for n in concatenated._last.graph.nodes()]
+    monkeypatch.delenv("PYDFLASH_CONV_SPLIT")
     split, got = _run(path, device, prompt, 3)
     ops = [n.op for n in split._last.graph.nodes()]
     assert ggml.Op.CONCAT not in ops and ggml.Op.SSM_CONV_TREE in ops

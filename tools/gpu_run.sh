@@ -137,9 +137,6 @@ phase bench_ar_norm_in_qmatmul 150 env PYDFLASH_NORM_IN_QMATMUL=1 python3 "$src/
     --device cuda --n-gen 128 --reps 5
 phase bench_ddtree_norm_in_qmatmul 240 env PYDFLASH_NORM_IN_QMATMUL=1 python3 "$src/bench/ddtree_step.py" \
     "$data/q27.gguf" --draft "$data/d27" --device cuda --budget 22 --n-gen 64 --reps 5
-# and with a tree verify's conv reading the state and the projection rows where they are (PYDFLASH_CONV_SPLIT=1)
-phase bench_ddtree_conv_split 240 env PYDFLASH_CONV_SPLIT=1 python3 "$src/bench/ddtree_step.py" "$data/q27.gguf" \
-    --draft "$data/d27" --device cuda --budget 22 --n-gen 64 --reps 5
 # oracle draft (AR's own continuation, a wrong top-1 every 8th position): realistic path lengths for commit
 phase bench_oracle 200 python3 "$src/bench/ddtree_step.py" "$data/q27.gguf" --device cuda --budget 22 --n-gen 128 \
     --reps 3

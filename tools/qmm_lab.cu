@@ -203,15 +203,17 @@ static void try_stream(std::vector<candidate> & out, qms_args a, const std::vect
 
 // the tensor-core kernel (old: the baseline's, when built with one)
 template <ggml_type type, int NT, int RT> static void mma_launch(const qmm_args & q, bool old, cudaStream_t st) {
-    auto kernel = qmm_mma<type, NT, RT>;
+    const dim3 grid((q.M + QMM_MMA_ROWS * RT - 1) / (QMM_MMA_ROWS * RT)), block(WARP_SIZE, QMM_MMA_WARPS);
 #ifdef QMM_LAB_BASELINE
     if (old) {
-        kernel = qmmold_mma<type, NT, RT>;
+        qmmold_mma<type, NT, RT><<<grid, block, 0, st>>>(q.W, q.yq, q.yds, q.dst, q.nb, q.K, q.M, q.N, q.npad,
+                                                         q.stride_col_dst);
+        return;
     }
 #endif
     GGML_UNUSED(old);
-    kernel<<<(q.M + QMM_MMA_ROWS * RT - 1) / (QMM_MMA_ROWS * RT), dim3(WARP_SIZE, QMM_MMA_WARPS), 0, st>>>(
-        q.W, q.yq, q.yds, q.dst, q.nb, q.K, q.M, q.N, q.npad, q.stride_col_dst);
+    qmm_mma<type, NT, RT><<<grid, block, 0, st>>>(q.W, q.yq, q.yds, q.dst, q.nb, q.K, q.M, q.N, q.npad,
+                                                  q.stride_col_dst, nullptr, 0);
 }
 
 template <ggml_type type> static void run_shape(const shape & sh, int n_sm, double read_gbs, cudaStream_t st) {

@@ -1,7 +1,8 @@
 // ggml_qmatmul on the CPU: the reference. Threads split the weight rows; each row is dequantised to f32 once
 // (ggml's own to_float of its type) and dotted with every column of x in float, in index order. With a norm
 // (ggml_qmatmul_rms_norm) each column is first scaled as ggml's CPU rms_norm and mul would: squares summed in
-// double, scale = 1 / sqrtf(mean + eps), value = x * scale * norm.
+// double, scale = 1 / sqrtf(mean + eps), value = x * scale * norm. With an added tensor (ggml_qmatmul_fused) each
+// output is sum + add, ggml's CPU add.
 
 #include "ggml-ext.h"
 #include "ggml-ext-cpu.h"
@@ -29,6 +30,7 @@ void ggml_ext_cpu_qmatmul(const struct ggml_compute_params * params, struct ggml
     const struct ggml_tensor * w    = dst->src[0];
     const struct ggml_tensor * x    = dst->src[1];
     const struct ggml_tensor * norm = dst->src[2];   // ggml_qmatmul_rms_norm, else NULL
+    const struct ggml_tensor * add  = dst->src[3];   // ggml_qmatmul_fused's added tensor, else NULL
 
     const int64_t K = w->ne[0];
     const int64_t M = w->ne[1];
@@ -64,6 +66,9 @@ void ggml_ext_cpu_qmatmul(const struct ggml_compute_params * params, struct ggml
                     const float xn = xj[k] * scale[j] * g[k];
                     sum += row[k] * xn;
                 }
+            }
+            if (add != NULL) {
+                sum = sum + *(const float *) ((const char *) add->data + r * sizeof(float) + j * add->nb[1]);
             }
             *(float *) ((char *) dst->data + r * sizeof(float) + j * dst->nb[1]) = sum;
         }

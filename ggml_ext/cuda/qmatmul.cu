@@ -277,6 +277,17 @@ static __global__ void qmm_rms_norm_x(const float * __restrict__ x, const float 
     }
 }
 
+// ggml_qmatmul_fused's add on GPUs without the tensor-core kernel (whose stores add it): dst += add, element-wise
+static __global__ void qmm_add_after(float * __restrict__ dst, const float * __restrict__ add, int M, int64_t n,
+                                     int stride_col_dst, int stride_col_add) {
+    const int64_t i = (int64_t) blockIdx.x * blockDim.x + threadIdx.x;
+    ggml_cuda_pdl_sync();
+    if (i < n) {
+        const int64_t row = i % M, col = i / M;
+        dst[col * stride_col_dst + row] = __fadd_rn(dst[col * stride_col_dst + row], add[col * stride_col_add + row]);
+    }
+}
+
 static float qmm_norm_eps(const ggml_tensor * dst) {
     float eps;
     memcpy(&eps, &dst->op_params[1], sizeof(float));
@@ -346,8 +357,12 @@ static void qmatmul_mma(ggml_backend_cuda_context & ctx, const ggml_tensor * w, 
                                 (const float *) x->data, yq, yds, K, N, npad, stride_col_x, staged_rt > 0);
     }
 
-    const qmm_args p = {(const char *) w->data, yq, yds, (float *) dst->data, (int) (K / ggml_blck_size(w->type)),
-                        K, M, N, npad, (int) (dst->nb[1] / sizeof(float))};
+    qmm_args p = {(const char *) w->data, yq, yds, (float *) dst->data, (int) (K / ggml_blck_size(w->type)),
+                  K, M, N, npad, (int) (dst->nb[1] / sizeof(float))};
+    if (const ggml_tensor * add = dst->src[3]) {   // ggml_qmatmul_fused: added as the outputs are stored
+        p.add            = (const float *) add->data;
+        p.stride_col_add = (int) (add->nb[1] / sizeof(float));
+    }
     if constexpr (type != GGML_TYPE_Q8_0) {
         if (staged_rt > 0) {
             qmm_staged_run<type>(p, nt, staged_rt, ctx.device, stream);
@@ -409,6 +424,11 @@ void ggml_ext_cuda_qmatmul(ggml_backend_cuda_context & ctx, ggml_tensor * dst) {
         case GGML_TYPE_Q6_K: qmatmul_switch<GGML_TYPE_Q6_K>(w->data, yq, out, blocks_per_row, M, N, stride_col_y, stride_col_dst, stream); break;
         case GGML_TYPE_Q8_0: qmatmul_switch<GGML_TYPE_Q8_0>(w->data, yq, out, blocks_per_row, M, N, stride_col_y, stride_col_dst, stream); break;
         default: GGML_ABORT("ggml_qmatmul: unsupported weight type %s", ggml_type_name(w->type));
+    }
+    if (const ggml_tensor * add = dst->src[3]) {   // ggml_qmatmul_fused, here after the product
+        const int64_t n = M * N;
+        ggml_cuda_kernel_launch(qmm_add_after, ggml_cuda_kernel_launch_params(dim3((n + 255) / 256), dim3(256), 0, stream),
+                                out, (const float *) add->data, (int) M, n, stride_col_dst, (int) (add->nb[1] / sizeof(float)));
     }
 }
 

@@ -447,11 +447,13 @@ static __device__ __forceinline__ void qmm_units(const qmm_rows<type, NT, RT> & 
 }
 
 // Combine the warps' partial sums in warp order, one row tile at a time (partial: shared memory for one tile), and
-// store the block's outputs; the NT * 4 sums of a lane are shared out over the warps.
+// store the block's outputs, plus add's where given (ggml_qmatmul_fused); the NT * 4 sums of a lane are shared out
+// over the warps.
 template <int NT, int RT>
 static __device__ __forceinline__ void qmm_store_sums(const float (&acc)[RT][NT][4],
                                                       float (*partial)[NT * 4][WARP_SIZE], int r0, int M, int N,
-                                                      float * __restrict__ dst, int stride_col_dst) {
+                                                      float * __restrict__ dst, int stride_col_dst,
+                                                      const float * __restrict__ add, int stride_col_add) {
     const int lane = threadIdx.x;
     const int warp = threadIdx.y;
     const int g    = lane / 4;
@@ -478,6 +480,9 @@ static __device__ __forceinline__ void qmm_store_sums(const float (&acc)[RT][NT]
             const int row = r0 + QMM_MMA_ROWS * r + 8 * ((e % 4) / 2) + g;
             const int col = 8 * (e / 4) + 2 * t4 + e % 2;
             if (row < M && col < N) {
+                if (add != nullptr) {
+                    sum = __fadd_rn(sum, add[(size_t) col * stride_col_add + row]);
+                }
                 dst[(size_t) col * stride_col_dst + row] = sum;
             }
         }
@@ -489,7 +494,8 @@ static __device__ __forceinline__ void qmm_store_sums(const float (&acc)[RT][NT]
 template <ggml_type type, int NT, int RT>
 static __global__ void __launch_bounds__(QMM_MMA_WARPS * WARP_SIZE, qmm_min_blocks<NT, RT>())
 qmm_mma(const char * __restrict__ W, const int8_t * __restrict__ yq, const float2 * __restrict__ yds,
-        float * __restrict__ dst, int nb, int K, int M, int N, int npad, int stride_col_dst) {
+        float * __restrict__ dst, int nb, int K, int M, int N, int npad, int stride_col_dst,
+        const float * __restrict__ add, int stride_col_add) {
     const int lane = threadIdx.x;
     const int warp = threadIdx.y;
     const int g    = lane / 4;
@@ -514,7 +520,7 @@ qmm_mma(const char * __restrict__ W, const int8_t * __restrict__ yq, const float
     qmm_units<type, NT, RT>(w, x, nb, n_units, acc);
 
     __shared__ float partial[QMM_MMA_WARPS][NT * 4][WARP_SIZE];
-    qmm_store_sums<NT, RT>(acc, partial, r0, M, N, dst, stride_col_dst);
+    qmm_store_sums<NT, RT>(acc, partial, r0, M, N, dst, stride_col_dst, add, stride_col_add);
 }
 
 struct qmm_args {
@@ -523,6 +529,8 @@ struct qmm_args {
     const float2 * yds;
     float * dst;
     int nb, K, M, N, npad, stride_col_dst;
+    const float * add = nullptr;   // ggml_qmatmul_fused's added tensor [M, N], columns stride_col_add apart
+    int stride_col_add = 0;
 };
 
 template <ggml_type type, int NT, int RT>
@@ -530,7 +538,8 @@ static void qmm_mma_launch(const qmm_args & p, cudaStream_t stream) {
     const dim3 grid((p.M + QMM_MMA_ROWS * RT - 1) / (QMM_MMA_ROWS * RT));
     const dim3 block(WARP_SIZE, QMM_MMA_WARPS);
     ggml_cuda_kernel_launch(qmm_mma<type, NT, RT>, ggml_cuda_kernel_launch_params(grid, block, 0, stream),
-                            p.W, p.yq, p.yds, p.dst, p.nb, p.K, p.M, p.N, p.npad, p.stride_col_dst);
+                            p.W, p.yq, p.yds, p.dst, p.nb, p.K, p.M, p.N, p.npad, p.stride_col_dst, p.add,
+                            p.stride_col_add);
 }
 
 template <ggml_type type, int NT>

@@ -113,7 +113,8 @@ template <int NT> constexpr size_t qmm_staged_smem() {
 template <ggml_type type, int NT, int RT>
 static __global__ void __launch_bounds__(QMM_MMA_WARPS * WARP_SIZE, qmm_min_blocks<NT, RT>())
 qmm_mma_staged(const char * __restrict__ W, const int8_t * __restrict__ yqh, const float2 * __restrict__ yds,
-               float * __restrict__ dst, int nb, int K, int M, int N, int stride_col_dst) {
+               float * __restrict__ dst, int nb, int K, int M, int N, int stride_col_dst,
+               const float * __restrict__ add, int stride_col_add) {
     extern __shared__ __align__(128) char qmm_smem[];
     const int warp = threadIdx.y;
     const int r0   = blockIdx.x * (QMM_MMA_ROWS * RT);
@@ -144,7 +145,7 @@ qmm_mma_staged(const char * __restrict__ W, const int8_t * __restrict__ yqh, con
     static_assert(QMM_MMA_WARPS * NT * 4 * WARP_SIZE * sizeof(float) <= QMM_MMA_WARPS * QMM_STAGES * qmm_slot<NT>::bytes,
                   "the partial sums must fit in the slots");
     qmm_store_sums<NT, RT>(acc, (float (*)[NT * 4][WARP_SIZE]) qmm_cols_staged<NT>::slots(qmm_smem), r0, M, N, dst,
-                           stride_col_dst);
+                           stride_col_dst, add, stride_col_add);
 }
 
 template <ggml_type type, int NT, int RT>
@@ -158,7 +159,7 @@ static void qmm_staged_launch(const qmm_args & p, int device, cudaStream_t strea
     }
     const dim3 grid((p.M + QMM_MMA_ROWS * RT - 1) / (QMM_MMA_ROWS * RT));
     ggml_cuda_kernel_launch(kernel, ggml_cuda_kernel_launch_params(grid, dim3(WARP_SIZE, QMM_MMA_WARPS), smem, stream),
-                            p.W, p.yq, p.yds, p.dst, p.nb, p.K, p.M, p.N, p.stride_col_dst);
+                            p.W, p.yq, p.yds, p.dst, p.nb, p.K, p.M, p.N, p.stride_col_dst, p.add, p.stride_col_add);
 }
 
 template <ggml_type type, int NT>

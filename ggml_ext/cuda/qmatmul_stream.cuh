@@ -260,6 +260,7 @@ struct qms_args {
     int nb, M, npad;
     int chunk;              // K units per stage, a multiple of QMS_SLOTS
     int pitch;              // shared-memory bytes per weight row of a stage, a multiple of 16
+    const float * add = nullptr;   // ggml_qmatmul_fused's added column [M]
 };
 
 // One CUDA block: NW warps, each with its own ring of STAGES buffers and its own range of the 4-row groups (thread
@@ -344,7 +345,7 @@ qms_gemv(const qms_args p) {
                 sum = __fadd_rn(sum, __shfl_sync(0xffffffff, acc, w, QMS_SLOTS));
             }
             if (slot == 0 && row < p.M) {
-                p.dst[row] = sum;
+                p.dst[row] = p.add != nullptr ? __fadd_rn(sum, p.add[row]) : sum;
             }
             acc = 0.0f;
             c = 0;
@@ -383,7 +384,7 @@ template <ggml_type type>
 void qms_run(const qmm_args & m, int device, cudaStream_t stream) {
     constexpr auto kernel = qms_gemv<type, QMS_RUN_WARPS, QMS_RUN_STAGES>;
     constexpr int threads = WARP_SIZE * QMS_RUN_WARPS;
-    const qms_args p = {m.W, m.yq, m.yds, m.dst, m.nb, m.M, m.npad, QMS_RUN_CHUNK, qms_pitch<type>(QMS_RUN_CHUNK)};
+    const qms_args p = {m.W, m.yq, m.yds, m.dst, m.nb, m.M, m.npad, QMS_RUN_CHUNK, qms_pitch<type>(QMS_RUN_CHUNK), m.add};
     const size_t smem = qms_smem_bytes<QMS_RUN_WARPS, QMS_RUN_STAGES>(p);
     static size_t smem_allowed[GGML_CUDA_MAX_DEVICES] = {};   // what the kernel may take, per device
     if (smem > smem_allowed[device]) {

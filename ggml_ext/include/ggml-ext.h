@@ -205,6 +205,18 @@ GGML_API struct ggml_tensor * ggml_qmatmul_rms_norm(
         struct ggml_tensor  * norm,
         float                 eps,
         int                   row_tiles);
+
+// ggml_qmatmul with its fusions, each optional (NULL: not taken): norm and eps as ggml_qmatmul_rms_norm's, and
+// add, f32 [M, N] with contiguous rows (a residual), added to every output as it is stored: W * X + add, the bits of
+// ggml_add(ggml_qmatmul(...), add) on the same backend, one kernel fewer.
+GGML_API struct ggml_tensor * ggml_qmatmul_fused(
+        struct ggml_context * ctx,
+        struct ggml_tensor  * w,
+        struct ggml_tensor  * x,
+        struct ggml_tensor  * norm,
+        float                 eps,
+        struct ggml_tensor  * add,
+        int                   row_tiles);
 // --- Sampling: filter each row of logits and draw one token (docs/sampling.md) ----------------------------------
 //   logits f32 [n_vocab, n_rows]  rows contiguous (nb[0] = 4)
 //   hist   i32 [n_hist, n_rows]   each row's most recent tokens for the penalties (-1: no token), contiguous

@@ -211,13 +211,34 @@ struct ggml_tensor * ggml_qmatmul_rms_norm(
         struct ggml_tensor  * norm,
         float                 eps,
         int                   row_tiles) {
-    GGML_ASSERT(norm->type == GGML_TYPE_F32 && ggml_is_contiguous(norm) && ggml_nelements(norm) == x->ne[0]);
-    GGML_ASSERT(eps >= 0.0f);
+    GGML_ASSERT(norm != NULL);
+    return ggml_qmatmul_fused(ctx, w, x, norm, eps, NULL, row_tiles);
+}
+
+// src[2]: the norm (op_params[1]: eps), src[3]: the added tensor
+struct ggml_tensor * ggml_qmatmul_fused(
+        struct ggml_context * ctx,
+        struct ggml_tensor  * w,
+        struct ggml_tensor  * x,
+        struct ggml_tensor  * norm,
+        float                 eps,
+        struct ggml_tensor  * add,
+        int                   row_tiles) {
     struct ggml_tensor * result = ggml_qmatmul(ctx, w, x, row_tiles);
-    memcpy(&result->op_params[1], &eps, sizeof(float));
-    result->src[2] = norm;
+    if (norm != NULL) {
+        GGML_ASSERT(norm->type == GGML_TYPE_F32 && ggml_is_contiguous(norm) && ggml_nelements(norm) == x->ne[0]);
+        GGML_ASSERT(eps >= 0.0f);
+        memcpy(&result->op_params[1], &eps, sizeof(float));
+        result->src[2] = norm;
+    }
+    if (add != NULL) {
+        GGML_ASSERT(add->type == GGML_TYPE_F32 && ggml_is_matrix(add) && add->nb[0] == sizeof(float));
+        GGML_ASSERT(add->ne[0] == result->ne[0] && add->ne[1] == result->ne[1]);
+        result->src[3] = add;
+    }
     return result;
 }
+
 static void ggml_ext_check_sample(const struct ggml_tensor * logits, const struct ggml_tensor * hist,
                                   const struct ggml_tensor * params) {
     GGML_ASSERT(logits->type == GGML_TYPE_F32 && ggml_is_matrix(logits) && logits->nb[0] == sizeof(float));

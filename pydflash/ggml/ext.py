@@ -191,7 +191,7 @@ def qmatmul_streams(device) -> bool:
 
 
 def qmatmul(ctx: Context, w: Tensor, x: Tensor, row_tiles: int = 0, norm: Tensor | None = None,
-            eps: float = 0.0) -> Tensor:
+            eps: float = 0.0, add: Tensor | None = None) -> Tensor:
     """W * X for a quantised weight w [K, M] (Q4_K, Q5_K, Q6_K or Q8_0, contiguous) and f32 x [K, N] with
     1 <= N <= 48 columns -> f32 [M, N], the product `ctx.mul_mat(w, x)` computes. On CUDA column j of the result
     is bit-identical whatever N is (ggml-ext.h says how); the CPU kernel is a float reference.
@@ -200,7 +200,9 @@ def qmatmul(ctx: Context, w: Tensor, x: Tensor, row_tiles: int = 0, norm: Tensor
     (0: the kernel chooses; 1, 2, 4 force it, for benchmarks; -1, -2 force it with the activations staged in
     shared memory: Hopper, K-quants, N > 8). It changes the speed, never the result.
     norm (f32 [K]): multiply the RMS-normed columns instead, W * (rms_norm(x, eps) * norm)
-    (ggml_qmatmul_rms_norm: on CUDA the norm is computed as the columns are quantised)."""
+    (ggml_qmatmul_rms_norm: on CUDA the norm is computed as the columns are quantised).
+    add (f32 [M, N], rows contiguous; a residual): return W * X + add, added as each output is stored
+    (ggml_qmatmul_fused: the bits of `ctx.add` after the product, one kernel fewer)."""
     if row_tiles not in QMATMUL_ROW_TILES:
         raise ValueError(f"qmatmul row_tiles must be one of {QMATMUL_ROW_TILES}, got {row_tiles}")
     if w.type not in QMATMUL_TYPES:
@@ -214,14 +216,19 @@ def qmatmul(ctx: Context, w: Tensor, x: Tensor, row_tiles: int = 0, norm: Tensor
     _expect_rows(x, "qmatmul x")
     if not 1 <= n <= QMATMUL_MAX_COLS:
         raise ValueError(f"qmatmul takes 1 to {QMATMUL_MAX_COLS} columns of x, got {n}")
-    if norm is None:
+    if norm is None and add is None:
         return Tensor(lib.ggml_qmatmul(ctx._ptr, w._ptr, x._ptr, row_tiles), ctx)
-    if norm.type != Type.F32 or math.prod(norm.ne) != K or not norm.is_contiguous:
-        raise ValueError(f"qmatmul norm must be a contiguous f32 vector of {K} values, got {norm.type.name} "
-                         f"ne {norm.ne}")
-    if not eps >= 0.0:
-        raise ValueError(f"qmatmul eps must be >= 0, got {eps}")
-    return Tensor(lib.ggml_qmatmul_rms_norm(ctx._ptr, w._ptr, x._ptr, norm._ptr, eps, row_tiles), ctx)
+    if norm is not None:
+        if norm.type != Type.F32 or math.prod(norm.ne) != K or not norm.is_contiguous:
+            raise ValueError(f"qmatmul norm must be a contiguous f32 vector of {K} values, got {norm.type.name} "
+                             f"ne {norm.ne}")
+        if not eps >= 0.0:
+            raise ValueError(f"qmatmul eps must be >= 0, got {eps}")
+    if add is not None:
+        _expect(add, "qmatmul add", Type.F32, (M, n))
+        _expect_rows(add, "qmatmul add")
+    return Tensor(lib.ggml_qmatmul_fused(ctx._ptr, w._ptr, x._ptr, ffi.NULL if norm is None else norm._ptr, eps,
+                                         ffi.NULL if add is None else add._ptr, row_tiles), ctx)
 
 
 def gdn_gates(ctx: Context, beta: Tensor, alpha: Tensor, dt_bias: Tensor, a: Tensor) -> tuple[Tensor, Tensor]:

@@ -954,12 +954,11 @@ class DFlashDraft:
                                      ctx.permute(vt, 0, 2, 1, 3), mask, 1.0 / math.sqrt(hd), 0.0, 0.0)
             att.accumulate_f32()
             att = ctx.reshape_2d(att, hd * hp.n_head, B).named(f"draft.l{il}.attn")
-            h = ctx.add(linear(ctx, w[p + "self_attn.o_proj.weight"], att), h).named(f"draft.l{il}.attn_res")
+            h = linear(ctx, w[p + "self_attn.o_proj.weight"], att, add=h).named(f"draft.l{il}.attn_res")
             x = self._norm(ctx, h, w[p + "post_attention_layernorm.weight"], f"draft.l{il}.ffn_norm")
             gate = linear(ctx, w[p + "mlp.gate_proj.weight"], x)
             up = linear(ctx, w[p + "mlp.up_proj.weight"], x)
-            ffn = linear(ctx, w[p + "mlp.down_proj.weight"], ctx.swiglu_split(gate, up))
-            h = ctx.add(ffn, h).named(f"draft.l{il}.out")
+            h = linear(ctx, w[p + "mlp.down_proj.weight"], ctx.swiglu_split(gate, up), add=h).named(f"draft.l{il}.out")
 
         tail = ctx.view_2d(h, E, B - 1, h.nb[1], h.nb[1])                           # block positions 1..B-1
         hn = self._norm(ctx, tail, w["norm.weight"], "draft.out.norm")

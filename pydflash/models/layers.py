@@ -123,17 +123,17 @@ def _takes_qmatmul(w: ggml.Tensor, x: ggml.Tensor) -> bool:
 
 def norm_in_qmatmul_enabled() -> bool:
     """PYDFLASH_NORM_IN_QMATMUL=1: products that ggml_qmatmul takes compute a Normed input's norm themselves
-    (ggml_qmatmul_rms_norm). Off by default: on the H100 its first kernel (one block per column) made the 27B
-    shape's decode slower than the separate norm and quantisation; the current one is unmeasured
-    (docs/benchmarks.md, twelfth session)."""
+    (ggml_qmatmul_rms_norm). Off by default: on the H100 both of its kernels made the 27B shape's decode slower
+    than the separate norm and quantisation (docs/benchmarks.md, twelfth and thirteenth sessions)."""
     return env_switch("PYDFLASH_NORM_IN_QMATMUL", default="0")
 
 
 def conv_split_enabled() -> bool:
-    """PYDFLASH_CONV_SPLIT=1: a tree verify's recurrent conv reads the conv state and the projection's rows where
-    they are (ggml_ssm_conv_tree_split: the same bits without the concatenated copy). Off until measured on a GPU
-    (docs/benchmarks.md, twelfth session)."""
-    return env_switch("PYDFLASH_CONV_SPLIT", default="0")
+    """A tree verify's recurrent conv reads the conv state and the projection's rows where they are
+    (ggml_ssm_conv_tree_split: the same bits without the concatenated copy; on the H100 the 27B shape's budget-22
+    verify 0.55 ms faster, docs/benchmarks.md, thirteenth session). PYDFLASH_CONV_SPLIT=0 concatenates them first,
+    as before."""
+    return env_switch("PYDFLASH_CONV_SPLIT", default="1")
 
 
 class Normed:
@@ -177,27 +177,41 @@ def uses_qmatmul(w: ggml.Tensor, x: ggml.Tensor) -> bool:
         mode == "1" or qmatmul_faster(w.type, w.ne[1], x.ne[1], x.ne[1] == 1 and _streams(w)))
 
 
-def linear(ctx: ggml.Context, w: ggml.Tensor, x: ggml.Tensor | Normed) -> ggml.Tensor:
-    """w^T x for a weight w [n_in, n_out] (ggml order) and activations x [n_in, ...] -> [n_out, ...].
+def linear(ctx: ggml.Context, w: ggml.Tensor, x: ggml.Tensor | Normed, add: ggml.Tensor | None = None,
+           name: str | None = None) -> ggml.Tensor:
+    """w^T x for a weight w [n_in, n_out] (ggml order) and activations x [n_in, ...] -> [n_out, ...], plus `add`
+    (a residual of the result's shape) where given.
 
     ggml's mul_mat, except quantised GPU weights that ggml_qmatmul takes (qmatmul_mode): by default where it is
     the faster kernel, with PYDFLASH_QMATMUL=1 for every 1..48 columns (then every column is bit-identical
     whatever the number of columns; ggml-ext.h says how). The weight must be allocated when the graph is built
-    (model weights always are). x may be a Normed input (normed inside ggml_qmatmul where it takes the product)."""
+    (model weights always are). x may be a Normed input (normed inside ggml_qmatmul where it takes the product).
+    ggml_qmatmul adds `add` as it stores each output (the bits of a separate add, one kernel fewer); otherwise the
+    product, named `name`, is followed by ggml's add. Without `add`, the product is named `name`."""
+    norm = None
     if isinstance(x, Normed):
         if x.fuses_into(w):
-            return ggml.qmatmul(ctx, w, x.h, norm=x.weight, eps=x.eps)
-        x = x.tensor()
-    if uses_qmatmul(w, x):
-        return ggml.qmatmul(ctx, w, x)
+            x, norm = x.h, x
+        else:
+            x = x.tensor()
+    if norm is not None or uses_qmatmul(w, x):
+        if norm is None:
+            out = ggml.qmatmul(ctx, w, x, add=add)
+        else:
+            out = ggml.qmatmul(ctx, w, x, norm=norm.weight, eps=norm.eps, add=add)
+        return out if add is not None or name is None else out.named(name)
     if bitexact_enabled() and x.ne[1] <= ggml.QMATMUL_MAX_COLS and x.ne[2:] == (1, 1) and x.is_contiguous:
         # tokens as a batch of single columns: ggml then takes its matrix-vector kernel for every token count
         # (its kernel choice, and so the rounding, depends on the column count). One token goes the same way, so
         # that no graph fuses the product with its neighbours (CUDA fuses a 1-column FFN with its GLU). Prefill
         # micro-batches over 48 tokens keep mul_mat: verify sizes are at most 48.
         out = ctx.mul_mat(w, ctx.reshape_3d(x, x.ne[0], 1, x.ne[1]))
-        return ctx.reshape_2d(out, out.ne[0], x.ne[1])
-    return ctx.mul_mat(w, x)
+        out = ctx.reshape_2d(out, out.ne[0], x.ne[1])
+    else:
+        out = ctx.mul_mat(w, x)
+    if name is not None:
+        out = out.named(name)
+    return out if add is None else ctx.add(out, add)
 
 
 def heads(ctx: ggml.Context, y: ggml.Tensor, head_dim: int, n_head: int, n: int) -> ggml.Tensor:

@@ -121,10 +121,10 @@ class LlamaTarget(TargetRuntime):
         hp, w, p = self.hp, self.weights, f"blk.{il}."
         # the norms' outputs only feed projections, which may compute them (layers.Normed)
         x = layers.Normed(ctx, h, w[p + "attn_norm.weight"], hp.rms_eps, f"l{il}.attn_norm")
-        h = ctx.add(self._attention(ctx, x, il, g), h).named(f"l{il}.attn_res")
+        # the residual is added by the output projections (layers.linear: inside ggml_qmatmul where it takes them)
+        h = self._attention(ctx, x, il, g, add=h).named(f"l{il}.attn_res")
         x = layers.Normed(ctx, h, w[p + "ffn_norm.weight"], hp.rms_eps, f"l{il}.ffn_norm")
-        ffn = self.gated_ffn(ctx, x, p, ctx.swiglu_split, f"l{il}.ffn_out")
-        return ctx.add(ffn, h).named(f"l{il}.out")
+        return self.gated_ffn(ctx, x, p, ctx.swiglu_split, f"l{il}.ffn_out", add=h).named(f"l{il}.out")
 
     def fusion_candidates(self, il: int) -> list[tuple[str, ...]]:
         """Q, K and V of a layer as one matrix where their types agree (else the two neighbours whose do), their
@@ -141,7 +141,7 @@ class LlamaTarget(TargetRuntime):
         return (layers.heads(ctx, q, hp.head_dim, hp.n_head, n), layers.heads(ctx, k, hp.head_dim, hp.n_head_kv, n),
                 layers.heads(ctx, v, hp.head_dim, hp.n_head_kv, n))
 
-    def _attention(self, ctx, x, il: int, g: GraphInputs):
+    def _attention(self, ctx, x, il: int, g: GraphInputs, add=None):
         hp, w, p, n = self.hp, self.weights, f"blk.{il}.", g.n_tokens
         q, k, v = self._qkv(ctx, x, il, n)
         if hp.QK_NORM:
@@ -152,7 +152,7 @@ class LlamaTarget(TargetRuntime):
         q = layers.rope(ctx, q, g.pos, **rope).named(f"l{il}.q")
         k = layers.rope(ctx, k, g.pos, **rope).named(f"l{il}.k")
         out = layers.attention(ctx, self.cache, il, q, k, v, g, hp.attn_scale)   # [hd n_head, n]
-        out = linear(ctx, w[p + "attn_output.weight"], out)
-        if p + "attn_output.bias" in w:
-            out = ctx.add(out, w[p + "attn_output.bias"])
-        return out.named(f"l{il}.attn_out")
+        if p + "attn_output.bias" not in w:
+            return linear(ctx, w[p + "attn_output.weight"], out, add=add, name=f"l{il}.attn_out")
+        out = ctx.add(linear(ctx, w[p + "attn_output.weight"], out), w[p + "attn_output.bias"]).named(f"l{il}.attn_out")
+        return out if add is None else ctx.add(out, add)   # (the bias first, as before)

@@ -162,14 +162,11 @@ class Qwen35Target(TargetRuntime):
         hp, w, p = self.hp, self.weights, f"blk.{il}."
         # the norms' outputs only feed projections, which may compute them (layers.Normed)
         x = layers.Normed(ctx, h, w[p + "attn_norm.weight"], hp.rms_eps, f"l{il}.attn_norm")
-        if hp.recurrent[il]:
-            mix = self._gdn(ctx, x, il, g)
-        else:
-            mix = self._attention(ctx, x, il, g)
-        h = ctx.add(mix, h).named(f"l{il}.attn_res")
+        # the residual is added by the output projections (layers.linear: inside ggml_qmatmul where it takes them)
+        mix = self._gdn if hp.recurrent[il] else self._attention
+        h = mix(ctx, x, il, g, add=h).named(f"l{il}.attn_res")
         x = layers.Normed(ctx, h, w[p + "post_attention_norm.weight"], hp.rms_eps, f"l{il}.ffn_norm")
-        ffn = self.gated_ffn(ctx, x, p, ctx.swiglu_split, f"l{il}.ffn_out")
-        return ctx.add(ffn, h).named(f"l{il}.out")
+        return self.gated_ffn(ctx, x, p, ctx.swiglu_split, f"l{il}.ffn_out", add=h).named(f"l{il}.out")
 
     def fusion_candidates(self, il: int) -> list[tuple[str, ...]]:
         """Per layer, the projections of the same input: attention Q(+gate), K, V (as the llama family's);
@@ -182,7 +179,7 @@ class Qwen35Target(TargetRuntime):
             else [(p + "attn_q", p + "attn_k", p + "attn_v")]
         return runs + [(p + "ffn_gate", p + "ffn_up")]
 
-    def _attention(self, ctx, x, il: int, g: GraphInputs):
+    def _attention(self, ctx, x, il: int, g: GraphInputs, add=None):
         hp, w = self.hp, self.weights
         p, hd, n = f"blk.{il}.", hp.head_dim, g.n_tokens
         q_full, k, v = self.project(ctx, x, [p + "attn_q", p + "attn_k", p + "attn_v"])   # q_full: [Q | gate]
@@ -199,9 +196,9 @@ class Qwen35Target(TargetRuntime):
         k = ctx.rope_multi(k, g.pos, None, *rope).named(f"l{il}.k")
         out = layers.attention(ctx, self.cache, il, q, k, v, g)     # [hd n_head, n]
         out = ctx.mul(out, ctx.sigmoid(gate)).named(f"l{il}.attn_gated")
-        return linear(ctx, w[p + "attn_output.weight"], out).named(f"l{il}.attn_out")
+        return linear(ctx, w[p + "attn_output.weight"], out, add=add, name=f"l{il}.attn_out")
 
-    def _gdn(self, ctx, x, il: int, g: GraphInputs):
+    def _gdn(self, ctx, x, il: int, g: GraphInputs, add=None):
         """In a tree verify (g.parent set) the conv and delta rule follow parent pointers, the conv state is left
         as it is (commit sets it), and every slot's state and conv input go to the verify stores."""
         hp, w, cache = self.hp, self.weights, self.cache
@@ -291,4 +288,4 @@ class Qwen35Target(TargetRuntime):
         zg = ctx.reshape_4d(z, d_v, h_v, n, 1)
         o = ctx.mul(rms_norm(ctx, o, w[p + "ssm_norm.weight"], hp.rms_eps, f"l{il}.gdn.norm"), ctx.silu(zg))
         o = ctx.reshape_2d(o, hp.value_dim, n)
-        return linear(ctx, w[p + "ssm_out.weight"], o).named(f"l{il}.gdn.out")
+        return linear(ctx, w[p + "ssm_out.weight"], o, add=add, name=f"l{il}.gdn.out")
