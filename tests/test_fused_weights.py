@@ -144,7 +144,6 @@ def test_one_token_gate_and_up_stay_one_product_where_qmatmul_takes_them(tmp_pat
     assert qmatmuls == _mul_mats(fused) and qmatmuls > 0
     saved = sum(len(members) - 1 for merged, members in fused.weights.fused.items() if merged.endswith(".weight"))
     assert _mul_mats(plain) - _mul_mats(fused) == saved == 3 * fused.hp.n_layer   # QKV: 2, gate+up: 1
-    assert _glu_behind_products(fused) == 0 and _glu_behind_products(plain) == fused.hp.n_layer
     assert np.array_equal(got, ref)
 
 
@@ -189,8 +188,8 @@ def test_residuals_added_inside_qmatmul_give_the_same_logits(tmp_path, monkeypat
     fused, got = _run(path, "cpu", prompt, 3)
     product = ggml.qmatmul
 
-    def then_add(ctx, w, x, row_tiles=0, norm=None, eps=0.0, add=None):
-        out = product(ctx, w, x, row_tiles, norm=norm, eps=eps)
+    def then_add(ctx, w, x, row_tiles=0, norm=None, eps=0.0, add=None, up=None):
+        out = product(ctx, w, x, row_tiles, norm=norm, eps=eps, up=up)
         return out if add is None else ctx.add(out, add)
     monkeypatch.setattr(ggml, "qmatmul", then_add)
     plain, ref = _run(path, "cpu", prompt, 3)
@@ -202,6 +201,36 @@ def test_residuals_added_inside_qmatmul_give_the_same_logits(tmp_path, monkeypat
     n_layer = fused.hp.n_layer
     assert count(fused)[0] == 2 * n_layer and count(plain)[0] == 0
     assert count(plain)[1] - count(fused)[1] == 2 * n_layer
+    assert np.array_equal(got, ref)
+
+
+@pytest.mark.parametrize("case", ["llama-q8_0", "qwen35-q8_0"])
+def test_swiglu_inside_qmatmul_gives_the_same_logits(tmp_path, monkeypatch, case):
+    """Where ggml_qmatmul takes a layer's FFN down product (forced as above) it gates the columns as it quantises
+    them (layers.Gated, ggml_qmatmul_fused's up): no GLU node is left, and the logits are those of ggml's
+    swiglu followed by the same product, bit for bit."""
+    from pydflash.ggml._ffi import ffi
+    path = str(tmp_path / f"{case}.gguf")
+    _write(path, case)
+    monkeypatch.setenv("PYDFLASH_QMATMUL", "1")
+    monkeypatch.setattr(layers, "_on_device", lambda w: True)
+    prompt = [int(t) for t in np.random.default_rng(6).integers(0, 400, 20)]
+    fused, got = _run(path, "cpu", prompt, 3)
+    product = ggml.qmatmul
+
+    def swiglu_first(ctx, w, x, row_tiles=0, norm=None, eps=0.0, add=None, up=None):
+        if up is not None:
+            x = ctx.swiglu_split(x, up)
+        return product(ctx, w, x, row_tiles, norm=norm, eps=eps, add=add)
+    monkeypatch.setattr(ggml, "qmatmul", swiglu_first)
+    plain, ref = _run(path, "cpu", prompt, 3)
+
+    def count(target):
+        nodes = target._last.graph.nodes()   # the 4-slot verify
+        gating = sum(n.op == ggml.Op.QMATMUL and n._ptr.src[4] != ffi.NULL for n in nodes)
+        return gating, sum(n.op == ggml.Op.GLU for n in nodes)
+    n_layer = fused.hp.n_layer
+    assert count(fused) == (n_layer, 0) and count(plain) == (0, n_layer)
     assert np.array_equal(got, ref)
 
 

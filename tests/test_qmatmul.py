@@ -2,7 +2,7 @@
 them, on the CPU and (with `-m cuda`) on CUDA, where every column must also come out bit-identical whatever the
 number of columns around it and whatever number of row tiles the kernel runs; likewise ggml_qmatmul_rms_norm
 (the product of RMS-normed columns) against float64 numpy on the normed columns, and ggml_qmatmul_fused's added
-tensor against ggml's own add after the product, bit for bit.
+tensor and gated columns against ggml's own add after the product and swiglu before it, bit for bit.
 
 Bounds: the CPU kernel dequantises to f32 and sums in float (far below 1e-5 relative error). CUDA quantises
 each column of x to 8 bits per 32 values first, as ggml's own vector kernel does; the reference applies the same
@@ -90,6 +90,27 @@ class QMatmul:
         self.backend.compute(graph)
         return graph.outputs[0].numpy().reshape(n, self.M)
 
+    def run_gated(self, x: np.ndarray, u: np.ndarray, row_tiles: int = 0, separate: bool = False) -> np.ndarray:
+        """qmatmul(w, silu(x) * u) for x, u [N, K] (numpy order), both views of one [N, 2K] tensor as a fused
+        gate/up product's halves: gated inside the product (ggml_qmatmul_fused's up), or by ggml's swiglu_split
+        before it (separate)."""
+        n = x.shape[0]
+        ctx = ggml.Context(n_tensors=8, graph_size=8)
+        w = ctx.new_tensor(self.wtype, (self.K, self.M), name="w").mark_input()
+        gu = ctx.new_tensor(np.float32, (2 * self.K, n), name="gate_up").mark_input()
+        gate = ctx.view_2d(gu, self.K, n, gu.nb[1], 0)
+        up = ctx.view_2d(gu, self.K, n, gu.nb[1], self.K * 4)
+        if separate:
+            out = ggml.qmatmul(ctx, w, ctx.swiglu_split(gate, up), row_tiles)
+        else:
+            out = ggml.qmatmul(ctx, w, gate, row_tiles, up=up)
+        graph = ctx.graph(out)
+        ggml.Allocator(self.backend).allocate(graph)
+        w.set(self.w_data)
+        gu.set(np.ascontiguousarray(np.concatenate([x, u], axis=1), dtype=np.float32))
+        self.backend.compute(graph)
+        return graph.outputs[0].numpy().reshape(n, self.M)
+
     def _compute(self, x: np.ndarray, product, norm: np.ndarray | None = None) -> np.ndarray:
         ctx = ggml.Context(n_tensors=8, graph_size=8)
         w = ctx.new_tensor(self.wtype, (self.K, self.M), name="w").mark_input()
@@ -170,6 +191,26 @@ def test_qmatmul_add_is_the_product_then_ggml_add(backend, rng, wtype):
         exact = (x.astype(np.float64) if backend.is_cpu else as_q8(x)) @ w_ref.T + r
         err = rel_err(fused, exact)
         assert err < (1e-5 if backend.is_cpu else 1e-3), f"{wtype.name} N={n}: relative error {err:.2e} of the sum"
+
+
+@pytest.mark.parametrize("wtype", TYPES, ids=[t.name for t in TYPES])
+def test_qmatmul_gated_is_ggml_swiglu_then_the_product(backend, rng, wtype):
+    """ggml_qmatmul_fused's up: the columns silu(gate) * up, gated as they are quantised, give the bits of ggml's
+    swiglu_split followed by the product, at every column count (and on CUDA every row-tile count); and the
+    product of the gated columns matches float64."""
+    op, w_ref = make(backend, rng, wtype, SHAPES_TALL)
+    tiles = [0] if backend.is_cpu else [0] + ROW_TILES
+    for n in (1, 3, 16, 23, 48):
+        x = (rng.standard_normal((n, op.K)) * 3.0).astype(np.float32)
+        u = rng.standard_normal((n, op.K)).astype(np.float32)
+        for rt in tiles:
+            fused = op.run_gated(x, u, row_tiles=rt)
+            separate = op.run_gated(x, u, row_tiles=rt, separate=True)
+            assert np.array_equal(fused, separate), f"{wtype.name} N={n} row_tiles={rt}: not the bits of ggml's swiglu"
+        xd = x.astype(np.float64)
+        gated = xd / (1.0 + np.exp(-xd)) * u
+        err = rel_err(fused, (gated if backend.is_cpu else as_q8(gated.astype(np.float32))) @ w_ref.T)
+        assert err < (1e-5 if backend.is_cpu else 1e-3), f"{wtype.name} N={n}: relative error {err:.2e}"
 
 
 @pytest.mark.cuda
@@ -259,7 +300,7 @@ def test_qmatmul_error_no_larger_than_ggml_mul_mat(rng, wtype):
 
 
 def test_qmatmul_rejects_bad_input():
-    ctx = ggml.Context(n_tensors=16)
+    ctx = ggml.Context(n_tensors=32)
     w = ctx.new_tensor(ggml.Type.Q4_K, (256, 4))
     with pytest.raises(ValueError, match="1 to 48 columns"):
         ggml.qmatmul(ctx, w, ctx.new_tensor(np.float32, (256, 49)))
@@ -277,3 +318,8 @@ def test_qmatmul_rejects_bad_input():
         ggml.qmatmul(ctx, w, ctx.new_tensor(np.float32, (256, 3)), add=ctx.new_tensor(np.float32, (4, 2)))
     with pytest.raises(TypeError, match="qmatmul add must be F32"):
         ggml.qmatmul(ctx, w, ctx.new_tensor(np.float32, (256, 3)), add=ctx.new_tensor(np.float16, (4, 3)))
+    with pytest.raises(ValueError, match=r"qmatmul up must have ne \(256, 3\)"):
+        ggml.qmatmul(ctx, w, ctx.new_tensor(np.float32, (256, 3)), up=ctx.new_tensor(np.float32, (256, 2)))
+    with pytest.raises(ValueError, match="a norm or up, not both"):
+        ggml.qmatmul(ctx, w, ctx.new_tensor(np.float32, (256, 3)), up=ctx.new_tensor(np.float32, (256, 3)),
+                     norm=ctx.new_tensor(np.float32, (256,)))

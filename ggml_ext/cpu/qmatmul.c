@@ -1,20 +1,24 @@
 // ggml_qmatmul on the CPU: the reference. Threads split the weight rows; each row is dequantised to f32 once
 // (ggml's own to_float of its type) and dotted with every column of x in float, in index order. With a norm
 // (ggml_qmatmul_rms_norm) each column is first scaled as ggml's CPU rms_norm and mul would: squares summed in
-// double, scale = 1 / sqrtf(mean + eps), value = x * scale * norm. With an added tensor (ggml_qmatmul_fused) each
-// output is sum + add, ggml's CPU add.
+// double, scale = 1 / sqrtf(mean + eps), value = x * scale * norm. ggml_qmatmul_fused: with up, the columns are
+// ggml's CPU swiglu of x and up (its own vector function, computed once into the work buffer, a column per thread);
+// with an added tensor each output is sum + add, ggml's CPU add.
 
 #include "ggml-ext.h"
 #include "ggml-ext-cpu.h"
 #include "ggml-cpu-impl.h"
 #include "ggml-impl.h"
+#include "vec.h"
 
 #include <math.h>
 #include <string.h>
 
 size_t ggml_ext_cpu_qmatmul_work_size(const struct ggml_tensor * node, int n_tasks) {
-    // one dequantised row per thread, padded to a cache line
-    return (size_t) n_tasks * (node->src[0]->ne[0] + 16) * sizeof(float);
+    const int64_t K = node->src[0]->ne[0];
+    // one dequantised row per thread, padded to a cache line; with up, the gated columns
+    const size_t gated = node->src[4] != NULL ? (size_t) K * node->src[1]->ne[1] : 0;
+    return ((size_t) n_tasks * (K + 16) + gated) * sizeof(float);
 }
 
 static float rms_norm_scale(const float * x, int64_t K, float eps) {
@@ -26,11 +30,16 @@ static float rms_norm_scale(const float * x, int64_t K, float eps) {
     return 1.0f / sqrtf(mean + eps);
 }
 
+static const float * column(const struct ggml_tensor * t, int64_t j) {
+    return (const float *) ((const char *) t->data + j * t->nb[1]);
+}
+
 void ggml_ext_cpu_qmatmul(const struct ggml_compute_params * params, struct ggml_tensor * dst) {
     const struct ggml_tensor * w    = dst->src[0];
     const struct ggml_tensor * x    = dst->src[1];
     const struct ggml_tensor * norm = dst->src[2];   // ggml_qmatmul_rms_norm, else NULL
     const struct ggml_tensor * add  = dst->src[3];   // ggml_qmatmul_fused's added tensor, else NULL
+    const struct ggml_tensor * up   = dst->src[4];   // ggml_qmatmul_fused's up (gated columns), else NULL
 
     const int64_t K = w->ne[0];
     const int64_t M = w->ne[1];
@@ -42,19 +51,27 @@ void ggml_ext_cpu_qmatmul(const struct ggml_compute_params * params, struct ggml
     const int64_t r0 = per_thread * params->ith;
     const int64_t r1 = MIN(r0 + per_thread, M);
 
+    float * gated = up != NULL ? (float *) params->wdata + params->nth * (K + 16) : NULL;   // [N][K]
+    if (up != NULL) {
+        for (int64_t j = params->ith; j < N; j += params->nth) {
+            ggml_vec_swiglu_f32((int) K, gated + j * K, column(x, j), column(up, j));
+        }
+        ggml_barrier(params->threadpool);
+    }
+
     float scale[GGML_EXT_QMATMUL_MAX_COLS];   // each column's rms_norm factor (with a norm)
     if (norm != NULL) {
         float eps;
         memcpy(&eps, &dst->op_params[1], sizeof(float));
         for (int64_t j = 0; j < N; ++j) {
-            scale[j] = rms_norm_scale((const float *) ((const char *) x->data + j * x->nb[1]), K, eps);
+            scale[j] = rms_norm_scale(column(x, j), K, eps);
         }
     }
 
     for (int64_t r = r0; r < r1; ++r) {
         to_float((const char *) w->data + r * w->nb[1], row, K);
         for (int64_t j = 0; j < N; ++j) {
-            const float * xj = (const float *) ((const char *) x->data + j * x->nb[1]);
+            const float * xj = up != NULL ? gated + j * K : column(x, j);
             float sum = 0.0f;
             if (norm == NULL) {
                 for (int64_t k = 0; k < K; ++k) {
@@ -68,7 +85,7 @@ void ggml_ext_cpu_qmatmul(const struct ggml_compute_params * params, struct ggml
                 }
             }
             if (add != NULL) {
-                sum = sum + *(const float *) ((const char *) add->data + r * sizeof(float) + j * add->nb[1]);
+                sum = sum + column(add, j)[r];
             }
             *(float *) ((char *) dst->data + r * sizeof(float) + j * dst->nb[1]) = sum;
         }

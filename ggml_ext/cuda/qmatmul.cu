@@ -18,6 +18,7 @@
 #include "ggml-ext-cuda.cuh"
 #include "ggml-ext.h"
 #include "quantize.cuh"
+#include "unary.cuh"
 #include "vecdotq.cuh"
 #include "qmatmul_staged.cuh"
 
@@ -198,9 +199,11 @@ static __device__ __forceinline__ void qmm_quantize_block(float v, int lane, int
     }
 }
 
-// The activations: one warp per column and 32 values
-static __global__ void qmm_quantize_x(const float * __restrict__ x, int8_t * __restrict__ yq, float2 * __restrict__ yds,
-                                      int K, int N, int npad, int64_t stride_col_x, bool halves) {
+// The activations: one warp per column and 32 values. With up (ggml_qmatmul_fused) the gated values silu(x) * up,
+// by ggml-cuda's own swiglu expression (its silu times up, as its gated-op kernel: the same bits).
+static __global__ void qmm_quantize_x(const float * __restrict__ x, const float * __restrict__ up, int8_t * __restrict__ yq,
+                                      float2 * __restrict__ yds, int K, int N, int npad, int64_t stride_col_x,
+                                      int64_t stride_col_up, bool halves) {
     const int warp = blockIdx.x * (blockDim.x / WARP_SIZE) + threadIdx.x / WARP_SIZE;
     const int lane = threadIdx.x % WARP_SIZE;
     const int blocks_per_col = K / QK8_1;
@@ -210,7 +213,12 @@ static __global__ void qmm_quantize_x(const float * __restrict__ x, int8_t * __r
     const int col = warp / blocks_per_col;
     const int kb  = warp % blocks_per_col;
     ggml_cuda_pdl_sync();   // x is the previous kernel's output: with programmatic dependent launch, wait for it
-    const float v = col < N ? x[col * stride_col_x + kb * QK8_1 + lane] : 0.0f;
+    float v = 0.0f;
+    if (col < N) {
+        const int k = kb * QK8_1 + lane;
+        v = up != nullptr ? ggml_cuda_op_silu_single(x[col * stride_col_x + k]) * up[col * stride_col_up + k]
+                          : x[col * stride_col_x + k];
+    }
     qmm_quantize_block(v, lane, col, kb, K, npad, halves, yq, yds);
 }
 
@@ -288,6 +296,16 @@ static __global__ void qmm_add_after(float * __restrict__ dst, const float * __r
     }
 }
 
+// The gated columns silu(x) * up as floats, [K, N] contiguous (grid: N columns), for the vector kernel of older GPUs.
+static __global__ void qmm_glu_x(const float * __restrict__ x, const float * __restrict__ up, float * __restrict__ out,
+                                 int K, int64_t stride_col_x, int64_t stride_col_up) {
+    const int col = blockIdx.x;
+    ggml_cuda_pdl_sync();
+    for (int k = threadIdx.x; k < K; k += blockDim.x) {
+        out[(int64_t) col * K + k] = ggml_cuda_op_silu_single(x[col * stride_col_x + k]) * up[col * stride_col_up + k];
+    }
+}
+
 static float qmm_norm_eps(const ggml_tensor * dst) {
     float eps;
     memcpy(&eps, &dst->op_params[1], sizeof(float));
@@ -352,9 +370,11 @@ static void qmatmul_mma(ggml_backend_cuda_context & ctx, const ggml_tensor * w, 
                                 (const float *) x->data, (const float *) norm->data, qmm_norm_eps(dst), yq, yds, K, N,
                                 npad, stride_col_x, staged_rt > 0);
     } else {
+        const ggml_tensor * up = dst->src[4];   // ggml_qmatmul_fused: the gated columns
         const int n_warps = npad * (K / QK8_1);
         ggml_cuda_kernel_launch(qmm_quantize_x, ggml_cuda_kernel_launch_params(dim3((n_warps + 7) / 8), dim3(8 * WARP_SIZE), 0, stream),
-                                (const float *) x->data, yq, yds, K, N, npad, stride_col_x, staged_rt > 0);
+                                (const float *) x->data, up ? (const float *) up->data : nullptr, yq, yds, K, N, npad,
+                                stride_col_x, up ? (int64_t) (up->nb[1] / sizeof(float)) : 0, staged_rt > 0);
     }
 
     qmm_args p = {(const char *) w->data, yq, yds, (float *) dst->data, (int) (K / ggml_blck_size(w->type)),
@@ -405,6 +425,13 @@ void ggml_ext_cuda_qmatmul(ggml_backend_cuda_context & ctx, ggml_tensor * dst) {
         normed.alloc(N * K);
         ggml_cuda_kernel_launch(qmm_rms_norm_x, ggml_cuda_kernel_launch_params(dim3(N), dim3(QMM_RMS_MAX_THREADS), 0, stream),
                                 xf, (const float *) norm->data, qmm_norm_eps(dst), normed.get(), (int) K, stride_col_x);
+        xf = normed.get();
+        stride_col_x = K;
+    } else if (const ggml_tensor * up = dst->src[4]) {   // ggml_qmatmul_fused's gated columns first
+        normed.alloc(N * K);
+        ggml_cuda_kernel_launch(qmm_glu_x, ggml_cuda_kernel_launch_params(dim3(N), dim3(256), 0, stream),
+                                xf, (const float *) up->data, normed.get(), (int) K, stride_col_x,
+                                (int64_t) (up->nb[1] / sizeof(float)));
         xf = normed.get();
         stride_col_x = K;
     }

@@ -448,16 +448,33 @@ static __device__ __forceinline__ void qmm_units(const qmm_rows<type, NT, RT> & 
 
 // Combine the warps' partial sums in warp order, one row tile at a time (partial: shared memory for one tile), and
 // store the block's outputs, plus add's where given (ggml_qmatmul_fused); the NT * 4 sums of a lane are shared out
-// over the warps.
+// over the warps (element e = warp + 8 i of the lane's).
 template <int NT, int RT>
 static __device__ __forceinline__ void qmm_store_sums(const float (&acc)[RT][NT][4],
                                                       float (*partial)[NT * 4][WARP_SIZE], int r0, int M, int N,
                                                       float * __restrict__ dst, int stride_col_dst,
                                                       const float * __restrict__ add, int stride_col_add) {
+    constexpr int EPT = (NT * 4 + QMM_MMA_WARPS - 1) / QMM_MMA_WARPS;   // elements per thread and row tile
     const int lane = threadIdx.x;
     const int warp = threadIdx.y;
     const int g    = lane / 4;
     const int t4   = lane % 4;
+    auto row_of = [&](int r, int e) { return r0 + QMM_MMA_ROWS * r + 8 * ((e % 4) / 2) + g; };
+    auto col_of = [&](int e) { return 8 * (e / 4) + 2 * t4 + e % 2; };
+    // the added values, all asked for at once (one memory latency, not one per row tile)
+    float addv[RT][EPT] = {};
+    if (add != nullptr) {
+#pragma unroll
+        for (int r = 0; r < RT; ++r) {
+#pragma unroll
+            for (int i = 0; i < EPT; ++i) {
+                const int e = warp + QMM_MMA_WARPS * i, row = row_of(r, e), col = col_of(e);
+                if (e < NT * 4 && row < M && col < N) {
+                    addv[r][i] = add[(size_t) col * stride_col_add + row];
+                }
+            }
+        }
+    }
 #pragma unroll
     for (int r = 0; r < RT; ++r) {
         if (r > 0) {
@@ -471,17 +488,21 @@ static __device__ __forceinline__ void qmm_store_sums(const float (&acc)[RT][NT]
             }
         }
         __syncthreads();
-        for (int e = warp; e < NT * 4; e += QMM_MMA_WARPS) {
+#pragma unroll
+        for (int i = 0; i < EPT; ++i) {
+            const int e = warp + QMM_MMA_WARPS * i;
+            if (e >= NT * 4) {
+                break;
+            }
             float sum = partial[0][e][lane];
 #pragma unroll
             for (int w = 1; w < QMM_MMA_WARPS; ++w) {
                 sum = __fadd_rn(sum, partial[w][e][lane]);
             }
-            const int row = r0 + QMM_MMA_ROWS * r + 8 * ((e % 4) / 2) + g;
-            const int col = 8 * (e / 4) + 2 * t4 + e % 2;
+            const int row = row_of(r, e), col = col_of(e);
             if (row < M && col < N) {
                 if (add != nullptr) {
-                    sum = __fadd_rn(sum, add[(size_t) col * stride_col_add + row]);
+                    sum = __fadd_rn(sum, addv[r][i]);
                 }
                 dst[(size_t) col * stride_col_dst + row] = sum;
             }

@@ -206,13 +206,17 @@ GGML_API struct ggml_tensor * ggml_qmatmul_rms_norm(
         float                 eps,
         int                   row_tiles);
 
-// ggml_qmatmul with its fusions, each optional (NULL: not taken): norm and eps as ggml_qmatmul_rms_norm's, and
-// add, f32 [M, N] with contiguous rows (a residual), added to every output as it is stored: W * X + add, the bits of
-// ggml_add(ggml_qmatmul(...), add) on the same backend, one kernel fewer.
+// ggml_qmatmul with its fusions, each optional (NULL: not taken), each the bits of the ggml ops it replaces on the
+// same backend, with a kernel fewer:
+//   up    f32 [K, N], rows contiguous: multiply the gated columns silu(x) * up (ggml_swiglu_split(x, up); x and up
+//         are typically the two halves of a fused gate/up product), gated where the activations are quantised
+//   norm  with eps, as ggml_qmatmul_rms_norm's (not with up)
+//   add   f32 [M, N], rows contiguous (a residual): W * X + add, added to every output as it is stored
 GGML_API struct ggml_tensor * ggml_qmatmul_fused(
         struct ggml_context * ctx,
         struct ggml_tensor  * w,
         struct ggml_tensor  * x,
+        struct ggml_tensor  * up,
         struct ggml_tensor  * norm,
         float                 eps,
         struct ggml_tensor  * add,

@@ -212,19 +212,26 @@ struct ggml_tensor * ggml_qmatmul_rms_norm(
         float                 eps,
         int                   row_tiles) {
     GGML_ASSERT(norm != NULL);
-    return ggml_qmatmul_fused(ctx, w, x, norm, eps, NULL, row_tiles);
+    return ggml_qmatmul_fused(ctx, w, x, NULL, norm, eps, NULL, row_tiles);
 }
 
-// src[2]: the norm (op_params[1]: eps), src[3]: the added tensor
+// src[2]: the norm (op_params[1]: eps), src[3]: the added tensor, src[4]: up (the gated columns silu(x) * up)
 struct ggml_tensor * ggml_qmatmul_fused(
         struct ggml_context * ctx,
         struct ggml_tensor  * w,
         struct ggml_tensor  * x,
+        struct ggml_tensor  * up,
         struct ggml_tensor  * norm,
         float                 eps,
         struct ggml_tensor  * add,
         int                   row_tiles) {
     struct ggml_tensor * result = ggml_qmatmul(ctx, w, x, row_tiles);
+    if (up != NULL) {
+        GGML_ASSERT(norm == NULL);
+        GGML_ASSERT(up->type == GGML_TYPE_F32 && ggml_is_matrix(up) && up->nb[0] == sizeof(float));
+        GGML_ASSERT(up->ne[0] == x->ne[0] && up->ne[1] == x->ne[1]);
+        result->src[4] = up;
+    }
     if (norm != NULL) {
         GGML_ASSERT(norm->type == GGML_TYPE_F32 && ggml_is_contiguous(norm) && ggml_nelements(norm) == x->ne[0]);
         GGML_ASSERT(eps >= 0.0f);

@@ -51,6 +51,10 @@ def _expect_rows(t: Tensor, what: str) -> None:
         raise ValueError(f"{what} must have contiguous rows (nb[0] = element size), got nb {t.nb}")
 
 
+def _ptr_or_null(t: Tensor | None):
+    return ffi.NULL if t is None else t._ptr
+
+
 def _expect_contiguous(t: Tensor, what: str) -> None:
     if not lib.ggml_is_contiguous(t._ptr):
         raise ValueError(f"{what} must be contiguous, got ne {t.ne} nb {t.nb}")
@@ -191,7 +195,7 @@ def qmatmul_streams(device) -> bool:
 
 
 def qmatmul(ctx: Context, w: Tensor, x: Tensor, row_tiles: int = 0, norm: Tensor | None = None,
-            eps: float = 0.0, add: Tensor | None = None) -> Tensor:
+            eps: float = 0.0, add: Tensor | None = None, up: Tensor | None = None) -> Tensor:
     """W * X for a quantised weight w [K, M] (Q4_K, Q5_K, Q6_K or Q8_0, contiguous) and f32 x [K, N] with
     1 <= N <= 48 columns -> f32 [M, N], the product `ctx.mul_mat(w, x)` computes. On CUDA column j of the result
     is bit-identical whatever N is (ggml-ext.h says how); the CPU kernel is a float reference.
@@ -202,7 +206,9 @@ def qmatmul(ctx: Context, w: Tensor, x: Tensor, row_tiles: int = 0, norm: Tensor
     norm (f32 [K]): multiply the RMS-normed columns instead, W * (rms_norm(x, eps) * norm)
     (ggml_qmatmul_rms_norm: on CUDA the norm is computed as the columns are quantised).
     add (f32 [M, N], rows contiguous; a residual): return W * X + add, added as each output is stored
-    (ggml_qmatmul_fused: the bits of `ctx.add` after the product, one kernel fewer)."""
+    (ggml_qmatmul_fused: the bits of `ctx.add` after the product, one kernel fewer).
+    up (f32 [K, N], rows contiguous; not with norm): multiply the gated columns silu(x) * up instead, gated as they
+    are quantised (ggml_qmatmul_fused: the bits of `ctx.swiglu_split(x, up)` before the product)."""
     if row_tiles not in QMATMUL_ROW_TILES:
         raise ValueError(f"qmatmul row_tiles must be one of {QMATMUL_ROW_TILES}, got {row_tiles}")
     if w.type not in QMATMUL_TYPES:
@@ -216,8 +222,13 @@ def qmatmul(ctx: Context, w: Tensor, x: Tensor, row_tiles: int = 0, norm: Tensor
     _expect_rows(x, "qmatmul x")
     if not 1 <= n <= QMATMUL_MAX_COLS:
         raise ValueError(f"qmatmul takes 1 to {QMATMUL_MAX_COLS} columns of x, got {n}")
-    if norm is None and add is None:
+    if norm is None and add is None and up is None:
         return Tensor(lib.ggml_qmatmul(ctx._ptr, w._ptr, x._ptr, row_tiles), ctx)
+    if up is not None:
+        if norm is not None:
+            raise ValueError("qmatmul takes a norm or up, not both")
+        _expect(up, "qmatmul up", Type.F32, (K, n))
+        _expect_rows(up, "qmatmul up")
     if norm is not None:
         if norm.type != Type.F32 or math.prod(norm.ne) != K or not norm.is_contiguous:
             raise ValueError(f"qmatmul norm must be a contiguous f32 vector of {K} values, got {norm.type.name} "
@@ -227,8 +238,8 @@ def qmatmul(ctx: Context, w: Tensor, x: Tensor, row_tiles: int = 0, norm: Tensor
     if add is not None:
         _expect(add, "qmatmul add", Type.F32, (M, n))
         _expect_rows(add, "qmatmul add")
-    return Tensor(lib.ggml_qmatmul_fused(ctx._ptr, w._ptr, x._ptr, ffi.NULL if norm is None else norm._ptr, eps,
-                                         ffi.NULL if add is None else add._ptr, row_tiles), ctx)
+    return Tensor(lib.ggml_qmatmul_fused(ctx._ptr, w._ptr, x._ptr, _ptr_or_null(up), _ptr_or_null(norm), eps,
+                                         _ptr_or_null(add), row_tiles), ctx)
 
 
 def gdn_gates(ctx: Context, beta: Tensor, alpha: Tensor, dt_bias: Tensor, a: Tensor) -> tuple[Tensor, Tensor]:

@@ -31,7 +31,7 @@ import numpy as np
 from .. import ggml
 from ..gguf_io import GGUFError, GGUFFile, regular_file_size
 from ..validate import check_float
-from .layers import linear
+from .layers import Gated, linear
 
 KV_BUCKET = 256             # attended rows are padded to this (what the GPU flash attention kernels want)
 GRAPH_TENSORS_PER_LAYER = 48
@@ -958,7 +958,7 @@ class DFlashDraft:
             x = self._norm(ctx, h, w[p + "post_attention_layernorm.weight"], f"draft.l{il}.ffn_norm")
             gate = linear(ctx, w[p + "mlp.gate_proj.weight"], x)
             up = linear(ctx, w[p + "mlp.up_proj.weight"], x)
-            h = linear(ctx, w[p + "mlp.down_proj.weight"], ctx.swiglu_split(gate, up), add=h).named(f"draft.l{il}.out")
+            h = linear(ctx, w[p + "mlp.down_proj.weight"], Gated(ctx, gate, up), add=h).named(f"draft.l{il}.out")
 
         tail = ctx.view_2d(h, E, B - 1, h.nb[1], h.nb[1])                           # block positions 1..B-1
         hn = self._norm(ctx, tail, w["norm.weight"], "draft.out.norm")

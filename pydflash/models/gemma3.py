@@ -80,7 +80,7 @@ class Gemma3Target(LlamaTarget):
                         f"l{il}.attn_post_norm")
         h = ctx.add(attn, h).named(f"l{il}.attn_res")
         x = rms_norm(ctx, h, w[p + "ffn_norm.weight"], hp.rms_eps, f"l{il}.ffn_norm")
-        ffn = rms_norm(ctx, self.gated_ffn(ctx, x, p, ctx.geglu_split, f"l{il}.ffn_out"),
+        ffn = rms_norm(ctx, self.gated_ffn(ctx, x, p, "geglu", f"l{il}.ffn_out"),
                        w[p + "post_ffw_norm.weight"], hp.rms_eps, f"l{il}.ffn_post_norm")
         return ctx.add(ffn, h).named(f"l{il}.out")
 

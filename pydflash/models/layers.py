@@ -169,6 +169,45 @@ class Normed:
         return (self.h.is_contiguous and self.weight.type == ggml.Type.F32 and self.weight.is_contiguous
                 and norm_in_qmatmul_enabled() and uses_qmatmul(w, self))
 
+    def qmatmul(self, ctx: ggml.Context, w: ggml.Tensor, add: ggml.Tensor | None) -> ggml.Tensor:
+        return ggml.qmatmul(ctx, w, self.h, norm=self.weight, eps=self.eps, add=add)
+
+
+class Gated:
+    """silu(gate) * up (ggml's swiglu_split) as the input of a projection (linear): a product that ggml_qmatmul
+    takes gates the columns where it quantises them (ggml_qmatmul_fused's up: the same bits, one kernel fewer);
+    any other reader gets the gated tensor, built once (`tensor`). It reads like that tensor where linear decides:
+    gate's shape and type."""
+
+    def __init__(self, ctx: ggml.Context, gate: ggml.Tensor, up: ggml.Tensor):
+        self.ctx, self.gate, self.up = ctx, gate, up
+        self._tensor = None
+
+    @property
+    def type(self) -> ggml.Type:
+        return self.gate.type
+
+    @property
+    def ne(self) -> tuple[int, int, int, int]:
+        return self.gate.ne
+
+    @property
+    def nb(self) -> tuple[int, int, int, int]:
+        return self.gate.nb
+
+    def tensor(self) -> ggml.Tensor:
+        if self._tensor is None:
+            self._tensor = self.ctx.swiglu_split(self.gate, self.up)
+        return self._tensor
+
+    def fuses_into(self, w: ggml.Tensor) -> bool:
+        """Whether linear(ctx, w, self) gates inside ggml_qmatmul."""
+        return self.up.type == ggml.Type.F32 and self.up.ne == self.gate.ne and self.up.nb[0] == 4 \
+            and uses_qmatmul(w, self)
+
+    def qmatmul(self, ctx: ggml.Context, w: ggml.Tensor, add: ggml.Tensor | None) -> ggml.Tensor:
+        return ggml.qmatmul(ctx, w, self.gate, up=self.up, add=add)
+
 
 def uses_qmatmul(w: ggml.Tensor, x: ggml.Tensor) -> bool:
     """Whether linear(ctx, w, x) takes ggml_qmatmul (else ggml's mul_mat) in the current qmatmul_mode."""
@@ -177,7 +216,7 @@ def uses_qmatmul(w: ggml.Tensor, x: ggml.Tensor) -> bool:
         mode == "1" or qmatmul_faster(w.type, w.ne[1], x.ne[1], x.ne[1] == 1 and _streams(w)))
 
 
-def linear(ctx: ggml.Context, w: ggml.Tensor, x: ggml.Tensor | Normed, add: ggml.Tensor | None = None,
+def linear(ctx: ggml.Context, w: ggml.Tensor, x: ggml.Tensor | Normed | Gated, add: ggml.Tensor | None = None,
            name: str | None = None) -> ggml.Tensor:
     """w^T x for a weight w [n_in, n_out] (ggml order) and activations x [n_in, ...] -> [n_out, ...], plus `add`
     (a residual of the result's shape) where given.
@@ -185,20 +224,17 @@ def linear(ctx: ggml.Context, w: ggml.Tensor, x: ggml.Tensor | Normed, add: ggml
     ggml's mul_mat, except quantised GPU weights that ggml_qmatmul takes (qmatmul_mode): by default where it is
     the faster kernel, with PYDFLASH_QMATMUL=1 for every 1..48 columns (then every column is bit-identical
     whatever the number of columns; ggml-ext.h says how). The weight must be allocated when the graph is built
-    (model weights always are). x may be a Normed input (normed inside ggml_qmatmul where it takes the product).
-    ggml_qmatmul adds `add` as it stores each output (the bits of a separate add, one kernel fewer); otherwise the
-    product, named `name`, is followed by ggml's add. Without `add`, the product is named `name`."""
-    norm = None
-    if isinstance(x, Normed):
+    (model weights always are). x may be a Normed or Gated input (normed or gated inside ggml_qmatmul where it
+    takes the product). ggml_qmatmul adds `add` as it stores each output (the bits of a separate add, one kernel
+    fewer); otherwise the product, named `name`, is followed by ggml's add. Without `add`, the product is named
+    `name`."""
+    if isinstance(x, (Normed, Gated)):
         if x.fuses_into(w):
-            x, norm = x.h, x
-        else:
-            x = x.tensor()
-    if norm is not None or uses_qmatmul(w, x):
-        if norm is None:
-            out = ggml.qmatmul(ctx, w, x, add=add)
-        else:
-            out = ggml.qmatmul(ctx, w, x, norm=norm.weight, eps=norm.eps, add=add)
+            out = x.qmatmul(ctx, w, add)
+            return out if add is not None or name is None else out.named(name)
+        x = x.tensor()
+    if uses_qmatmul(w, x):
+        out = ggml.qmatmul(ctx, w, x, add=add)
         return out if add is not None or name is None else out.named(name)
     if bitexact_enabled() and x.ne[1] <= ggml.QMATMUL_MAX_COLS and x.ne[2:] == (1, 1) and x.is_contiguous:
         # tokens as a batch of single columns: ggml then takes its matrix-vector kernel for every token count

@@ -124,7 +124,7 @@ class LlamaTarget(TargetRuntime):
         # the residual is added by the output projections (layers.linear: inside ggml_qmatmul where it takes them)
         h = self._attention(ctx, x, il, g, add=h).named(f"l{il}.attn_res")
         x = layers.Normed(ctx, h, w[p + "ffn_norm.weight"], hp.rms_eps, f"l{il}.ffn_norm")
-        return self.gated_ffn(ctx, x, p, ctx.swiglu_split, f"l{il}.ffn_out", add=h).named(f"l{il}.out")
+        return self.gated_ffn(ctx, x, p, "swiglu", f"l{il}.ffn_out", add=h).named(f"l{il}.out")
 
     def fusion_candidates(self, il: int) -> list[tuple[str, ...]]:
         """Q, K and V of a layer as one matrix where their types agree (else the two neighbours whose do), their

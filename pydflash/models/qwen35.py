@@ -166,7 +166,7 @@ class Qwen35Target(TargetRuntime):
         mix = self._gdn if hp.recurrent[il] else self._attention
         h = mix(ctx, x, il, g, add=h).named(f"l{il}.attn_res")
         x = layers.Normed(ctx, h, w[p + "post_attention_norm.weight"], hp.rms_eps, f"l{il}.ffn_norm")
-        return self.gated_ffn(ctx, x, p, ctx.swiglu_split, f"l{il}.ffn_out", add=h).named(f"l{il}.out")
+        return self.gated_ffn(ctx, x, p, "swiglu", f"l{il}.ffn_out", add=h).named(f"l{il}.out")
 
     def fusion_candidates(self, il: int) -> list[tuple[str, ...]]:
         """Per layer, the projections of the same input: attention Q(+gate), K, V (as the llama family's);

@@ -402,14 +402,21 @@ class TargetRuntime:
                 offset += rows * 4
         return [out[b] for b in bases]
 
-    def gated_ffn(self, ctx: ggml.Context, x: ggml.Tensor, prefix: str, glu, name: str,
+    def gated_ffn(self, ctx: ggml.Context, x: ggml.Tensor, prefix: str, glu: str, name: str,
                   add: ggml.Tensor | None = None) -> ggml.Tensor:
         """down(glu(gate x, up x)) with the layer's ffn_gate / ffn_up / ffn_down weights (prefix 'blk.N.'), named
-        `name`, plus `add` (the residual) where given (layers.linear); glu: ctx.swiglu_split or ctx.geglu_split.
-        Gate and up go through `project`: one matmul where fused, except for one token through ggml's mul_mat,
-        where ggml-cuda already runs both products and the GLU as one kernel."""
+        `name`, plus `add` (the residual) where given (layers.linear); glu: 'swiglu' or 'geglu' (ggml's
+        swiglu_split / geglu_split; SwiGLU is computed inside the down product where ggml_qmatmul takes it:
+        layers.Gated). Gate and up go through `project`: one matmul where fused, except for one token through
+        ggml's mul_mat, where ggml-cuda already runs both products and the GLU as one kernel."""
         gate, up = self.project(ctx, x, [prefix + "ffn_gate", prefix + "ffn_up"], fuse_one_token=False)
-        return layers.linear(ctx, self.weights[prefix + "ffn_down.weight"], glu(gate, up), add=add, name=name)
+        if glu == "swiglu":
+            gated = layers.Gated(ctx, gate, up)
+        elif glu == "geglu":
+            gated = ctx.geglu_split(gate, up)
+        else:
+            raise ValueError(f"glu must be 'swiglu' or 'geglu', got {glu!r}")
+        return layers.linear(ctx, self.weights[prefix + "ffn_down.weight"], gated, add=add, name=name)
 
     def build_layer(self, ctx: ggml.Context, il: int, h: ggml.Tensor, g: GraphInputs) -> ggml.Tensor:
         """Add layer il to the graph: the residual stream h [n_embd, n] in, the layer's output out."""
