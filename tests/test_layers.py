@@ -1,6 +1,6 @@
 """pydflash.models.layers.linear: which matmul each weight gets. By default (PYDFLASH_QMATMUL unset or auto) ggml's
-mul_mat, except where ggml_qmatmul is the faster kernel on GPU weights (Q4_K/Q5_K at 4..24 columns, Q6_K at 4..8, any
-quantised matrix of at most 1024 rows from 9 columns on, Q6_K LM heads at 9..24, and on GPUs with its streaming
+mul_mat, except where ggml_qmatmul is the faster kernel on GPU weights (Q4_K/Q5_K/Q6_K at 4..24 columns, any
+quantised matrix of at most 1024 rows from 9 columns on, and on GPUs with its streaming
 kernel Q4_K/Q5_K/Q6_K matrices of more than 1024 rows at one column); with
 PYDFLASH_QMATMUL=1 quantised GPU weights with 1..48 columns take ggml_qmatmul, with 0 none does; the CPU keeps
 mul_mat (its SIMD kernels) always."""
@@ -91,23 +91,22 @@ def test_opt_in_rule_for_device_weights(qmatmul_on, monkeypatch):
 
 
 def test_default_rule_for_device_weights(qmatmul_default, monkeypatch):
-    """auto: ggml_qmatmul for Q4_K/Q5_K at 4..24 columns and Q6_K at 4..8 (where ggml's vector kernel re-decodes the
-    weights per column, or its MMQ tiles are slower), Q6_K LM heads at 9..24, and for any quantised matrix of at most
-    QMATMUL_SMALL_ROWS rows from 9 columns on (where ggml's stream-k fix-up outweighs the product); 0: never."""
+    """auto: ggml_qmatmul for Q4_K/Q5_K/Q6_K at 4..24 columns (where ggml's vector kernel re-decodes the weights per
+    column, or its MMQ tiles are slower or leave the residual add and GLU to kernels of their own), and for any
+    quantised matrix of at most QMATMUL_SMALL_ROWS rows from 9 columns on (where ggml's stream-k fix-up outweighs
+    the product); 0: never."""
     monkeypatch.setattr(layers, "_on_device", lambda w: True)
     large, small = layers.QMATMUL_SMALL_ROWS + 1, layers.QMATMUL_SMALL_ROWS
     taken = {wtype: [n for n in range(1, 50) if _route(None, wtype, n, rows=large) == ggml.Op.QMATMUL]
              for wtype in ggml.QMATMUL_TYPES}
     assert taken == {ggml.Type.Q4_K: list(range(4, 25)), ggml.Type.Q5_K: list(range(4, 25)),
-                     ggml.Type.Q6_K: [4, 5, 6, 7, 8], ggml.Type.Q8_0: []}
+                     ggml.Type.Q6_K: list(range(4, 25)), ggml.Type.Q8_0: []}
     for wtype in ggml.QMATMUL_TYPES:
         small_taken = [n for n in range(1, 50) if _route(None, wtype, n, rows=small) == ggml.Op.QMATMUL]
         assert small_taken == sorted(set(taken[wtype]) | set(range(9, 49)))   # 49: past the column limit
-    lm_head = layers.QMATMUL_LM_HEAD_ROWS
+    lm_head = 248320                                         # (the 27B's LM head: as any large matrix)
     assert [n for n in range(1, 50) if _route(None, ggml.Type.Q6_K, n, rows=lm_head) == ggml.Op.QMATMUL] == \
-        list(range(4, 25))                                   # and Q6_K LM heads at 9..24 too
-    assert [n for n in range(1, 50) if _route(None, ggml.Type.Q4_K, n, rows=lm_head) == ggml.Op.QMATMUL] == \
-        list(range(4, 25))                                   # (Q4_K as any large matrix)
+        list(range(4, 25))
     for wtype in NOT_QMATMUL_TYPES:
         for rows in (small, large):
             assert all(_route(None, wtype, n, rows=rows) == ggml.Op.MUL_MAT for n in (1, 4, 8, 16))

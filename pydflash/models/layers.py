@@ -33,16 +33,16 @@ def env_switch(name: str, default: str = "0") -> bool:
 # kernel's time, Q6_K LM head 0.69x; smaller ones are ggml's); at 2 columns ggml's is faster; at 4-8 columns ggml's
 # vector kernel re-decodes every weight per column (ours: Q4_K 0.45-0.90x its time, Q5_K 0.56-0.80x, Q6_K
 # 0.57-1.13x); from 9 columns ggml's MMQ tiles take over, and for Q4_K/Q5_K our kernel stays ahead up to 24
-# (0.77-0.98x: a verify of a budget-22 tree), level or behind above; Q6_K and Q8_0 lose there.
-QMATMUL_FASTER_COLS = {ggml.Type.Q4_K: range(4, 25), ggml.Type.Q5_K: range(4, 25), ggml.Type.Q6_K: range(4, 9)}
+# (0.77-0.98x: a verify of a budget-22 tree), level or behind above. Q6_K at 9-24 is level with MMQ alone (the
+# 27B FFN down at 23 columns 86 us against 85, its LM head 0.92-0.98x) but takes the residual add and the SwiGLU
+# into the product (ggml_qmatmul_fused), which MMQ leaves to kernels of their own: the budget-22 step 0.28 ms
+# faster (thirteenth session). Q8_0 loses there.
+QMATMUL_FASTER_COLS = {ggml.Type.Q4_K: range(4, 25), ggml.Type.Q5_K: range(4, 25), ggml.Type.Q6_K: range(4, 25)}
 # And by shape: a matrix of at most this many rows fills at most 8 of MMQ's 128-row tiles, so from 9 columns ggml
 # splits its K over the SMs (stream-k) and the fix-up pass that adds the pieces costs more than the product (27B
 # verify profile: a GDN layer's 96-row beta/alpha matrix 7.8 us + 32.7 us of fix-up; ours 0.30-0.48x, and 0.71-0.93x
 # on a 1024-row Q6_K matrix).
 QMATMUL_SMALL_ROWS = 1024
-# A vocabulary-sized Q6_K matrix (an LM head, 248,320 rows on the 27B) at 9-24 columns: ours 0.92-0.98x MMQ's time
-# (a verify's logits, the draft's 15 positions).
-QMATMUL_LM_HEAD_ROWS = 131072
 
 
 def qmatmul_faster(wtype: ggml.Type, n_rows: int, n_cols: int, streams: bool = False) -> bool:
@@ -51,8 +51,6 @@ def qmatmul_faster(wtype: ggml.Type, n_rows: int, n_cols: int, streams: bool = F
     if n_cols == 1:
         return streams and wtype in ggml.QMATMUL_STREAM_TYPES and n_rows > QMATMUL_SMALL_ROWS
     if n_cols in QMATMUL_FASTER_COLS.get(wtype, ()):
-        return True
-    if wtype == ggml.Type.Q6_K and n_rows >= QMATMUL_LM_HEAD_ROWS and 9 <= n_cols <= 24:
         return True
     return n_cols > 8 and n_rows <= QMATMUL_SMALL_ROWS
 
