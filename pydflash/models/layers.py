@@ -35,7 +35,7 @@ def env_switch(name: str, default: str = "0") -> bool:
 # 0.57-1.13x); from 9 columns ggml's MMQ tiles take over, and for Q4_K/Q5_K our kernel stays ahead up to 24
 # (0.77-0.98x: a verify of a budget-22 tree), level or behind above. Q6_K at 9-24 is level with MMQ alone (the
 # 27B FFN down at 23 columns 86 us against 85, its LM head 0.92-0.98x) but takes the residual add and the SwiGLU
-# into the product (ggml_qmatmul_fused), which MMQ leaves to kernels of their own: the budget-22 step 0.28 ms
+# into the product (ggml_qmatmul_fused), which MMQ leaves to kernels of their own: the budget-22 step 0.1-0.3 ms
 # faster (thirteenth session). Q8_0 loses there.
 QMATMUL_FASTER_COLS = {ggml.Type.Q4_K: range(4, 25), ggml.Type.Q5_K: range(4, 25), ggml.Type.Q6_K: range(4, 25)}
 # And by shape: a matrix of at most this many rows fills at most 8 of MMQ's 128-row tiles, so from 9 columns ggml
