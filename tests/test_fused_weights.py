@@ -174,12 +174,10 @@ def test_norms_computed_inside_qmatmul_give_the_same_logits(tmp_path, monkeypatc
     assert np.array_equal(got, ref)
 
 
-@pytest.mark.parametrize("case", ["llama-q8_0", "qwen35-q8_0"])
-def test_residuals_added_inside_qmatmul_give_the_same_logits(tmp_path, monkeypatch, case):
-    """Where ggml_qmatmul takes a layer's output projections (forced as above) it adds the residual as it stores
-    each output (ggml_qmatmul_fused): both output projections of every layer carry the residual, no ADD node is
-    left for it, and the logits are those of the same products followed by ggml's add, bit for bit."""
-    from pydflash.ggml._ffi import ffi
+def _fused_and_separate(tmp_path, monkeypatch, case, separate):
+    """A model whose products ggml_qmatmul takes (forced as above), run twice: as built, and with ggml.qmatmul
+    replaced by separate(product, ...) (the same product with a fusion done by ggml's own op instead):
+    (fused target, its logits, separate target, its logits)."""
     path = str(tmp_path / f"{case}.gguf")
     _write(path, case)
     monkeypatch.setenv("PYDFLASH_QMATMUL", "1")
@@ -187,50 +185,44 @@ def test_residuals_added_inside_qmatmul_give_the_same_logits(tmp_path, monkeypat
     prompt = [int(t) for t in np.random.default_rng(5).integers(0, 400, 20)]
     fused, got = _run(path, "cpu", prompt, 3)
     product = ggml.qmatmul
-
-    def then_add(ctx, w, x, row_tiles=0, norm=None, eps=0.0, add=None, up=None):
-        out = product(ctx, w, x, row_tiles, norm=norm, eps=eps, up=up)
-        return out if add is None else ctx.add(out, add)
-    monkeypatch.setattr(ggml, "qmatmul", then_add)
+    monkeypatch.setattr(ggml, "qmatmul", lambda *args, **kw: separate(product, *args, **kw))
     plain, ref = _run(path, "cpu", prompt, 3)
+    return fused, got, plain, ref
 
-    def count(target):
-        nodes = target._last.graph.nodes()   # the 4-slot verify
-        adding = sum(n.op == ggml.Op.QMATMUL and n._ptr.src[3] != ffi.NULL for n in nodes)
-        return adding, sum(n.op == ggml.Op.ADD for n in nodes)
+
+def _count(target, op, src):
+    """In the last graph (the 4-slot verify): QMATMUL nodes with src[src] set, and nodes of op."""
+    from pydflash.ggml._ffi import ffi
+    nodes = target._last.graph.nodes()
+    return (sum(n.op == ggml.Op.QMATMUL and n._ptr.src[src] != ffi.NULL for n in nodes),
+            sum(n.op == op for n in nodes))
+
+
+@pytest.mark.parametrize("case", ["llama-q8_0", "qwen35-q8_0"])
+def test_residuals_added_inside_qmatmul_give_the_same_logits(tmp_path, monkeypatch, case):
+    """Where ggml_qmatmul takes a layer's output projections it adds the residual as it stores each output
+    (ggml_qmatmul_fused's add): both output projections of every layer carry the residual, no ADD node is left
+    for it, and the logits are those of the same products followed by ggml's add, bit for bit."""
+    def then_add(product, ctx, w, x, row_tiles=0, add=None, **fusions):
+        out = product(ctx, w, x, row_tiles, **fusions)
+        return out if add is None else ctx.add(out, add)
+    fused, got, plain, ref = _fused_and_separate(tmp_path, monkeypatch, case, then_add)
     n_layer = fused.hp.n_layer
-    assert count(fused)[0] == 2 * n_layer and count(plain)[0] == 0
-    assert count(plain)[1] - count(fused)[1] == 2 * n_layer
+    (adding, adds), (adding_plain, adds_plain) = _count(fused, ggml.Op.ADD, 3), _count(plain, ggml.Op.ADD, 3)
+    assert adding == 2 * n_layer and adding_plain == 0 and adds_plain - adds == 2 * n_layer
     assert np.array_equal(got, ref)
 
 
 @pytest.mark.parametrize("case", ["llama-q8_0", "qwen35-q8_0"])
 def test_swiglu_inside_qmatmul_gives_the_same_logits(tmp_path, monkeypatch, case):
-    """Where ggml_qmatmul takes a layer's FFN down product (forced as above) it gates the columns as it quantises
-    them (layers.Gated, ggml_qmatmul_fused's up): no GLU node is left, and the logits are those of ggml's
-    swiglu followed by the same product, bit for bit."""
-    from pydflash.ggml._ffi import ffi
-    path = str(tmp_path / f"{case}.gguf")
-    _write(path, case)
-    monkeypatch.setenv("PYDFLASH_QMATMUL", "1")
-    monkeypatch.setattr(layers, "_on_device", lambda w: True)
-    prompt = [int(t) for t in np.random.default_rng(6).integers(0, 400, 20)]
-    fused, got = _run(path, "cpu", prompt, 3)
-    product = ggml.qmatmul
-
-    def swiglu_first(ctx, w, x, row_tiles=0, norm=None, eps=0.0, add=None, up=None):
-        if up is not None:
-            x = ctx.swiglu_split(x, up)
-        return product(ctx, w, x, row_tiles, norm=norm, eps=eps, add=add)
-    monkeypatch.setattr(ggml, "qmatmul", swiglu_first)
-    plain, ref = _run(path, "cpu", prompt, 3)
-
-    def count(target):
-        nodes = target._last.graph.nodes()   # the 4-slot verify
-        gating = sum(n.op == ggml.Op.QMATMUL and n._ptr.src[4] != ffi.NULL for n in nodes)
-        return gating, sum(n.op == ggml.Op.GLU for n in nodes)
+    """Where ggml_qmatmul takes a layer's FFN down product it gates the columns as it quantises them
+    (layers.Gated, ggml_qmatmul_fused's up): no GLU node is left, and the logits are those of ggml's swiglu
+    followed by the same product, bit for bit."""
+    def swiglu_first(product, ctx, w, x, row_tiles=0, up=None, **fusions):
+        return product(ctx, w, x if up is None else ctx.swiglu_split(x, up), row_tiles, **fusions)
+    fused, got, plain, ref = _fused_and_separate(tmp_path, monkeypatch, case, swiglu_first)
     n_layer = fused.hp.n_layer
-    assert count(fused) == (n_layer, 0) and count(plain) == (0, n_layer)
+    assert _count(fused, ggml.Op.GLU, 4) == (n_layer, 0) and _count(plain, ggml.Op.GLU, 4) == (0, n_layer)
     assert np.array_equal(got, ref)
 
 

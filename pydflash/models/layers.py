@@ -134,33 +134,43 @@ def conv_split_enabled() -> bool:
     return env_switch("PYDFLASH_CONV_SPLIT", default="1")
 
 
-class Normed:
-    """rms_norm(h, eps) * weight as the input of projections (linear, TargetRuntime.project): with
-    PYDFLASH_NORM_IN_QMATMUL=1 a product that ggml_qmatmul takes computes the norm where it quantises the
-    activations (ggml_qmatmul_rms_norm: one kernel instead of a norm and a quantisation); any other reader gets
-    the norm as a tensor, built once (`tensor`). It reads like that tensor where linear decides: h's shape and
-    type."""
+class _Deferred:
+    """An input of linear that ggml_qmatmul may compute itself from its operands (`qmatmul`); any other reader gets
+    it as a tensor, built once (`tensor`, from `_build`). It reads like that tensor where linear decides: the shape
+    and type of `like` (the first operand)."""
 
-    def __init__(self, ctx: ggml.Context, h: ggml.Tensor, weight: ggml.Tensor, eps: float, name: str):
-        self.ctx, self.h, self.weight, self.eps, self.name = ctx, h, weight, eps, name
-        self._tensor = None
+    def __init__(self, ctx: ggml.Context, like: ggml.Tensor):
+        self.ctx, self._like, self._tensor = ctx, like, None
 
     @property
     def type(self) -> ggml.Type:
-        return self.h.type
+        return self._like.type
 
     @property
     def ne(self) -> tuple[int, int, int, int]:
-        return self.h.ne
+        return self._like.ne
 
     @property
     def nb(self) -> tuple[int, int, int, int]:
-        return self.h.nb
+        return self._like.nb
 
     def tensor(self) -> ggml.Tensor:
         if self._tensor is None:
-            self._tensor = rms_norm(self.ctx, self.h, self.weight, self.eps, self.name)
+            self._tensor = self._build()
         return self._tensor
+
+
+class Normed(_Deferred):
+    """rms_norm(h, eps) * weight as the input of projections (linear, TargetRuntime.project): with
+    PYDFLASH_NORM_IN_QMATMUL=1 a product that ggml_qmatmul takes computes the norm where it quantises the
+    activations (ggml_qmatmul_rms_norm: one kernel instead of a norm and a quantisation)."""
+
+    def __init__(self, ctx: ggml.Context, h: ggml.Tensor, weight: ggml.Tensor, eps: float, name: str):
+        super().__init__(ctx, h)
+        self.h, self.weight, self.eps, self.name = h, weight, eps, name
+
+    def _build(self) -> ggml.Tensor:
+        return rms_norm(self.ctx, self.h, self.weight, self.eps, self.name)
 
     def fuses_into(self, w: ggml.Tensor) -> bool:
         """Whether linear(ctx, w, self) takes ggml_qmatmul_rms_norm."""
@@ -171,32 +181,16 @@ class Normed:
         return ggml.qmatmul(ctx, w, self.h, norm=self.weight, eps=self.eps, add=add)
 
 
-class Gated:
+class Gated(_Deferred):
     """silu(gate) * up (ggml's swiglu_split) as the input of a projection (linear): a product that ggml_qmatmul
-    takes gates the columns where it quantises them (ggml_qmatmul_fused's up: the same bits, one kernel fewer);
-    any other reader gets the gated tensor, built once (`tensor`). It reads like that tensor where linear decides:
-    gate's shape and type."""
+    takes gates the columns where it quantises them (ggml_qmatmul_fused's up: the same bits, one kernel fewer)."""
 
     def __init__(self, ctx: ggml.Context, gate: ggml.Tensor, up: ggml.Tensor):
-        self.ctx, self.gate, self.up = ctx, gate, up
-        self._tensor = None
+        super().__init__(ctx, gate)
+        self.gate, self.up = gate, up
 
-    @property
-    def type(self) -> ggml.Type:
-        return self.gate.type
-
-    @property
-    def ne(self) -> tuple[int, int, int, int]:
-        return self.gate.ne
-
-    @property
-    def nb(self) -> tuple[int, int, int, int]:
-        return self.gate.nb
-
-    def tensor(self) -> ggml.Tensor:
-        if self._tensor is None:
-            self._tensor = self.ctx.swiglu_split(self.gate, self.up)
-        return self._tensor
+    def _build(self) -> ggml.Tensor:
+        return self.ctx.swiglu_split(self.gate, self.up)
 
     def fuses_into(self, w: ggml.Tensor) -> bool:
         """Whether linear(ctx, w, self) gates inside ggml_qmatmul."""
@@ -226,7 +220,7 @@ def linear(ctx: ggml.Context, w: ggml.Tensor, x: ggml.Tensor | Normed | Gated, a
     takes the product). ggml_qmatmul adds `add` as it stores each output (the bits of a separate add, one kernel
     fewer); otherwise the product, named `name`, is followed by ggml's add. Without `add`, the product is named
     `name`."""
-    if isinstance(x, (Normed, Gated)):
+    if isinstance(x, _Deferred):
         if x.fuses_into(w):
             out = x.qmatmul(ctx, w, add)
             return out if add is not None or name is None else out.named(name)
