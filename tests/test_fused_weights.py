@@ -215,14 +215,15 @@ def test_residuals_added_inside_qmatmul_give_the_same_logits(tmp_path, monkeypat
 
 @pytest.mark.parametrize("case", ["llama-q8_0", "qwen35-q8_0"])
 def test_swiglu_inside_qmatmul_gives_the_same_logits(tmp_path, monkeypatch, case):
-    """Where ggml_qmatmul takes a layer's FFN down product it gates the columns as it quantises them
-    (layers.Gated, ggml_qmatmul_fused's up): no GLU node is left, and the logits are those of ggml's swiglu
-    followed by the same product, bit for bit."""
+    """Where ggml_qmatmul takes a layer's FFN down product (and a qwen35 GDN layer's output projection, whose input
+    is silu(z) * the normed output) it gates the columns as it quantises them (layers.Gated, ggml_qmatmul_fused's
+    up): no GLU node is left, and the logits are those of ggml's swiglu followed by the same product, bit for
+    bit."""
     def swiglu_first(product, ctx, w, x, row_tiles=0, up=None, **fusions):
         return product(ctx, w, x if up is None else ctx.swiglu_split(x, up), row_tiles, **fusions)
     fused, got, plain, ref = _fused_and_separate(tmp_path, monkeypatch, case, swiglu_first)
-    n_layer = fused.hp.n_layer
-    assert _count(fused, ggml.Op.GLU, 4) == (n_layer, 0) and _count(plain, ggml.Op.GLU, 4) == (0, n_layer)
+    gated = fused.hp.n_layer + sum(getattr(fused.hp, "recurrent", ()))
+    assert _count(fused, ggml.Op.GLU, 4) == (gated, 0) and _count(plain, ggml.Op.GLU, 4) == (0, gated)
     assert np.array_equal(got, ref)
 
 

@@ -207,7 +207,6 @@ class Qwen35Target(TargetRuntime):
         # qkv [conv_dim, n], z [value_dim, n], beta and alpha [h_v, n]: row ranges of a fused product (views; one
         # column is contiguous), copied where the ops below need whole tensors
         qkv, z, beta, alpha = self.project(ctx, x, [p + "attn_qkv", p + "attn_gate", p + "ssm_beta", p + "ssm_alpha"])
-        z = z if z.is_contiguous else ctx.cont(z)
         # log-decay g = softplus(alpha + dt_bias) * a (<= 0) and sigmoid(beta), one op (it reads row ranges as they are)
         gk, beta = ggml.gdn_gates(ctx, beta, alpha, w[p + "ssm_dt.bias"], w[p + "ssm_a"])
         gk = ctx.reshape_4d(gk, 1, h_v, n, 1).named(f"l{il}.gdn.g")
@@ -285,7 +284,7 @@ class Qwen35Target(TargetRuntime):
             side_effects.append(ctx.cpy(snaps, ctx.view_2d(store, size, n, size * 4, 0))
                                 .named(f"l{il}.gdn.slot_states"))
 
-        zg = ctx.reshape_4d(z, d_v, h_v, n, 1)
-        o = ctx.mul(rms_norm(ctx, o, w[p + "ssm_norm.weight"], hp.rms_eps, f"l{il}.gdn.norm"), ctx.silu(zg))
-        o = ctx.reshape_2d(o, hp.value_dim, n)
-        return linear(ctx, w[p + "ssm_out.weight"], o, add=add, name=f"l{il}.gdn.out")
+        # the gated norm silu(z) * rms_norm(o): a SwiGLU of z's rows (read where they are) and the normed o, which
+        # ggml_qmatmul computes as it quantises the output projection's input (layers.Gated)
+        o = ctx.reshape_2d(rms_norm(ctx, o, w[p + "ssm_norm.weight"], hp.rms_eps, f"l{il}.gdn.norm"), hp.value_dim, n)
+        return linear(ctx, w[p + "ssm_out.weight"], layers.Gated(ctx, z, o), add=add, name=f"l{il}.gdn.out")
