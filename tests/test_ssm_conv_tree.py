@@ -126,6 +126,34 @@ def test_split_form_equals_the_concatenated_one(backend, rng, kind, n_t, n_s):
     assert rel_err(split.reshape(n_s, n_t, d_inner), ref) < TOL
 
 
+@pytest.mark.parametrize("split", [False, True], ids=["concatenated", "split"])
+def test_fused_silu_is_ggml_silu_of_the_conv(backend, rng, split):
+    """silu=True (the op's own silu, one kernel fewer) gives ggml_silu of the plain op's result bit for bit, in
+    both forms, over several sequences, with a channel count whose rows end in a partial SIMD block and (CPU) 3
+    threads, so that the rows are split unevenly across them."""
+    if backend.is_cpu:
+        backend.set_n_threads(3)
+    d_conv, d_inner, n_t, n_s = 4, 645, 23, 2
+    parents = np.stack([make_tree("ddtree", n_t, rng) for _ in range(n_s)]).astype(np.int32)
+    inputs = {"state": rng.standard_normal((n_s, d_inner, d_conv - 1)).astype(np.float32),
+              "x": (rng.standard_normal((n_s, n_t, d_inner)) * 3.0).astype(np.float32),
+              "c": rng.standard_normal((d_inner, d_conv)).astype(np.float32), "parent": parents}
+
+    def both(ctx, t):
+        if split:
+            conv = [ggml.ssm_conv_tree_split(ctx, t["state"], t["x"], t["c"], t["parent"], silu=silu)
+                    for silu in (True, False)]
+        else:
+            sx = ctx.concat(t["state"], ctx.transpose(t["x"]), 0)
+            conv = [ggml.ssm_conv_tree(ctx, sx, t["c"], t["parent"], silu=silu) for silu in (True, False)]
+        return [conv[0], ctx.silu(conv[1])]
+    fused, separate = run_graph(backend, both, inputs)
+    np.testing.assert_array_equal(fused, separate)
+    sx = np.concatenate([inputs["state"], inputs["x"].transpose(0, 2, 1)], axis=2).astype(np.float64)
+    ref = ssm_conv_tree_ref(sx=sx, c=inputs["c"], parent=parents)
+    assert rel_err(fused.reshape(n_s, n_t, d_inner), ref / (1.0 + np.exp(-ref))) < 1e-5
+
+
 # --- the wrapper's checks (no compute) ------------------------------------------------------------------------------
 
 def test_wrapper_rejects_bad_inputs():

@@ -1,9 +1,11 @@
-// ggml_ssm_conv_tree (and its split form, ggml_ssm_conv_tree_split) on the CPU: threads split d_inner.
+// ggml_ssm_conv_tree (and its split form, ggml_ssm_conv_tree_split) on the CPU: threads split d_inner. With silu
+// the threads then split the finished output rows and run ggml's own vector silu over each, as ggml_silu does.
 
 #include "ggml-ext-cpu.h"
 #include "ggml-cpu-impl.h"
 #include "ggml-impl.h"
 #include "../src/tree-walk.h"
+#include "vec.h"
 
 #define GGML_EXT_MAX_CONV 16
 
@@ -59,6 +61,13 @@ void ggml_ext_cpu_ssm_conv_tree(const struct ggml_compute_params * params, struc
                     out[r] = window_dot(win, identity, w, d_conv);
                 }
             }
+        }
+    }
+    if (dst->op_params[0]) {   // silu: every channel of a row done, then whole rows (ggml_vec_silu_f32's SIMD split)
+        ggml_barrier(params->threadpool);
+        for (int i = params->ith; i < n_t * n_s; i += params->nth) {
+            float * row = (float *) ((char *) dst->data + (i % n_t) * dst->nb[1] + (i / n_t) * dst->nb[2]);
+            ggml_vec_silu_f32(d_inner, row, row);
         }
     }
 }

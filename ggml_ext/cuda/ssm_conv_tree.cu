@@ -2,15 +2,17 @@
 // first threads walk the tree once for each token (the window's sx columns, into shared memory), then each
 // thread convolves its channel for every token, the kernel row in registers; the output stores are coalesced
 // over channels. d_conv is a template parameter. SPLIT (ggml_ssm_conv_tree_split): sx holds only the state
-// columns and the token columns are read from x [d_inner, n_t, n_s] (loads coalesced over channels).
+// columns and the token columns are read from x [d_inner, n_t, n_s] (loads coalesced over channels). SILU: each
+// output through ggml-cuda's own silu (the bits of its silu kernel).
 
 #include "ggml-ext-cuda.cuh"
+#include "unary.cuh"
 #include "../src/tree-walk.h"
 
 #define SSM_CONV_TREE_THREADS 128
 #define SSM_CONV_TREE_TOKENS  8
 
-template <int D_CONV, bool SPLIT>
+template <int D_CONV, bool SPLIT, bool SILU>
 static __global__ void __launch_bounds__(SSM_CONV_TREE_THREADS)
 ssm_conv_tree_kernel(const char * sx, const char * xin, const float * c, const int * parent, float * dst,
                      int d_inner, int n_t, size_t sx_nb1, size_t sx_nb2, size_t x_nb1, size_t x_nb2, size_t c_nb1,
@@ -47,7 +49,8 @@ ssm_conv_tree_kernel(const char * sx, const char * xin, const float * c, const i
             const float v = !SPLIT || col < D_CONV - 1 ? x[col] : *(const float *) (xr + (col - (D_CONV - 1)) * x_nb1);
             sum += v * w[j];
         }
-        *(float *) ((char *) dst + r * sizeof(float) + (t0 + tt) * dst_nb1 + s * dst_nb2) = sum;
+        *(float *) ((char *) dst + r * sizeof(float) + (t0 + tt) * dst_nb1 + s * dst_nb2) =
+            SILU ? ggml_cuda_op_silu_single(sum) : sum;
     }
 }
 
@@ -66,7 +69,10 @@ void ggml_ext_cuda_ssm_conv_tree(ggml_backend_cuda_context & ctx, ggml_tensor * 
     const ggml_cuda_kernel_launch_params params(grid, SSM_CONV_TREE_THREADS, 0, ctx.stream());
     const char * x  = xin ? (const char *) xin->data : nullptr;
     const size_t x_nb1 = xin ? xin->nb[1] : 0, x_nb2 = xin ? xin->nb[2] : 0;
-    ggml_cuda_kernel_launch(xin ? ssm_conv_tree_kernel<4, true> : ssm_conv_tree_kernel<4, false>, params,
+    const bool silu = dst->op_params[0] != 0;
+    const auto kernel = xin ? (silu ? ssm_conv_tree_kernel<4, true, true> : ssm_conv_tree_kernel<4, true, false>)
+                            : (silu ? ssm_conv_tree_kernel<4, false, true> : ssm_conv_tree_kernel<4, false, false>);
+    ggml_cuda_kernel_launch(kernel, params,
         (const char *) sx->data, x, (const float *) c->data, (const int *) parent->data, (float *) dst->data,
         d_inner, n_t, sx->nb[1], sx->nb[2], x_nb1, x_nb2, c->nb[1], parent->nb[1], dst->nb[1], dst->nb[2]);
 }

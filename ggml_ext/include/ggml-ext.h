@@ -10,7 +10,7 @@ extern "C" {
 #endif
 
 // Bumped whenever an op's signature or semantics change; the Python bindings check it at load.
-#define GGML_EXT_ABI_VERSION 10
+#define GGML_EXT_ABI_VERSION 11
 
 // The number of ops in ggml-ext-ops.def.
 enum {
@@ -39,23 +39,26 @@ GGML_API void ggml_ext_log_no_debug(enum ggml_log_level level, const char * text
 //   parent i32 [n_t, n_s]                    parent[t] in {-1, 0..t-1}; -1: t follows the committed state
 // Token t convolves itself with its d_conv-1 nearest ancestors; a walk that passes a node whose parent is -1
 // continues into the state columns, newest first. Returns f32 [d_inner, n_t, n_s]. With parent[t] = t-1 it
-// equals ggml_ssm_conv(sx, c).
+// equals ggml_ssm_conv(sx, c). silu: return ggml_silu of that instead, to the bit, one kernel fewer (the CPU runs
+// ggml's own vector silu over each finished output row, as ggml_silu would).
 GGML_API struct ggml_tensor * ggml_ssm_conv_tree(
         struct ggml_context * ctx,
         struct ggml_tensor  * sx,
         struct ggml_tensor  * c,
-        struct ggml_tensor  * parent);
+        struct ggml_tensor  * parent,
+        bool                  silu);
 
 // ggml_ssm_conv_tree reading the conv state and the new inputs where they are, not their concatenation:
 //   state f32 [d_conv-1, d_inner, n_s]  contiguous: the cached inputs of each channel, oldest first
 //   x     f32 [d_inner, n_t, n_s]       rows contiguous (e.g. a row range of a fused projection's output)
-// The result is ggml_ssm_conv_tree(concat(state, transpose(x)), c, parent)'s, to the bit, without the copy.
+// The result is ggml_ssm_conv_tree(concat(state, transpose(x)), c, parent, silu)'s, to the bit, without the copy.
 GGML_API struct ggml_tensor * ggml_ssm_conv_tree_split(
         struct ggml_context * ctx,
         struct ggml_tensor  * state,
         struct ggml_tensor  * x,
         struct ggml_tensor  * c,
-        struct ggml_tensor  * parent);
+        struct ggml_tensor  * parent,
+        bool                  silu);
 
 
 // --- TQ3_0: the 3.5-bit KV-cache type (GGML_TYPE_TQ3_0; format below) ------------------------------------------

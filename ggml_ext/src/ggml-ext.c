@@ -33,9 +33,10 @@ void ggml_ext_log_no_debug(enum ggml_log_level level, const char * text, void * 
 
 // Both forms of ggml_ssm_conv_tree: the kernel and parent checks, and the result [d_inner, n_t, n_s] over src0 (the
 // concatenated inputs, or the split form's state)
+// op_params[0]: 1 = silu of the result
 static struct ggml_tensor * ggml_ext_conv_tree_op(
         struct ggml_context * ctx, struct ggml_tensor * src0, struct ggml_tensor * c, struct ggml_tensor * parent,
-        int64_t n_t, int64_t n_s) {
+        int64_t n_t, int64_t n_s, bool silu) {
     GGML_ASSERT(ggml_is_matrix(c) && c->type == GGML_TYPE_F32);
     GGML_ASSERT(parent->type == GGML_TYPE_I32 && ggml_is_contiguous(parent));
     GGML_ASSERT(n_t >= 1);
@@ -43,6 +44,7 @@ static struct ggml_tensor * ggml_ext_conv_tree_op(
 
     struct ggml_tensor * result = ggml_new_tensor_3d(ctx, GGML_TYPE_F32, c->ne[1], n_t, n_s);
     result->op     = GGML_OP_SSM_CONV_TREE;
+    result->op_params[0] = silu ? 1 : 0;
     result->src[0] = src0;
     result->src[1] = c;
     result->src[2] = parent;
@@ -53,10 +55,11 @@ struct ggml_tensor * ggml_ssm_conv_tree(
         struct ggml_context * ctx,
         struct ggml_tensor  * sx,
         struct ggml_tensor  * c,
-        struct ggml_tensor  * parent) {
+        struct ggml_tensor  * parent,
+        bool                  silu) {
     GGML_ASSERT(ggml_is_3d(sx) && sx->type == GGML_TYPE_F32);
     GGML_ASSERT(sx->ne[1] == c->ne[1]);
-    return ggml_ext_conv_tree_op(ctx, sx, c, parent, sx->ne[0] - c->ne[0] + 1, sx->ne[2]);
+    return ggml_ext_conv_tree_op(ctx, sx, c, parent, sx->ne[0] - c->ne[0] + 1, sx->ne[2], silu);
 }
 
 struct ggml_tensor * ggml_ssm_conv_tree_split(
@@ -64,13 +67,14 @@ struct ggml_tensor * ggml_ssm_conv_tree_split(
         struct ggml_tensor  * state,
         struct ggml_tensor  * x,
         struct ggml_tensor  * c,
-        struct ggml_tensor  * parent) {
+        struct ggml_tensor  * parent,
+        bool                  silu) {
     GGML_ASSERT(state->type == GGML_TYPE_F32 && ggml_is_contiguous(state) && ggml_is_3d(state));
     GGML_ASSERT(x->type == GGML_TYPE_F32 && ggml_is_3d(x) && x->nb[0] == sizeof(float));
     GGML_ASSERT(state->ne[0] == c->ne[0] - 1 && state->ne[1] == c->ne[1] && state->ne[2] == x->ne[2]);
     GGML_ASSERT(x->ne[0] == c->ne[1]);
 
-    struct ggml_tensor * result = ggml_ext_conv_tree_op(ctx, state, c, parent, x->ne[1], x->ne[2]);
+    struct ggml_tensor * result = ggml_ext_conv_tree_op(ctx, state, c, parent, x->ne[1], x->ne[2], silu);
     result->src[3] = x;    // the split form: src[0] holds the state only
     return result;
 }

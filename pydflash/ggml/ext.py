@@ -60,9 +60,10 @@ def _expect_contiguous(t: Tensor, what: str) -> None:
         raise ValueError(f"{what} must be contiguous, got ne {t.ne} nb {t.nb}")
 
 
-def ssm_conv_tree(ctx: Context, sx: Tensor, c: Tensor, parent: Tensor) -> Tensor:
+def ssm_conv_tree(ctx: Context, sx: Tensor, c: Tensor, parent: Tensor, silu: bool = False) -> Tensor:
     """Causal depthwise conv over a token tree: sx [d_conv-1+n_t, d_inner, n_s], c [d_conv, d_inner],
-    parent i32 [n_t, n_s] -> [d_inner, n_t, n_s]. Parent values are checked by `check_parents` when set."""
+    parent i32 [n_t, n_s] -> [d_inner, n_t, n_s]. Parent values are checked by `check_parents` when set.
+    silu: the silu of the result, `ctx.silu(...)`'s bits, one kernel fewer."""
     d_conv, d_inner = c.ne[0], c.ne[1]
     _expect(c, "c (conv kernel)", Type.F32, (d_conv, d_inner))
     n_t = sx.ne[0] - (d_conv - 1)
@@ -71,7 +72,7 @@ def ssm_conv_tree(ctx: Context, sx: Tensor, c: Tensor, parent: Tensor) -> Tensor
     _expect(sx, "sx", Type.F32, (sx.ne[0], d_inner, sx.ne[2]))
     _expect_rows(sx, "sx")
     _check_conv_kernel_and_parents(c, parent, n_t, sx.ne[2])
-    return Tensor(lib.ggml_ssm_conv_tree(ctx._ptr, sx._ptr, c._ptr, parent._ptr), ctx)
+    return Tensor(lib.ggml_ssm_conv_tree(ctx._ptr, sx._ptr, c._ptr, parent._ptr, bool(silu)), ctx)
 
 
 def _check_conv_kernel_and_parents(c: Tensor, parent: Tensor, n_t: int, n_s: int) -> None:
@@ -84,11 +85,12 @@ def _check_conv_kernel_and_parents(c: Tensor, parent: Tensor, n_t: int, n_s: int
         raise ValueError(f"conv kernel size {c.ne[0]} > 16 is not supported")
 
 
-def ssm_conv_tree_split(ctx: Context, state: Tensor, x: Tensor, c: Tensor, parent: Tensor) -> Tensor:
+def ssm_conv_tree_split(ctx: Context, state: Tensor, x: Tensor, c: Tensor, parent: Tensor,
+                        silu: bool = False) -> Tensor:
     """`ssm_conv_tree` over state [d_conv-1, d_inner, n_s] (contiguous: each channel's cached inputs, oldest
     first) and the new inputs x [d_inner, n_t, n_s] (rows contiguous, e.g. a row range of a projection's output)
-    where they are: the result of ssm_conv_tree(concat(state, transpose(x)), c, parent), bit for bit, without
-    the concatenated copy."""
+    where they are: the result of ssm_conv_tree(concat(state, transpose(x)), c, parent, silu), bit for bit,
+    without the concatenated copy."""
     d_conv, d_inner = c.ne[0], c.ne[1]
     _expect(c, "c (conv kernel)", Type.F32, (d_conv, d_inner))
     if d_conv < 2:
@@ -99,7 +101,7 @@ def ssm_conv_tree_split(ctx: Context, state: Tensor, x: Tensor, c: Tensor, paren
     _expect(state, "state", Type.F32, (d_conv - 1, d_inner, n_s))
     _expect_contiguous(state, "state")
     _check_conv_kernel_and_parents(c, parent, n_t, n_s)
-    return Tensor(lib.ggml_ssm_conv_tree_split(ctx._ptr, state._ptr, x._ptr, c._ptr, parent._ptr), ctx)
+    return Tensor(lib.ggml_ssm_conv_tree_split(ctx._ptr, state._ptr, x._ptr, c._ptr, parent._ptr, bool(silu)), ctx)
 
 
 def tq3_0_rotate(x: np.ndarray, inverse: bool = False) -> np.ndarray:

@@ -225,19 +225,19 @@ class Qwen35Target(TargetRuntime):
             tail = ctx.view_3d(conv_in, hp.ssm_d_conv - 1, hp.conv_dim, 1, conv_in.nb[1], conv_in.nb[2], n * 4)
             side_effects.append(ctx.cpy(tail, state_3d).named(f"l{il}.gdn.conv_state_out"))
             if g.decode_parent is not None:   # bit-exact decode: the verify's conv op, over a one-node tree
-                conv = ggml.ssm_conv_tree(ctx, conv_in, conv_w, g.decode_parent)
+                conv = ggml.ssm_conv_tree(ctx, conv_in, conv_w, g.decode_parent, silu=True)
             else:
-                conv = ctx.ssm_conv(conv_in, conv_w)
+                conv = ctx.silu(ctx.ssm_conv(conv_in, conv_w))   # (ggml-cuda runs the two as one kernel)
         else:
             inputs = self.slot_inputs[il]
             side_effects.append(ctx.cpy(qkv, ctx.view_2d(inputs, hp.conv_dim, n, inputs.nb[1], 0))
                                 .named(f"l{il}.gdn.slot_inputs"))
             if layers.conv_split_enabled():   # the state and qkv's rows where they are: no concatenated copy
                 rows = ctx.view_3d(qkv, hp.conv_dim, n, 1, qkv.nb[1], qkv.nb[1] * n, 0)
-                conv = ggml.ssm_conv_tree_split(ctx, state_3d, rows, conv_w, parent)
+                conv = ggml.ssm_conv_tree_split(ctx, state_3d, rows, conv_w, parent, silu=True)
             else:
-                conv = ggml.ssm_conv_tree(ctx, conv_input(), conv_w, parent)
-        conv = ctx.silu(conv).named(f"l{il}.gdn.conv")              # [conv_dim, n, 1]
+                conv = ggml.ssm_conv_tree(ctx, conv_input(), conv_w, parent, silu=True)
+        conv = conv.named(f"l{il}.gdn.conv")                        # silu(conv) [conv_dim, n, 1]
 
         row = hp.conv_dim * 4
         # q's heads then k's, l2-normed as one tensor (one norm kernel instead of two; each head on its own)
