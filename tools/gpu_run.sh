@@ -132,7 +132,7 @@ phase bench_compat 200 python3 "$src/bench/llama_compat_overhead.py" "$data/q27.
 phase examples 240 bash -c 'python3 "$src/examples/quickstart.py" "$data/q27.gguf" "$data/d27" &&
     python3 "$src/examples/bench_speedup.py" "$data/q27.gguf" "$data/d27" "" 64'
 # bench_ar and bench_ddtree again with the input norms computed inside ggml_qmatmul (PYDFLASH_NORM_IN_QMATMUL=1,
-# off by default until this A/B says it wins)
+# off by default: it lost both A/Bs so far, docs/benchmarks.md)
 phase bench_ar_norm_in_qmatmul 150 env PYDFLASH_NORM_IN_QMATMUL=1 python3 "$src/bench/ar_decode.py" "$data/q27.gguf" \
     --device cuda --n-gen 128 --reps 5
 phase bench_ddtree_norm_in_qmatmul 240 env PYDFLASH_NORM_IN_QMATMUL=1 python3 "$src/bench/ddtree_step.py" \

@@ -6,6 +6,11 @@
 #include <stdio.h>
 #include <string.h>
 
+// An f32 matrix whose rows are contiguous (its columns may be strided: a view of a wider tensor)
+static bool ggml_ext_is_f32_rows(const struct ggml_tensor * t) {
+    return t->type == GGML_TYPE_F32 && ggml_is_matrix(t) && t->nb[0] == sizeof(float);
+}
+
 int ggml_ext_abi_version(void) {
     return GGML_EXT_ABI_VERSION;
 }
@@ -195,7 +200,7 @@ struct ggml_tensor * ggml_qmatmul(
         struct ggml_tensor  * x,
         int                   row_tiles) {
     GGML_ASSERT(ggml_qmatmul_supported(w->type) && ggml_is_contiguous(w) && ggml_is_matrix(w));
-    GGML_ASSERT(x->type == GGML_TYPE_F32 && ggml_is_matrix(x) && x->nb[0] == sizeof(float));
+    GGML_ASSERT(ggml_ext_is_f32_rows(x));
     GGML_ASSERT(x->ne[0] == w->ne[0]);
     GGML_ASSERT(x->ne[1] >= 1 && x->ne[1] <= GGML_EXT_QMATMUL_MAX_COLS);
     GGML_ASSERT(row_tiles == 0 || row_tiles == 1 || row_tiles == 2 || row_tiles == 4 || row_tiles == -1 || row_tiles == -2);
@@ -232,7 +237,7 @@ struct ggml_tensor * ggml_qmatmul_fused(
     struct ggml_tensor * result = ggml_qmatmul(ctx, w, x, row_tiles);
     if (up != NULL) {
         GGML_ASSERT(norm == NULL);
-        GGML_ASSERT(up->type == GGML_TYPE_F32 && ggml_is_matrix(up) && up->nb[0] == sizeof(float));
+        GGML_ASSERT(ggml_ext_is_f32_rows(up));
         GGML_ASSERT(up->ne[0] == x->ne[0] && up->ne[1] == x->ne[1]);
         result->src[4] = up;
     }
@@ -243,7 +248,7 @@ struct ggml_tensor * ggml_qmatmul_fused(
         result->src[2] = norm;
     }
     if (add != NULL) {
-        GGML_ASSERT(add->type == GGML_TYPE_F32 && ggml_is_matrix(add) && add->nb[0] == sizeof(float));
+        GGML_ASSERT(ggml_ext_is_f32_rows(add));
         GGML_ASSERT(add->ne[0] == result->ne[0] && add->ne[1] == result->ne[1]);
         result->src[3] = add;
     }
@@ -252,7 +257,7 @@ struct ggml_tensor * ggml_qmatmul_fused(
 
 static void ggml_ext_check_sample(const struct ggml_tensor * logits, const struct ggml_tensor * hist,
                                   const struct ggml_tensor * params) {
-    GGML_ASSERT(logits->type == GGML_TYPE_F32 && ggml_is_matrix(logits) && logits->nb[0] == sizeof(float));
+    GGML_ASSERT(ggml_ext_is_f32_rows(logits));
     GGML_ASSERT(hist->type == GGML_TYPE_I32 && ggml_is_matrix(hist) && ggml_is_contiguous(hist));
     GGML_ASSERT(hist->ne[1] == logits->ne[1]);
     GGML_ASSERT(params->type == GGML_TYPE_F32 && ggml_is_contiguous(params));
@@ -329,7 +334,7 @@ struct ggml_tensor * ggml_flash_attn_ordered(
 struct ggml_tensor * ggml_argmax_first(
         struct ggml_context * ctx,
         struct ggml_tensor  * x) {
-    GGML_ASSERT(x->type == GGML_TYPE_F32 && ggml_is_matrix(x) && x->nb[0] == sizeof(float));
+    GGML_ASSERT(ggml_ext_is_f32_rows(x));
     GGML_ASSERT(x->ne[0] <= INT32_MAX);
 
     struct ggml_tensor * result = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, x->ne[1]);
@@ -342,7 +347,7 @@ struct ggml_tensor * ggml_top_k_logp(
         struct ggml_context * ctx,
         struct ggml_tensor  * logits,
         int                   k) {
-    GGML_ASSERT(logits->type == GGML_TYPE_F32 && ggml_is_matrix(logits) && logits->nb[0] == sizeof(float));
+    GGML_ASSERT(ggml_ext_is_f32_rows(logits));
     GGML_ASSERT(logits->ne[0] < (1 << 24));      // ids are returned as exact floats
     GGML_ASSERT(k >= 1 && k <= GGML_EXT_TOP_K_LOGP_MAX_K && k <= logits->ne[0]);
 
@@ -361,8 +366,8 @@ struct ggml_tensor * ggml_gdn_gates(
         struct ggml_tensor  * a) {
     const int64_t H = beta->ne[0];
     const int64_t n = beta->ne[1];
-    GGML_ASSERT(beta->type == GGML_TYPE_F32 && ggml_is_matrix(beta) && beta->nb[0] == sizeof(float));
-    GGML_ASSERT(alpha->type == GGML_TYPE_F32 && ggml_is_matrix(alpha) && alpha->nb[0] == sizeof(float));
+    GGML_ASSERT(ggml_ext_is_f32_rows(beta));
+    GGML_ASSERT(ggml_ext_is_f32_rows(alpha));
     GGML_ASSERT(alpha->ne[0] == H && alpha->ne[1] == n);
     GGML_ASSERT(dt_bias->type == GGML_TYPE_F32 && ggml_is_contiguous(dt_bias) && ggml_nelements(dt_bias) == H);
     GGML_ASSERT(a->type == GGML_TYPE_F32 && ggml_is_contiguous(a) && ggml_nelements(a) == H);

@@ -64,25 +64,29 @@ def ssm_conv_tree(ctx: Context, sx: Tensor, c: Tensor, parent: Tensor, silu: boo
     """Causal depthwise conv over a token tree: sx [d_conv-1+n_t, d_inner, n_s], c [d_conv, d_inner],
     parent i32 [n_t, n_s] -> [d_inner, n_t, n_s]. Parent values are checked by `check_parents` when set.
     silu: the silu of the result, `ctx.silu(...)`'s bits, one kernel fewer."""
-    d_conv, d_inner = c.ne[0], c.ne[1]
-    _expect(c, "c (conv kernel)", Type.F32, (d_conv, d_inner))
+    d_conv, d_inner = _check_conv_kernel(c)
     n_t = sx.ne[0] - (d_conv - 1)
     if n_t < 1:
         raise ValueError(f"sx needs d_conv-1={d_conv - 1} state columns plus at least one token, has {sx.ne[0]}")
     _expect(sx, "sx", Type.F32, (sx.ne[0], d_inner, sx.ne[2]))
     _expect_rows(sx, "sx")
-    _check_conv_kernel_and_parents(c, parent, n_t, sx.ne[2])
+    _check_conv_parents(parent, n_t, sx.ne[2])
     return Tensor(lib.ggml_ssm_conv_tree(ctx._ptr, sx._ptr, c._ptr, parent._ptr, bool(silu)), ctx)
 
 
-def _check_conv_kernel_and_parents(c: Tensor, parent: Tensor, n_t: int, n_s: int) -> None:
-    """The checks both forms of ssm_conv_tree make of the kernel c [d_conv, d_inner] and the parents."""
+def _check_conv_kernel(c: Tensor) -> tuple[int, int]:
+    """Both forms of ssm_conv_tree: the kernel c f32 [d_conv, d_inner], rows contiguous -> (d_conv, d_inner)."""
     _expect(c, "c (conv kernel)", Type.F32, (c.ne[0], c.ne[1]))
     _expect_rows(c, "c (conv kernel)")
-    _expect(parent, "parent", Type.I32, (n_t, n_s))
-    _expect_contiguous(parent, "parent")
     if c.ne[0] > 16:
         raise ValueError(f"conv kernel size {c.ne[0]} > 16 is not supported")
+    return c.ne[0], c.ne[1]
+
+
+def _check_conv_parents(parent: Tensor, n_t: int, n_s: int) -> None:
+    """Both forms of ssm_conv_tree: parent i32 [n_t, n_s], contiguous."""
+    _expect(parent, "parent", Type.I32, (n_t, n_s))
+    _expect_contiguous(parent, "parent")
 
 
 def ssm_conv_tree_split(ctx: Context, state: Tensor, x: Tensor, c: Tensor, parent: Tensor,
@@ -91,8 +95,7 @@ def ssm_conv_tree_split(ctx: Context, state: Tensor, x: Tensor, c: Tensor, paren
     first) and the new inputs x [d_inner, n_t, n_s] (rows contiguous, e.g. a row range of a projection's output)
     where they are: the result of ssm_conv_tree(concat(state, transpose(x)), c, parent, silu), bit for bit,
     without the concatenated copy."""
-    d_conv, d_inner = c.ne[0], c.ne[1]
-    _expect(c, "c (conv kernel)", Type.F32, (d_conv, d_inner))
+    d_conv, d_inner = _check_conv_kernel(c)
     if d_conv < 2:
         raise ValueError(f"the split form needs a conv kernel of at least 2 taps (a state column), got {d_conv}")
     n_t, n_s = x.ne[1], x.ne[2]
@@ -100,7 +103,7 @@ def ssm_conv_tree_split(ctx: Context, state: Tensor, x: Tensor, c: Tensor, paren
     _expect_rows(x, "x")
     _expect(state, "state", Type.F32, (d_conv - 1, d_inner, n_s))
     _expect_contiguous(state, "state")
-    _check_conv_kernel_and_parents(c, parent, n_t, n_s)
+    _check_conv_parents(parent, n_t, n_s)
     return Tensor(lib.ggml_ssm_conv_tree_split(ctx._ptr, state._ptr, x._ptr, c._ptr, parent._ptr, bool(silu)), ctx)
 
 
