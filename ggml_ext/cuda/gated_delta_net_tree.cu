@@ -5,11 +5,13 @@
 // (GDN_TREE_RPL) rows each, so one warp carries 32/LPC columns and a dot product over the keys is RPL FMAs per
 // lane plus log2(LPC) shuffles. A block of W (GDN_TREE_WARPS) warps takes CB columns of one head of one
 // sequence: grid (H_v, n_s, S_v/CB).
-// The block stages the inputs of GDN_TREE_CHUNK tokens at a time in shared memory (q, k, exp(g), beta, the
-// parents and its columns of v) with coalesced loads, then walks the tree in node order: a node whose parent is
-// the node just computed continues from the registers; any other node reloads its start column, from the
-// committed state (parent -1) or from its parent's stored state, which the same lane wrote earlier (so no
-// synchronisation is needed). After each node the column is stored to the node states (the output tail, or
+// The block stages the inputs of a chunk of tokens at a time in shared memory (q, k, exp(g), beta, the parents and
+// its columns of v; a 23-node verify tree is one chunk) with coalesced loads, then walks the tree in node order: a
+// node whose parent is the node just computed continues from the registers; any other node reloads its start
+// column, from the committed state (parent -1) or from its parent's stored state, which the same lane wrote
+// earlier (so no synchronisation is needed). That reload is asked for while the node before it computes (a second
+// register copy of the column): waiting for it was most of this latency-bound kernel's stalls (H100 profile: 1.5
+// warps per scheduler, 82% of cycles with none eligible, half of the stalls on global loads). After each node the column is stored to the node states (the output tail, or
 // `inter` in f32 or f16, with 16-byte stores; with f16 the registers keep the rounded values, so children start
 // from what is stored, as on the CPU). The node-state stores dominate the memory traffic: 23 nodes of the 27B
 // layer are 72 MB in f32, 36 MB in f16; ggml_gated_delta_net_tree_o stores only the states a later node reloads.
@@ -19,7 +21,10 @@
 
 #include <cuda_fp16.h>
 
-#define GDN_TREE_CHUNK 16  // tokens staged in shared memory at once
+// tokens staged in shared memory at once: 32 (a budget-22 tree in one round) where the per-row decay of KDA does
+// not make that more than the 48 KB of static shared memory
+#define GDN_TREE_CHUNK(KDA) ((KDA) ? 16 : 32)
+#define GDN_TREE_PARENTS 256    // parents staged for the look-ahead (more nodes: the rest read from global memory)
 // Rows per lane and warps per block. Measured on an H100 at the 27B shape (docs/benchmarks.md), 8, 16 and 32 rows
 // with 4 or 8 warps were within 5% of each other; 32 rows and 4 warps keeps the most columns per warp.
 #define GDN_TREE_RPL   32
@@ -149,7 +154,7 @@ gdn_tree_kernel(const gdn_tree_args a) {
     constexpr int CB  = CPW * W;                // columns per block
     constexpr int CH  = 16 / sizeof(node_t);    // rows per chunk
     constexpr int NCH = RPL / CH;               // chunks per lane
-    constexpr int TC  = GDN_TREE_CHUNK;
+    constexpr int TC  = GDN_TREE_CHUNK(KDA);
     constexpr int NT  = WARP_SIZE * W;
     static_assert(S_v % RPL == 0 && WARP_SIZE % LPC == 0 && RPL % CH == 0, "unsupported head size");
 
@@ -158,7 +163,7 @@ gdn_tree_kernel(const gdn_tree_args a) {
     __shared__ float sg[TC][KDA ? S_v : 1];
     __shared__ float sv[TC][CB];
     __shared__ float sb[TC];
-    __shared__ int   sp[TC];
+    __shared__ int   sp[GDN_TREE_PARENTS];   // the parents of nodes 0 .. GDN_TREE_PARENTS-1
     __shared__ uint32_t reloaded[GDN_TREE_MASK_WORDS];   // o only: bit t = a later node starts from node t's state
 
     const int h    = blockIdx.x;
@@ -183,6 +188,12 @@ gdn_tree_kernel(const gdn_tree_args a) {
     node_t      * nodes     = (node_t *) a.nodes + s * a.node_s3 + h * a.node_s1 + col * S_v + seg * CH;
     float       * o         = a.o + gb * S_v + col;
 
+    for (int t = tid; t < min(a.n_t, GDN_TREE_PARENTS); t += NT) {
+        sp[t] = ggml_ext_parent(par, t);
+    }
+    // (ordered before the reads below by the chunk loop's first __syncthreads)
+    auto parent_of = [&](int t) { return t < GDN_TREE_PARENTS ? sp[t] : ggml_ext_parent(par, t); };
+
     // o only: which node states a later node reloads (it is not its parent's direct successor); the others, chain
     // links and leaves, are never read back, so their stores (most of this kernel's traffic) are skipped
     const bool store_all = !a.o_only || a.n_t > 32 * GDN_TREE_MASK_WORDS;
@@ -200,7 +211,9 @@ gdn_tree_kernel(const gdn_tree_args a) {
         // (the chunk loop's first __syncthreads orders these writes before the reads below)
     }
 
-    float S[RPL];  // S[c*CH + e] is row (c*LPC + seg)*CH + e of the column
+    float S[RPL];     // S[c*CH + e] is row (c*LPC + seg)*CH + e of the column
+    float next[RPL];  // the start column of the next node, where it does not continue from this one
+    load_rows<VEC, CH, LPC, RPL>(committed, next);   // node 0's (its parent is always -1)
 
     for (int t0 = 0; t0 < a.n_t; t0 += TC) {
         const int tc = min(TC, a.n_t - t0);
@@ -223,17 +236,26 @@ gdn_tree_kernel(const gdn_tree_args a) {
             if constexpr (!KDA) {
                 sg[tt][0] = expf(a.g[gbt]);
             }
-            sp[tt] = ggml_ext_parent(par, t0 + tt);
         }
         __syncthreads();
 
         for (int tt = 0; tt < tc; ++tt) {
             const int t = t0 + tt;
-            const int p = sp[tt];
-            if (p < 0) {
-                load_rows<VEC, CH, LPC, RPL>(committed, S);
-            } else if (p != t - 1) {
-                load_rows<VEC, CH, LPC, RPL>(nodes + p * a.node_s2, S);
+            if (t == 0 || parent_of(t) != t - 1) {
+#pragma unroll
+                for (int i = 0; i < RPL; ++i) {
+                    S[i] = next[i];
+                }
+            }
+            // ask for the next node's start column now if it does not continue from this node: the committed
+            // state, or a state stored by this lane before this node
+            if (t + 1 < a.n_t) {
+                const int pn = parent_of(t + 1);
+                if (pn < 0) {
+                    load_rows<VEC, CH, LPC, RPL>(committed, next);
+                } else if (pn != t) {
+                    load_rows<VEC, CH, LPC, RPL>(nodes + pn * a.node_s2, next);
+                }
             }
 
             // the lane's rows of q, k, exp(g): float4 e/4 of chunk c
