@@ -131,11 +131,11 @@ phase bench_compat 200 python3 "$src/bench/llama_compat_overhead.py" "$data/q27.
     --device cuda --n-gen 128 --reps 3
 phase examples 240 bash -c 'python3 "$src/examples/quickstart.py" "$data/q27.gguf" "$data/d27" &&
     python3 "$src/examples/bench_speedup.py" "$data/q27.gguf" "$data/d27" "" 64'
-# bench_ar and bench_ddtree again with the input norms computed inside ggml_qmatmul (PYDFLASH_NORM_IN_QMATMUL=1,
-# off by default: it lost both A/Bs so far, docs/benchmarks.md)
-phase bench_ar_norm_in_qmatmul 150 env PYDFLASH_NORM_IN_QMATMUL=1 python3 "$src/bench/ar_decode.py" "$data/q27.gguf" \
+# bench_ar and bench_ddtree again with the input norms as their own kernels (PYDFLASH_NORM_IN_QMATMUL=0; the
+# default computes them inside ggml_qmatmul, docs/benchmarks.md)
+phase bench_ar_norm_separate 150 env PYDFLASH_NORM_IN_QMATMUL=0 python3 "$src/bench/ar_decode.py" "$data/q27.gguf" \
     --device cuda --n-gen 128 --reps 5
-phase bench_ddtree_norm_in_qmatmul 240 env PYDFLASH_NORM_IN_QMATMUL=1 python3 "$src/bench/ddtree_step.py" \
+phase bench_ddtree_norm_separate 240 env PYDFLASH_NORM_IN_QMATMUL=0 python3 "$src/bench/ddtree_step.py" \
     "$data/q27.gguf" --draft "$data/d27" --device cuda --budget 22 --n-gen 64 --reps 5
 # oracle draft (AR's own continuation, a wrong top-1 every 8th position): realistic path lengths for commit
 phase bench_oracle 200 python3 "$src/bench/ddtree_step.py" "$data/q27.gguf" --device cuda --budget 22 --n-gen 128 \

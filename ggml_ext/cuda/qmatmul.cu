@@ -222,18 +222,30 @@ static __global__ void qmm_quantize_x(const float * __restrict__ x, const float 
     qmm_quantize_block(v, lane, col, kb, K, npad, halves, yq, yds);
 }
 
-// ggml_qmatmul_rms_norm: a column's factor 1 / sqrt(mean(x^2) + eps), computed by a whole CUDA block (at most
-// QMM_RMS_MAX_THREADS threads) and the same in every thread of it, and in every block of the same size: each thread
-// sums the squares of values tid, tid + blockDim, ... in order, the warps butterfly-reduce (every lane ends with
-// the same bits), and every thread adds the warp totals in warp order. No dependence on N.
+// ggml_qmatmul_rms_norm: a column's factor 1 / sqrt(mean(x^2) + eps), computed by a whole CUDA block of
+// QMM_RMS_MAX_THREADS threads and the same in every thread of it, and in every block: each thread sums the squares
+// of values tid, tid + blockDim, ... in order, the warps butterfly-reduce (every lane ends with the same bits), and
+// every thread adds the warp totals in warp order. No dependence on N. A thread asks for its values
+// QMM_RMS_BATCH at a time (one memory latency for a 5,120-value column, not one per value).
 #define QMM_RMS_MAX_THREADS 1024
+#define QMM_RMS_BATCH       8
 
 static __device__ __forceinline__ float qmm_rms_scale(const float * __restrict__ xc, int K, float eps) {
     __shared__ float warp_sums[QMM_RMS_MAX_THREADS / WARP_SIZE];
     float s = 0.0f;
-#pragma unroll 4
-    for (int k = threadIdx.x; k < K; k += blockDim.x) {
-        s += xc[k] * xc[k];
+    for (int k0 = threadIdx.x; k0 < K; k0 += QMM_RMS_BATCH * blockDim.x) {
+        float v[QMM_RMS_BATCH];
+#pragma unroll
+        for (int b = 0; b < QMM_RMS_BATCH; ++b) {
+            const int k = k0 + b * blockDim.x;
+            v[b] = k < K ? xc[k] : 0.0f;
+        }
+#pragma unroll
+        for (int b = 0; b < QMM_RMS_BATCH; ++b) {
+            if (k0 + b * blockDim.x < K) {
+                s += v[b] * v[b];
+            }
+        }
     }
 #pragma unroll
     for (int offset = WARP_SIZE / 2; offset > 0; offset >>= 1) {
@@ -252,9 +264,9 @@ static __device__ __forceinline__ float qmm_rms_scale(const float * __restrict__
 
 // The normed activations quantised: qmm_quantize_x's warps (one per 32 values, QMM_RMS_QUANT_WARPS per block) on a
 // grid (K / (32 * warps), npad) so that a block's warps share a column, each block first finding that column's
-// factor from all of it (K values from L2: the price of not waiting on a separate norm kernel). Padding columns
-// are zero.
-#define QMM_RMS_QUANT_WARPS 8
+// factor from all of it (K values from L2, a few per thread: the price of not waiting on a separate norm kernel).
+// Padding columns are zero.
+#define QMM_RMS_QUANT_WARPS (QMM_RMS_MAX_THREADS / WARP_SIZE)
 
 static __global__ void qmm_quantize_x_rms(const float * __restrict__ x, const float * __restrict__ norm, float eps,
                                           int8_t * __restrict__ yq, float2 * __restrict__ yds,
@@ -262,14 +274,17 @@ static __global__ void qmm_quantize_x_rms(const float * __restrict__ x, const fl
     const int col  = blockIdx.y;
     const int lane = threadIdx.x % WARP_SIZE;
     const int kb   = blockIdx.x * QMM_RMS_QUANT_WARPS + threadIdx.x / WARP_SIZE;
+    const int k    = kb * QK8_1 + lane;
+    const bool live = kb < K / QK8_1 && col < N;
+    const float w = live ? norm[k] : 0.0f;   // a weight: asked for before waiting on the previous kernel
     ggml_cuda_pdl_sync();
     const float * xc = x + col * stride_col_x;
+    const float xk = live ? xc[k] : 0.0f;    // this lane's own value, asked for with the sum's
     const float scale = col < N ? qmm_rms_scale(xc, K, eps) : 0.0f;   // (col is the same in the whole block)
     if (kb >= K / QK8_1) {
         return;
     }
-    const int k = kb * QK8_1 + lane;
-    const float v = col < N ? __fmul_rn(__fmul_rn(xc[k], scale), norm[k]) : 0.0f;
+    const float v = live ? __fmul_rn(__fmul_rn(xk, scale), w) : 0.0f;
     qmm_quantize_block(v, lane, col, kb, K, npad, halves, yq, yds);
 }
 

@@ -120,10 +120,10 @@ def _takes_qmatmul(w: ggml.Tensor, x: ggml.Tensor) -> bool:
 
 
 def norm_in_qmatmul_enabled() -> bool:
-    """PYDFLASH_NORM_IN_QMATMUL=1: products that ggml_qmatmul takes compute a Normed input's norm themselves
-    (ggml_qmatmul_rms_norm). Off by default: on the H100 both of its kernels made the 27B shape's decode slower
-    than the separate norm and quantisation (docs/benchmarks.md, twelfth and thirteenth sessions)."""
-    return env_switch("PYDFLASH_NORM_IN_QMATMUL", default="0")
+    """Products that ggml_qmatmul takes compute a Normed input's norm themselves (ggml_qmatmul_rms_norm): on the
+    H100 the 27B shape's decode 3.5% faster than a separate norm and quantisation, its budget-22 verify 0.5 ms
+    (docs/benchmarks.md, fourteenth session). PYDFLASH_NORM_IN_QMATMUL=0 keeps the norm as its own op."""
+    return env_switch("PYDFLASH_NORM_IN_QMATMUL", default="1")
 
 
 def conv_split_enabled() -> bool:
@@ -161,9 +161,9 @@ class _Deferred:
 
 
 class Normed(_Deferred):
-    """rms_norm(h, eps) * weight as the input of projections (linear, TargetRuntime.project): with
-    PYDFLASH_NORM_IN_QMATMUL=1 a product that ggml_qmatmul takes computes the norm where it quantises the
-    activations (ggml_qmatmul_rms_norm: one kernel instead of a norm and a quantisation)."""
+    """rms_norm(h, eps) * weight as the input of projections (linear, TargetRuntime.project): a product that
+    ggml_qmatmul takes computes the norm where it quantises the activations (ggml_qmatmul_rms_norm: one kernel
+    instead of a norm and a quantisation; norm_in_qmatmul_enabled)."""
 
     def __init__(self, ctx: ggml.Context, h: ggml.Tensor, weight: ggml.Tensor, eps: float, name: str):
         super().__init__(ctx, h)
