@@ -49,6 +49,8 @@ def main(argv=None) -> int:
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--n-prompt", type=int, default=512)
     p.add_argument("--device", default="cuda")
+    p.add_argument("--state-type", default="f32", choices=("f32", "f16", "replay"),
+                   help="the verify's node states (TargetRuntime.enable_verify)")
     args = p.parse_args(argv)
 
     from pydflash import ddtree
@@ -62,7 +64,7 @@ def main(argv=None) -> int:
     prompt = [int(t) for t in rng.integers(1, min(target.hp.n_vocab, 30000), args.n_prompt)]
     target.prefill(prompt, return_logits=False)
     draft.append_from_target()
-    target.enable_verify(args.slots, tree=True)
+    target.enable_verify(args.slots, tree=True, state_type=args.state_type)
     budget = args.slots - 1
     logp = np.log(rng.dirichlet(np.ones(8), size=draft.block_size - 1)).astype(np.float32)
     ids = rng.integers(1, 30000, size=(draft.block_size - 1, 8))

@@ -178,8 +178,8 @@ def load(target, draft=None, *, device: str = "auto", kv_type: str = "auto", max
     memory plan counts them after the context: where they would shorten the fitted context or coarsen its KV
     type, fewer are kept (none, if need be).
     state_type: the verify's per-node recurrent states: 'f32' stores every node's state (3.3 GiB for the 27B at
-    budget 22); 'replay' stores only every node's delta-rule inputs (~80 MiB) and the commit runs the accepted
-    path's steps again, as plain decoding does (same output); 'f16' halves the f32 store but rounds the state a
+    budget 22); 'replay' stores only every node's key, decay and delta (~80 MiB) and the commit rebuilds the
+    accepted node's state from them (the same bits); 'f16' halves the f32 store but rounds the state a
     step commits, so the output may differ from plain decoding where the top two logits are within ~1e-2
     (docs/benchmarks.md, "Long context"); 'auto' (default): f32, or replay where it fits a longer context (or a
     finer KV type) in the memory plan.

@@ -111,7 +111,7 @@ def add_memory_options(parser: argparse.ArgumentParser) -> None:
     speculative pair."""
     parser.add_argument("--state-type", default="auto", choices=["auto", "f32", "replay", "f16"],
                         help="verify node states: f32 (every node's state stored), replay (none stored, the commit "
-                             "re-runs the accepted path; ~2%% of the memory), f16 (half of f32; may change the "
+                             "rebuilds the accepted one; ~2%% of the memory), f16 (half of f32; may change the "
                              "output where the top two logits are close), auto (default): f32 unless replay fits "
                              "a longer context")
     parser.add_argument("--draft-type", default="auto", choices=["auto", "stored", "q8_0", "q4_k"],

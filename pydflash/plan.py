@@ -10,7 +10,7 @@ Parts (exact unless marked):
   target weights       the GGUF's tensor bytes (tied LM head counted once)
   KV cache             attention layers x (K, V) x cells (n_ctx rounded up to the 256-cell bucket) x row bytes
   recurrent states     per GDN layer the conv window ((d_conv-1) x conv_dim f32) and the state (S x S x H f32)
-  verify stores        per GDN layer, every verify slot's state (f32 or f16; 'replay': its delta-rule inputs)
+  verify stores        per GDN layer, every verify slot's state (f32 or f16; 'replay': its key, decay and delta)
                        and conv input (f32)
   prefix snapshots     saved recurrent states for prefix reuse (pydflash.prefix_cache), as many as load keeps
   captured features    the draft's target layers, f32 x n_ubatch tokens
@@ -208,7 +208,7 @@ def memory_plan(hp, weight_bytes: int, n_ctx: int, kv_type="f16", *, draft: Draf
     n_rec = sum(1 for r in hp.recurrent if r)
     if not n_rec:
         store_bytes = 0
-    elif state_type == "replay":    # per slot its delta-rule inputs, plus one zero column (TargetRuntime.commit)
+    elif state_type == "replay":    # per slot its key, delta and decay, plus one zero column (TargetRuntime.commit)
         store_bytes = n_slots * hp.conv_dim * 4 + (n_slots + 1) * replay_width(hp) * 4 if n_slots else 0
     else:
         state_bytes = 2 if state_type == "f16" else 4

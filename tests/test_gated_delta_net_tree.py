@@ -1,6 +1,7 @@
-"""ggml_gated_delta_net_tree and ggml_gated_delta_net_tree_persist: against the float64 reference on random trees,
-against upstream ggml_gated_delta_net on chains, rollback from persisted node states, f16 intermediates, and the
-wrappers' checks. Runs on the CPU in CI and on CUDA with `-m cuda`."""
+"""ggml_gated_delta_net_tree, ggml_gated_delta_net_tree_persist and ggml_gated_delta_net_path: against the float64
+reference on random trees, against upstream ggml_gated_delta_net on chains, rollback from persisted node states, f16
+intermediates, node states rebuilt from the deltas, and the wrappers' checks. Runs on the CPU in CI and on CUDA
+with `-m cuda`."""
 from __future__ import annotations
 
 import numpy as np
@@ -15,10 +16,16 @@ NAMES = ("q", "k", "v", "g", "beta", "state", "parent")
 
 
 def split_tree_output(out: np.ndarray, n_s: int, n_t: int, H: int, S_v: int):
-    """The tree op's output [S_v*H, n_t*n_s*(1+S_v)] (numpy: [rows, S_v*H]) -> o, node states."""
+    """The tree op's output [S_v*H, n_t*n_s*(2+S_v)] (numpy: [rows, S_v*H]) -> o, node states."""
+    assert out.shape == (n_t * n_s * (2 + S_v), S_v * H)
     o = out[: n_t * n_s].reshape(n_s, n_t, H, S_v)
-    states = out[n_t * n_s:].reshape(n_s, n_t, H, S_v, S_v)
+    states = out[n_t * n_s: n_t * n_s * (1 + S_v)].reshape(n_s, n_t, H, S_v, S_v)
     return o, states
+
+
+def tree_deltas(out: np.ndarray, n_s: int, n_t: int, H: int, S_v: int) -> np.ndarray:
+    """The last part of the tree op's output: every node's delta, [n_s, n_t, H, S_v]."""
+    return out[n_t * n_s * (1 + S_v):].reshape(n_s, n_t, H, S_v)
 
 
 def shape_of(inputs):
@@ -205,6 +212,115 @@ def test_o_only_gives_the_same_o(backend, rng, kind):
         assert rel_err(states[:, reloaded], states_ref[:, reloaded]) < TOL
 
 
+# --- the deltas, and node states rebuilt from them (ggml_gated_delta_net_path) ----------------------------------------
+
+def deltas_ref(inputs, states_ref) -> np.ndarray:
+    """Every node's delta beta (v - (exp(g) S)^T k), S its parent's float64 reference state: [n_s, n_t, H, S_v]."""
+    k, v, g, beta, state, parent = (inputs[n] for n in ("k", "v", "g", "beta", "state", "parent"))
+    n_s, n_t, H, S_v = v.shape
+    heads_k, rk = np.arange(H) % k.shape[2], n_s // k.shape[0]
+    out = np.empty((n_s, n_t, H, S_v))
+    for s in range(n_s):
+        for t in range(n_t):
+            p = int(parent[s, t])
+            S = np.asarray(state[s] if p < 0 else states_ref[s, p], np.float64).transpose(0, 2, 1)   # [H, key, value]
+            S = np.exp(g[s, t].astype(np.float64))[:, :, None] * S
+            kt = k[s // rk, t, heads_k].astype(np.float64)
+            out[s, t] = beta[s, t, :, :1] * (v[s, t] - np.einsum("hij,hi->hj", S, kt))
+    return out
+
+
+@pytest.mark.parametrize("kda", [False, True], ids=["scalar_g", "kda"])
+@pytest.mark.parametrize("kind", ["ddtree", "bushy"])
+def test_deltas(backend, rng, kind, kda):
+    """The tree op's last part is every node's delta (against float64), the same bits with o_only."""
+    n_t, H, H_k, S_v, n_s = 23, 4, 2, 128, 2
+    parents = np.stack([make_tree(kind, n_t, rng) for _ in range(n_s)])
+    inputs = with_parents(gdn_inputs(rng, S_v, H, n_t, n_s, H_k=H_k, kda=kda), parents)
+
+    def build(ctx, t):
+        args = [t[n] for n in NAMES]
+        outs = [ggml.gated_delta_net_tree(ctx, *args), ggml.gated_delta_net_tree(ctx, *args, o_only=True)]
+        skip_unless_supported(backend, outs[0])
+        return outs
+    full, o_only = run_graph(backend, build, inputs)
+    _, states_ref = gated_delta_net_tree_ref(**inputs)
+    deltas = tree_deltas(full, n_s, n_t, H, S_v)
+    assert rel_err(deltas, deltas_ref(inputs, states_ref)) < TOL
+    np.testing.assert_array_equal(tree_deltas(o_only, n_s, n_t, H, S_v), deltas)
+
+
+def path_inputs(inputs, deltas, paths, n_steps):
+    """ggml_gated_delta_net_path's inputs for one path per sequence (numpy order), each padded to n_steps with
+    steps of zero keys, log-decays and deltas."""
+    k, g = inputs["k"], inputs["g"]
+    n_s, _, H, S_v = inputs["v"].shape
+    rk = n_s // k.shape[0]
+    out = {"state": inputs["state"],
+           "k": np.zeros((n_s, n_steps, k.shape[2], S_v), np.float32),
+           "g": np.zeros((n_s, n_steps, H, g.shape[3]), np.float32),
+           "delta": np.zeros((n_s, n_steps, H, S_v), np.float32)}
+    for s, path in enumerate(paths):
+        out["k"][s, :len(path)] = k[s // rk, path]
+        out["g"][s, :len(path)] = g[s, path]
+        out["delta"][s, :len(path)] = deltas[s, path]
+    return out
+
+
+def run_path(backend, inputs):
+    def build(ctx, t):
+        out = ggml.gated_delta_net_path(ctx, t["state"], t["k"], t["g"], t["delta"])
+        skip_unless_supported(backend, out)
+        return out
+    n_s, H, S_v, _ = inputs["state"].shape
+    return run_graph(backend, build, inputs).reshape(n_s, H, S_v, S_v)
+
+
+@pytest.mark.parametrize("kda", [False, True], ids=["scalar_g", "kda"])
+@pytest.mark.parametrize("S_v", [64, 128])
+@pytest.mark.parametrize("kind", ["ddtree", "bushy", "chain"])
+def test_path_rebuilds_node_states_bit_for_bit(backend, rng, kind, S_v, kda):
+    """The state after any node, rebuilt by ggml_gated_delta_net_path from the committed state and its root path's
+    keys, log-decays and deltas (padded with zero steps to the longest path), is the tree op's stored state bit for
+    bit: what a speculative commit relies on to skip storing the node states."""
+    n_t, H, H_k, n_s = 23, 6, 3, 2
+    parents = np.stack([make_tree(kind, n_t, rng) for _ in range(n_s)])
+    inputs = with_parents(gdn_inputs(rng, S_v, H, n_t, n_s, H_k=H_k, n_s_qk=1, kda=kda), parents)
+
+    def build(ctx, t):
+        out = ggml.gated_delta_net_tree(ctx, *(t[n] for n in NAMES), o_only=True)
+        skip_unless_supported(backend, out)
+        return out
+    deltas = tree_deltas(run_graph(backend, build, inputs), n_s, n_t, H, S_v)   # as a replay verify has them
+    _, states = run_tree(backend, inputs)                                            # every node's, stored
+    for nodes in ([n_t - 1, n_t // 2], [0, 3], [7, n_t - 2]):
+        paths = [path_to(parents[s], r) for s, r in enumerate(nodes)]
+        n_steps = max(len(p) for p in paths) + 1   # at least one padding step for every sequence
+        got = run_path(backend, path_inputs(inputs, deltas, paths, n_steps))
+        for s, r in enumerate(nodes):
+            np.testing.assert_array_equal(got[s], states[s, r])
+
+
+@pytest.mark.parametrize("kda", [False, True], ids=["scalar_g", "kda"])
+def test_path_against_float64(backend, rng, kda):
+    """Each step S <- exp(g) S; S += k delta^T, against float64; a step of zero log-decay and delta changes no bit."""
+    S_v, H, H_k, L, n_s = 64, 4, 2, 6, 2
+    inputs = {"state": (0.3 * rng.standard_normal((n_s, H, S_v, S_v))).astype(np.float32),
+              "k": rng.standard_normal((1, L, H_k, S_v)).astype(np.float32),
+              "g": (-np.abs(rng.standard_normal((n_s, L, H, S_v if kda else 1))) * 0.1).astype(np.float32),
+              "delta": rng.standard_normal((n_s, L, H, S_v)).astype(np.float32)}
+    got = run_path(backend, inputs)
+    ref = inputs["state"].astype(np.float64).transpose(0, 1, 3, 2)          # [n_s, H, key, value]
+    for l in range(L):
+        k = inputs["k"][0, l, np.arange(H) % H_k].astype(np.float64)           # [H, key]
+        ref = np.exp(inputs["g"][:, l].astype(np.float64))[..., None] * ref
+        ref = ref + k[None, :, :, None] * inputs["delta"][:, l, :, None, :]
+    assert rel_err(got, ref.transpose(0, 1, 3, 2)) < 1e-6
+    padded = {n: np.concatenate([a[:, :3], np.zeros_like(a[:, :1]), a[:, 3:]], axis=1) if n != "state" else a
+              for n, a in inputs.items()}
+    np.testing.assert_array_equal(run_path(backend, padded), got)
+
+
 # --- the persist op ---------------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("kda", [False, True], ids=["scalar_g", "kda"])
@@ -384,3 +500,16 @@ def test_wrappers_reject_bad_inputs(backend):
         with pytest.raises(exc, match=match):
             ggml.gated_delta_net_tree_persist(ctx, *args, inter)
         del buf
+
+    L = 3
+    path = dict(state=good["state"], k=ctx.new_tensor(np.float32, (S_v, 2, L, 1)),
+                g=ctx.new_tensor(np.float32, (1, H, L, n_s)), delta=ctx.new_tensor(np.float32, (S_v, H, L, n_s)))
+    ggml.gated_delta_net_path(ctx, **path)
+    for name, ne, dtype, exc, match in [("k", (S_v, 3, L, 1), np.float32, ValueError, "H_k dividing"),
+                                        ("k", (S_v, 2, L + 1, 1), np.float32, ValueError, "path k"),
+                                        ("g", (2, H, L, n_s), np.float32, ValueError, "path g"),
+                                        ("delta", (S_v, H, L, 1), np.float32, ValueError, "path delta"),
+                                        ("delta", (S_v, H, L, n_s), np.float16, TypeError, "path delta"),
+                                        ("state", (S_v, S_v, H + 1, n_s), np.float32, ValueError, "path delta")]:
+        with pytest.raises(exc, match=match):
+            ggml.gated_delta_net_path(ctx, **dict(path, **{name: ctx.new_tensor(dtype, ne)}))

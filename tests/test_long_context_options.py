@@ -329,8 +329,8 @@ def test_replay_state_equals_ar_bit_for_bit(engine_model, mode, budget):
 
     check, checked = follow_with_ar(ar, target, prompt, recurrent_equal)
     decoder = Decoder(target, oracle(prompt, reference, target), mode=mode, budget=budget, state_type="replay")
-    assert sum(t.nbytes for t in target.slot_states.values()) == 3 * 4 * (budget + 2) * (
-        target.hp.key_dim + target.hp.value_dim + 2 * target.hp.ssm_n_v_heads)
+    assert sum(t.nbytes for t in target.slot_states.values()) == 3 * 4 * (budget + 2) * (   # k, delta, decay
+        target.hp.key_dim + target.hp.value_dim + target.hp.ssm_n_v_heads)
     out, stats = decoder.generate_ids(prompt, 100, on_tokens=check)
     assert ENGINE_N_GEN >= 100 and out == reference[0][:100]
     assert sum(c is not None for c in checked) > 8 and stats["acceptance_length"] > 4
@@ -346,12 +346,12 @@ COMMIT_PATHS = ([0, 1, 2], [0, 3, 4, 8, 9], [0, 1, 2, 5, 7], [0])   # a chain pr
 def test_replay_commit_equals_f32_store_commit(backend, tmp_path):
     """One verify of a branching tree and one commit of a multi-slot path, three times, with replayed and with
     stored (f32) states on the same backend: the verify's logits of every slot and the committed states and conv
-    windows agree (CPU: bit for bit; CUDA: the tree kernel and upstream's chain kernel round differently, so
-    within STATE_ATOL). Before the store copies had their destination's shape, CUDA's copy packed every slot's
-    gate and beta into slot 0's row, so the replay kept gate 0 / beta 0 for every later slot and skipped their
-    steps: the states moved by O(0.1). The replay commits run 4, 8, 8 and 1 steps (replay_steps: the path rounded up
-    to a power of two, padded with steps that change nothing), in one commit graph per step count."""
-    from test_engine import CUDA_SHAPE, STATE_ATOL, cache_state
+    windows agree bit for bit (the commit rebuilds the node state with the tree kernel's own roundings). Before
+    the store copies had their destination's shape, CUDA's copy packed every slot's gate into slot 0's row, so the
+    replay skipped later slots' steps: the states moved by O(0.1). The replay commits run 4, 8, 8 and 1 steps
+    (replay_steps: the path rounded up to a power of two, padded with steps that change nothing), in one commit
+    graph per step count."""
+    from test_engine import CUDA_SHAPE, cache_state
     gguf = tmp_path / "b.gguf"
     testing.write_qwen35_gguf(gguf, **CUDA_SHAPE)
     parents = np.array(TREE_PARENTS, np.int32)
@@ -374,26 +374,21 @@ def test_replay_commit_equals_f32_store_commit(backend, tmp_path):
             steps.append((logits, cache_state(target)))
         runs[state_type] = steps
         if state_type == "replay":
-            assert sorted(key for key in target._commit_graphs) == [(False, 1), (False, 4), (True, 8)]
-    exact = backend.name.lower().startswith("cpu")
+            assert sorted(key for key in target._commit_graphs) == [(False, 1, False), (False, 4, True), (True, 8, True)]
     for i, ((logits_f32, want), (logits, got)) in enumerate(zip(runs["f32"], runs["replay"])):
-        # CUDA: the committed states differ by rounding (up to STATE_ATOL on unit-scale states), and so may the logits
-        # by that much relative to their scale; a skipped step moves the states by O(0.1)
-        atol = 0.0 if exact else STATE_ATOL * float(np.abs(logits_f32).max())
-        np.testing.assert_allclose(logits, logits_f32, rtol=0, atol=atol, err_msg=f"step {i}: verify logits")
+        np.testing.assert_array_equal(logits, logits_f32, err_msg=f"step {i}: verify logits")
         for name in want:
-            np.testing.assert_allclose(got[name], want[name], rtol=0, atol=0.0 if exact else STATE_ATOL,
-                                       err_msg=f"step {i}: {name}")
+            np.testing.assert_array_equal(got[name], want[name], err_msg=f"step {i}: {name}")
 
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("mode,budget", [("chain", 15), ("ddtree", 22)])
-def test_cuda_replay_lossless_and_state_near_f32(tmp_path, mode, budget):
-    """On CUDA: replayed states give AR's tokens (up to tests/test_engine.py's CUDA near-tie margin), and the
-    committed recurrent states stay within STATE_ATOL of the f32-store path's (the tree kernel and upstream's
-    chain kernel may round differently; a wrong slot or path moves them by O(0.1))."""
+def test_cuda_replay_lossless_and_state_equals_f32(tmp_path, mode, budget):
+    """On CUDA: replayed states give AR's tokens (up to tests/test_engine.py's CUDA near-tie margin), and exactly
+    the f32-store path's tokens and committed recurrent states (the commit rebuilds the verify's node state bit
+    for bit; a wrong slot or path moves them by O(0.1))."""
     from pydflash.engine import Decoder
-    from test_engine import BLOCK, CUDA_MARGIN, CUDA_SHAPE, ERRORS, N_GEN as ENGINE_N_GEN, STATE_ATOL, ar_reference
+    from test_engine import BLOCK, CUDA_MARGIN, CUDA_SHAPE, ERRORS, N_GEN as ENGINE_N_GEN, ar_reference
     path = tmp_path / "b.gguf"
     testing.write_qwen35_gguf(path, **CUDA_SHAPE)
     prompt = [int(t) for t in np.random.default_rng(5).integers(3, 400, size=24)]
@@ -412,9 +407,9 @@ def test_cuda_replay_lossless_and_state_near_f32(tmp_path, mode, budget):
                                                  f"margin {margins[first]:.3g}"
         assert len(out) == ENGINE_N_GEN and stats["acceptance_length"] > 4, state_type
         states[state_type] = (out, {il: t.numpy() for il, t in target.cache.ssm.items()})
-    if states["f32"][0] == states["replay"][0]:      # the same tokens committed: the same states, up to rounding
-        for il, want in states["f32"][1].items():
-            np.testing.assert_allclose(states["replay"][1][il], want, rtol=0, atol=STATE_ATOL, err_msg=f"layer {il}")
+    assert states["replay"][0] == states["f32"][0]
+    for il, want in states["f32"][1].items():
+        np.testing.assert_array_equal(states["replay"][1][il], want, err_msg=f"layer {il}")
 
 
 def test_replay_with_the_real_draft_is_lossless(pair, reference):
@@ -503,10 +498,10 @@ def test_27b_at_256k_in_24_gib(pair_27b):
 def test_27b_256k_in_24_gib_exact_with_replayed_states(pair_27b):
     """Both "auto" options at 24 GiB: replayed states and the q8_0 draft, the whole training context in tq3_0. The
     replay store by hand: per GDN layer, 23 conv inputs (10240 f32) and 24 columns (23 slots and the zero one) of
-    k (16 x 128), v (48 x 128), gate and beta (48 each)."""
+    k (16 x 128), delta (48 x 128) and the decay (48)."""
     p = plan.plan_for_load(*pair_27b, vram="24GiB", state_type="auto")
     assert (p.draft_type, p.state_type, p.n_ctx, p.kv_type) == ("q8_0", "replay", 262144, "tq3_0")
-    assert p.parts["verify stores (23 slots, replay)"] == 48 * (23 * 10240 + 24 * (2048 + 6144 + 96)) * 4
+    assert p.parts["verify stores (23 slots, replay)"] == 48 * (23 * 10240 + 24 * (2048 + 6144 + 48)) * 4
     assert p.total <= 24 * GiB
     # 48 GiB holds the training context in f16 with f32 states and the stored draft: auto keeps them
     roomy = plan.plan_for_load(*pair_27b, vram="48GiB", state_type="auto")

@@ -1,6 +1,7 @@
-// ggml_gated_delta_net_tree and ggml_gated_delta_net_tree_persist on the CPU. Threads split the (head, sequence)
-// pairs; each pair walks its tree in node order with the state in a per-thread f32 scratch matrix, using the
-// same vector primitives in the same order as upstream's ggml_gated_delta_net, so a chain gives its numbers.
+// ggml_gated_delta_net_tree, ggml_gated_delta_net_tree_persist and ggml_gated_delta_net_path on the CPU. Threads
+// split the (head, sequence) pairs; each pair walks its tree in node order with the state in a per-thread f32
+// scratch matrix, using the same vector primitives in the same order as upstream's ggml_gated_delta_net, so a
+// chain gives its numbers; the path op repeats a node's decay and update with the same primitives.
 
 #include "ggml-ext-cpu.h"
 #include "ggml-cpu-impl.h"
@@ -45,6 +46,9 @@ static void gdn_tree(const struct ggml_compute_params * params, struct ggml_tens
 
     // o: [S_v, H, n_t, n_s] at the start of dst in both ops
     float * o_base = (float *) dst->data;
+
+    // the deltas, [S_v, H, n_t, n_s] after the node states (not kept by the persist op)
+    float * delta_base = inter == NULL ? o_base + S_v * H * n_t * n_s * (1 + S_v) : NULL;
 
     // node states, [S_v*S_v, H, n_t, n_s]: byte strides per head, node, sequence
     char * node_base;
@@ -124,6 +128,9 @@ static void gdn_tree(const struct ggml_compute_params * params, struct ggml_tens
             for (int64_t j = 0; j < S_v; ++j) {
                 ggml_vec_mad_f32((int) S_v, &S[j * S_v], k_d, delta[j]);
             }
+            if (delta_base != NULL) {
+                memcpy(delta_base + ((s * n_t + t) * H + h) * S_v, delta, S_v * sizeof(float));
+            }
             float * o = o_base + ((s * n_t + t) * H + h) * S_v;
             for (int64_t j = 0; j < S_v; ++j) {
                 float sum = 0.0f;
@@ -147,4 +154,56 @@ void ggml_ext_cpu_gated_delta_net_tree(const struct ggml_compute_params * params
 
 void ggml_ext_cpu_gated_delta_net_tree_persist(const struct ggml_compute_params * params, struct ggml_tensor * dst) {
     gdn_tree(params, dst, dst->src[7]);
+}
+
+size_t ggml_ext_cpu_gated_delta_net_path_work_size(const struct ggml_tensor * node, int n_tasks) {
+    return (size_t) (node->src[0]->ne[0] + GGML_EXT_LINE_F32) * n_tasks * sizeof(float);
+}
+
+void ggml_ext_cpu_gated_delta_net_path(const struct ggml_compute_params * params, struct ggml_tensor * dst) {
+    const struct ggml_tensor * state = dst->src[0];
+    const struct ggml_tensor * k     = dst->src[1];
+    const struct ggml_tensor * g     = dst->src[2];
+    const struct ggml_tensor * delta = dst->src[3];
+
+    const int64_t S_v = state->ne[0];
+    const int64_t H   = state->ne[2];
+    const int64_t n_s = state->ne[3];
+    const int64_t L   = delta->ne[2];
+    const int64_t D   = S_v * S_v;
+    const int64_t rk3 = n_s / k->ne[3];
+    const bool    kda = g->ne[0] == S_v;
+
+    float * decay = (float *) params->wdata + params->ith * (S_v + GGML_EXT_LINE_F32);
+
+    const int64_t nr  = H * n_s;
+    const int64_t dr  = (nr + params->nth - 1) / params->nth;
+    const int64_t ir0 = dr * params->ith;
+    const int64_t ir1 = MIN(ir0 + dr, nr);
+
+    for (int64_t ir = ir0; ir < ir1; ++ir) {
+        const int64_t h = ir % H;
+        const int64_t s = ir / H;
+        float * S = (float *) ((char *) dst->data + s * dst->nb[3] + h * dst->nb[2]);
+        memcpy(S, (const char *) state->data + s * state->nb[3] + h * state->nb[2], D * sizeof(float));
+        for (int64_t l = 0; l < L; ++l) {
+            const float * k_d = (const float *) ((const char *) k->data + (s / rk3) * k->nb[3] + l * k->nb[2] + (h % k->ne[1]) * k->nb[1]);
+            const float * g_d = (const float *) ((const char *) g->data + s * g->nb[3] + l * g->nb[2] + h * g->nb[1]);
+            const float * d_d = (const float *) ((const char *) delta->data + s * delta->nb[3] + l * delta->nb[2] + h * delta->nb[1]);
+            // the tree kernel's decay and update, primitive for primitive
+            if (kda) {
+                for (int64_t i = 0; i < S_v; ++i) {
+                    decay[i] = expf(g_d[i]);
+                }
+                for (int64_t j = 0; j < S_v; ++j) {
+                    ggml_vec_mul_f32((int) S_v, &S[j * S_v], &S[j * S_v], decay);
+                }
+            } else {
+                ggml_vec_scale_f32((int) D, S, expf(g_d[0]));
+            }
+            for (int64_t j = 0; j < S_v; ++j) {
+                ggml_vec_mad_f32((int) S_v, &S[j * S_v], k_d, d_d[j]);
+            }
+        }
+    }
 }

@@ -14,6 +14,7 @@ void ggml_ext_cuda_compute_forward(ggml_backend_cuda_context & ctx, ggml_tensor 
         case GGML_OP_ARGMAX_FIRST: ggml_ext_cuda_argmax_first(ctx, dst); break;
         case GGML_OP_TOP_K_LOGP: ggml_ext_cuda_top_k_logp(ctx, dst); break;
         case GGML_OP_GDN_GATES: ggml_ext_cuda_gdn_gates(ctx, dst); break;
+        case GGML_OP_GATED_DELTA_NET_PATH: ggml_ext_cuda_gated_delta_net_path(ctx, dst); break;
         default: GGML_ABORT("ggml_ext: no CUDA kernel for %s", ggml_op_name(dst->op));
     }
 }
@@ -38,6 +39,8 @@ bool ggml_ext_cuda_supports_op(int device, const ggml_tensor * op) {
             return op->src[0]->ne[1] <= 65535;    // rows are the y dimension of its first kernel's grid
         case GGML_OP_GDN_GATES:
             return op->src[0]->ne[0] * op->src[0]->ne[1] <= INT32_MAX / 2;   // the kernel indexes values with int
+        case GGML_OP_GATED_DELTA_NET_PATH:
+            return op->ne[0] * op->ne[0] <= INT32_MAX && op->ne[2] <= 65535 && op->ne[3] <= 65535;   // grid y, z
         default:
             return false;
     }

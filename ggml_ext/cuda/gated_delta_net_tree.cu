@@ -42,6 +42,7 @@ struct gdn_tree_args {
     const float * state;   // contiguous [S_v, S_v, H, n_s]
     const int   * parent;  // [n_t, n_s]
     float       * o;       // [S_v, H, n_t, n_s]
+    float       * deltas;  // [S_v, H, n_t, n_s], or null (the persist op)
     void        * nodes;   // [S_v*S_v, H, n_t(_max), n_s] of float or half
     int H, n_t, H_q, H_k, rq3, rk3;
     int64_t sq1, sq2, sq3, sk1, sk2, sk3, sv1, sv2, sv3;  // in floats
@@ -137,6 +138,16 @@ static __device__ __forceinline__ void store_rows(half * p, float (&x)[RPL]) {
     }
 }
 
+// One step's two roundings of a state element, spelled out so that gated_delta_net_path repeats them exactly:
+// the decay (exp(g) times S), then the rank-one update (S + k delta, one fused multiply-add).
+static __device__ __forceinline__ float gdn_decay(float s, float decay) {
+    return __fmul_rn(s, decay);
+}
+
+static __device__ __forceinline__ float gdn_update(float s, float k, float delta) {
+    return __fmaf_rn(k, delta, s);
+}
+
 template <int LPC>
 static __device__ __forceinline__ float column_sum(float x) {
 #pragma unroll
@@ -187,6 +198,7 @@ gdn_tree_kernel(const gdn_tree_args a) {
     const float * committed = a.state + (((int64_t) s * a.H + h) * S_v + col) * S_v + seg * CH;
     node_t      * nodes     = (node_t *) a.nodes + s * a.node_s3 + h * a.node_s1 + col * S_v + seg * CH;
     float       * o         = a.o + gb * S_v + col;
+    float       * deltas    = a.deltas != nullptr ? a.deltas + gb * S_v + col : nullptr;
 
     for (int t = tid; t < min(a.n_t, GDN_TREE_PARENTS); t += NT) {
         sp[t] = ggml_ext_parent(par, t);
@@ -273,10 +285,12 @@ gdn_tree_kernel(const gdn_tree_args a) {
                     const float4 kk = *(const float4 *) (kt + c * LPC * CH + e);
                     if constexpr (KDA) {
                         const float4 gg = *(const float4 *) (gt + c * LPC * CH + e);
-                        S[i] *= gg.x; S[i + 1] *= gg.y; S[i + 2] *= gg.z; S[i + 3] *= gg.w;
+                        S[i]     = gdn_decay(S[i], gg.x);     S[i + 1] = gdn_decay(S[i + 1], gg.y);
+                        S[i + 2] = gdn_decay(S[i + 2], gg.z); S[i + 3] = gdn_decay(S[i + 3], gg.w);
                     } else {
                         const float gs = gt[0];
-                        S[i] *= gs; S[i + 1] *= gs; S[i + 2] *= gs; S[i + 3] *= gs;
+                        S[i]     = gdn_decay(S[i], gs);     S[i + 1] = gdn_decay(S[i + 1], gs);
+                        S[i + 2] = gdn_decay(S[i + 2], gs); S[i + 3] = gdn_decay(S[i + 3], gs);
                     }
                     acc[0] += S[i] * kk.x; acc[1] += S[i + 1] * kk.y; acc[2] += S[i + 2] * kk.z; acc[3] += S[i + 3] * kk.w;
                 }
@@ -293,15 +307,18 @@ gdn_tree_kernel(const gdn_tree_args a) {
                     const int i = c * CH + e;
                     const float4 kk = *(const float4 *) (kt + c * LPC * CH + e);
                     const float4 qq = *(const float4 *) (qt + c * LPC * CH + e);
-                    S[i]     += kk.x * delta; acc[0] += S[i]     * qq.x;
-                    S[i + 1] += kk.y * delta; acc[1] += S[i + 1] * qq.y;
-                    S[i + 2] += kk.z * delta; acc[2] += S[i + 2] * qq.z;
-                    S[i + 3] += kk.w * delta; acc[3] += S[i + 3] * qq.w;
+                    S[i]     = gdn_update(S[i], kk.x, delta);     acc[0] += S[i]     * qq.x;
+                    S[i + 1] = gdn_update(S[i + 1], kk.y, delta); acc[1] += S[i + 1] * qq.y;
+                    S[i + 2] = gdn_update(S[i + 2], kk.z, delta); acc[2] += S[i + 2] * qq.z;
+                    S[i + 3] = gdn_update(S[i + 3], kk.w, delta); acc[3] += S[i + 3] * qq.w;
                 }
             }
             const float oq = column_sum<LPC>((acc[0] + acc[1]) + (acc[2] + acc[3]));
             if (seg == 0) {
                 o[(int64_t) t * a.H * S_v] = oq * a.scale;
+                if (deltas != nullptr) {
+                    deltas[(int64_t) t * a.H * S_v] = delta;
+                }
             }
             if (store_all || (reloaded[t / 32] >> (t % 32)) & 1) {
                 store_rows<VEC, CH, LPC, RPL>(nodes + t * a.node_s2, S);
@@ -377,8 +394,10 @@ static void gdn_tree(ggml_backend_cuda_context & ctx, ggml_tensor * dst, const g
 
     const bool kda = g->ne[0] == S_v;
     cudaStream_t stream = ctx.stream();
+    a.deltas = nullptr;
     if (inter == nullptr) {
         a.nodes   = (float *) dst->data + S_v * H * n_t * n_s;
+        a.deltas  = (float *) dst->data + S_v * H * n_t * n_s * (1 + S_v);
         a.node_s1 = S_v * S_v;
         a.node_s2 = a.node_s1 * H;
         a.node_s3 = a.node_s2 * n_t;
@@ -398,7 +417,78 @@ static void gdn_tree(ggml_backend_cuda_context & ctx, ggml_tensor * dst, const g
     }
 }
 
+// ggml_gated_delta_net_path: a thread takes V consecutive keys i of one value column j of one head (a block row of
+// the grid: (S_v*S_v / (V*256), H_v, n_s)) through the path's steps in order, with the tree kernel's roundings
+// (gdn_decay, gdn_update) and its decay expression, expf(g). V = 4 moves the state 16 bytes at a time.
+template <bool KDA, int V>
+__global__ void gdn_path_kernel(const float * __restrict__ state, const float * __restrict__ k,
+                                const float * __restrict__ g, const float * __restrict__ delta, float * __restrict__ dst,
+                                int S_v, int H, int H_k, int L, int rk3,
+                                int64_t sk1, int64_t sk2, int64_t sk3, int64_t sd1, int64_t sd2, int64_t sd3) {
+    const int h = blockIdx.y;
+    const int s = blockIdx.z;
+    const int e = V * (blockIdx.x * blockDim.x + threadIdx.x);   // within the head's S_v*S_v values
+    ggml_cuda_pdl_sync();
+    if (e >= S_v * S_v) {
+        return;
+    }
+    const int i = e % S_v;
+    const int j = e / S_v;
+    const int64_t head = ((int64_t) s * H + h) * S_v * S_v;
+    float x[V];
+    if constexpr (V == 4) {
+        const float4 f = *(const float4 *) (state + head + e);
+        x[0] = f.x; x[1] = f.y; x[2] = f.z; x[3] = f.w;
+    } else {
+        x[0] = state[head + e];
+    }
+    const float * kp = k + (s / rk3) * sk3 + (h % H_k) * sk1 + i;
+    const float * dp = delta + s * sd3 + h * sd1 + j;
+    const float * gp = g + ((int64_t) s * L * H + h) * (KDA ? S_v : 1) + (KDA ? i : 0);
+    for (int l = 0; l < L; ++l) {
+        const float d = dp[l * sd2];
+        const float * gl = gp + (int64_t) l * H * (KDA ? S_v : 1);
+        const float gs = KDA ? 0.0f : expf(gl[0]);
+#pragma unroll
+        for (int v = 0; v < V; ++v) {
+            x[v] = gdn_update(gdn_decay(x[v], KDA ? expf(gl[v]) : gs), kp[l * sk2 + v], d);
+        }
+    }
+    if constexpr (V == 4) {
+        *(float4 *) (dst + head + e) = make_float4(x[0], x[1], x[2], x[3]);
+    } else {
+        dst[head + e] = x[0];
+    }
+}
+
+template <bool KDA, int V>
+static void gdn_path_launch(ggml_backend_cuda_context & ctx, ggml_tensor * dst) {
+    const ggml_tensor * state = dst->src[0];
+    const ggml_tensor * k     = dst->src[1];
+    const ggml_tensor * g     = dst->src[2];
+    const ggml_tensor * delta = dst->src[3];
+    const int64_t S_v = state->ne[0], H = state->ne[2], n_s = state->ne[3], L = delta->ne[2];
+    const int block = 256;
+    const dim3 grid((unsigned) ((S_v * S_v / V + block - 1) / block), (unsigned) H, (unsigned) n_s);
+    const int64_t f = sizeof(float);
+    ggml_cuda_kernel_launch(gdn_path_kernel<KDA, V>, ggml_cuda_kernel_launch_params(grid, dim3(block), 0, ctx.stream()),
+                            (const float *) state->data, (const float *) k->data, (const float *) g->data,
+                            (const float *) delta->data, (float *) dst->data, (int) S_v, (int) H, (int) k->ne[1],
+                            (int) L, (int) (n_s / k->ne[3]), k->nb[1] / f, k->nb[2] / f, k->nb[3] / f,
+                            delta->nb[1] / f, delta->nb[2] / f, delta->nb[3] / f);
+}
+
 } // namespace
+
+void ggml_ext_cuda_gated_delta_net_path(ggml_backend_cuda_context & ctx, ggml_tensor * dst) {
+    const bool kda = dst->src[2]->ne[0] == dst->src[0]->ne[0];
+    const bool vec = dst->ne[0] % 4 == 0 && aligned16(dst->src[0]->data) && aligned16(dst->data);
+    if (vec) {
+        kda ? gdn_path_launch<true, 4>(ctx, dst) : gdn_path_launch<false, 4>(ctx, dst);
+    } else {
+        kda ? gdn_path_launch<true, 1>(ctx, dst) : gdn_path_launch<false, 1>(ctx, dst);
+    }
+}
 
 bool ggml_ext_cuda_gated_delta_net_tree_supported(const ggml_tensor * op) {
     const int64_t S_v = op->src[2]->ne[0];

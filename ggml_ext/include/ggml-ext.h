@@ -10,7 +10,7 @@ extern "C" {
 #endif
 
 // Bumped whenever an op's signature or semantics change; the Python bindings check it at load.
-#define GGML_EXT_ABI_VERSION 11
+#define GGML_EXT_ABI_VERSION 12
 
 // The number of ops in ggml-ext-ops.def.
 enum {
@@ -126,11 +126,11 @@ GGML_API size_t ggml_ext_quantize_tq3_0(const float * src, void * dst, int64_t n
 //   state  f32 [S_v, S_v, H_v, n_s]      the committed state, contiguous; element (i, j) is S[key i][value j]
 //   parent i32 [n_t, n_s]                parent[t] in {-1, 0..t-1}; -1: t follows the committed state
 // Node t starts from `state` when its parent is -1, else from the state after its parent, then applies one
-// step of the rule: S <- exp(g) S; S += k (beta (v - S^T k))^T; o = S^T q / sqrt(S_v).
-// Returns f32 [S_v*H_v, n_t*n_s*(1+S_v)]: o [S_v, H_v, n_t, n_s] followed by the state after every node,
-// laid out [S_v*S_v, H_v, n_t, n_s] (node t of sequence s is one contiguous [S_v, S_v, H_v] block, ready to
-// become the committed state). With parent[t] = t-1 the o part and node n_t-1's state equal
-// ggml_gated_delta_net(q, k, v, g, beta, state, 1).
+// step of the rule: S <- exp(g) S; delta = beta (v - S^T k); S += k delta^T; o = S^T q / sqrt(S_v).
+// Returns f32 [S_v*H_v, n_t*n_s*(2+S_v)]: o [S_v, H_v, n_t, n_s], then the state after every node, laid out
+// [S_v*S_v, H_v, n_t, n_s] (node t of sequence s is one contiguous [S_v, S_v, H_v] block, ready to become the
+// committed state), then every node's delta [S_v, H_v, n_t, n_s] (what ggml_gated_delta_net_path takes). With
+// parent[t] = t-1 the o part and node n_t-1's state equal ggml_gated_delta_net(q, k, v, g, beta, state, 1).
 GGML_API struct ggml_tensor * ggml_gated_delta_net_tree(
         struct ggml_context * ctx,
         struct ggml_tensor  * q,
@@ -144,8 +144,9 @@ GGML_API struct ggml_tensor * ggml_gated_delta_net_tree(
 // ggml_gated_delta_net_tree for a caller that reads only o: of the node states in the output's tail, only those
 // the walk itself reloads (nodes with a child that does not directly follow them) are sure to be written; the
 // others may be left as they were. On CUDA, where storing every node's state is most of the op's memory
-// traffic, that skips the stores of chain links and leaves (a speculative verify whose commit replays the
-// accepted path instead of copying a stored state). The o part is the same, bit for bit.
+// traffic, that skips the stores of chain links and leaves (a speculative verify whose commit rebuilds the
+// accepted node's state with ggml_gated_delta_net_path instead of copying a stored one). o and the deltas are
+// the same, bit for bit.
 GGML_API struct ggml_tensor * ggml_gated_delta_net_tree_o(
         struct ggml_context * ctx,
         struct ggml_tensor  * q,
@@ -175,6 +176,21 @@ GGML_API struct ggml_tensor * ggml_gated_delta_net_tree_persist(
         struct ggml_tensor  * state,
         struct ggml_tensor  * parent,
         struct ggml_tensor  * inter);
+
+// The state after a path of L nodes of ggml_gated_delta_net_tree from their decays and deltas alone (no dot
+// products left: each step is S <- exp(g) S; S += k delta^T, element by element):
+//   state  f32 [S_v, S_v, H_v, n_s]    the state before the path, contiguous
+//   k      f32 [S_v, H_k, L, n_s_k]    the path's keys (head h reads k head h % H_k), rows contiguous
+//   g      f32 [1 or S_v, H_v, L, n_s] the path's log-decays, contiguous
+//   delta  f32 [S_v, H_v, L, n_s]      the path's deltas (ggml_gated_delta_net_tree's last part), rows contiguous
+// Returns f32 [S_v, S_v, H_v, n_s]: the very bits of the tree op's stored state after the path's last node (the
+// same rounding per step on each backend). A step with g = 0 and delta = 0 leaves the state unchanged.
+GGML_API struct ggml_tensor * ggml_gated_delta_net_path(
+        struct ggml_context * ctx,
+        struct ggml_tensor  * state,
+        struct ggml_tensor  * k,
+        struct ggml_tensor  * g,
+        struct ggml_tensor  * delta);
 
 // W * X for a quantised weight matrix and a few activation columns (the target's decode and verify).
 //   w  Q4_K, Q5_K, Q6_K or Q8_0 [K, M], contiguous (a GGUF weight as stored)

@@ -144,8 +144,8 @@ struct ggml_tensor * ggml_gated_delta_net_tree(
     const int64_t n_t = v->ne[2];
     const int64_t n_s = v->ne[3];
 
-    // o [S_v*H, n_t*n_s] followed by the node states [S_v*S_v, H, n_t, n_s] = S_v*n_t*n_s rows of S_v*H
-    struct ggml_tensor * result = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, S_v * H, n_t * n_s * (1 + S_v));
+    // o [S_v*H, n_t*n_s], the node states [S_v*S_v, H, n_t, n_s] = S_v*n_t*n_s rows of S_v*H, the deltas as o
+    struct ggml_tensor * result = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, S_v * H, n_t * n_s * (2 + S_v));
     return ggml_ext_gdn_tree_op(result, GGML_OP_GATED_DELTA_NET_TREE, q, k, v, g, beta, state, parent);
 }
 
@@ -187,6 +187,36 @@ struct ggml_tensor * ggml_gated_delta_net_tree_persist(
     struct ggml_tensor * result = ggml_new_tensor_4d(ctx, GGML_TYPE_F32, S_v, H, n_t, n_s);
     ggml_ext_gdn_tree_op(result, GGML_OP_GATED_DELTA_NET_TREE_PERSIST, q, k, v, g, beta, state, parent);
     result->src[7] = inter;
+    return result;
+}
+
+struct ggml_tensor * ggml_gated_delta_net_path(
+        struct ggml_context * ctx,
+        struct ggml_tensor  * state,
+        struct ggml_tensor  * k,
+        struct ggml_tensor  * g,
+        struct ggml_tensor  * delta) {
+    GGML_ASSERT(state->type == GGML_TYPE_F32 && k->type == GGML_TYPE_F32);
+    GGML_ASSERT(g->type == GGML_TYPE_F32 && delta->type == GGML_TYPE_F32);
+    GGML_ASSERT(ggml_is_contiguous(state) && ggml_is_contiguous(g));
+    GGML_ASSERT(ggml_is_contiguous_rows(k) && ggml_is_contiguous_rows(delta));
+
+    const int64_t S_v = state->ne[0];
+    const int64_t H   = state->ne[2];
+    const int64_t n_s = state->ne[3];
+    const int64_t L   = delta->ne[2];
+
+    GGML_ASSERT(state->ne[1] == S_v);
+    GGML_ASSERT(delta->ne[0] == S_v && delta->ne[1] == H && delta->ne[3] == n_s);
+    GGML_ASSERT(k->ne[0] == S_v && H % k->ne[1] == 0 && k->ne[2] == L && n_s % k->ne[3] == 0);
+    GGML_ASSERT((g->ne[0] == 1 || g->ne[0] == S_v) && g->ne[1] == H && g->ne[2] == L && g->ne[3] == n_s);
+
+    struct ggml_tensor * result = ggml_new_tensor_4d(ctx, GGML_TYPE_F32, S_v, S_v, H, n_s);
+    result->op     = GGML_OP_GATED_DELTA_NET_PATH;
+    result->src[0] = state;
+    result->src[1] = k;
+    result->src[2] = g;
+    result->src[3] = delta;
     return result;
 }
 

@@ -145,13 +145,37 @@ def gated_delta_net_tree(ctx: Context, q: Tensor, k: Tensor, v: Tensor, g: Tenso
                          parent: Tensor, o_only: bool = False) -> Tensor:
     """The gated delta rule over a token tree. Shapes as `ctx.gated_delta_net` (q, k [S_v, H_k, n_t, n_s_qk],
     v [S_v, H_v, n_t, n_s], g [1 or S_v, H_v, n_t, n_s], beta [1, H_v, n_t, n_s], state [S_v, S_v, H_v, n_s])
-    plus parent i32 [n_t, n_s] (set it with `set_parents`). Returns f32 [S_v*H_v, n_t*n_s*(1+S_v)]: o
-    [S_v, H_v, n_t, n_s], then every node's state [S_v*S_v, H_v, n_t, n_s]. o_only: the caller reads only o,
-    so of the node states only those a later node reloads are sure to be written (the same o; on CUDA the
-    other stores are skipped)."""
+    plus parent i32 [n_t, n_s] (set it with `set_parents`). Returns f32 [S_v*H_v, n_t*n_s*(2+S_v)]: o
+    [S_v, H_v, n_t, n_s], then every node's state [S_v*S_v, H_v, n_t, n_s], then every node's delta
+    beta (v - S^T k) [S_v, H_v, n_t, n_s] (what `gated_delta_net_path` rebuilds a node's state from). o_only:
+    the caller reads only o and the deltas, so of the node states only those a later node reloads are sure to
+    be written (the same o and deltas; on CUDA the other stores are skipped)."""
     _check_gdn_tree(q, k, v, g, beta, state, parent)
     op = lib.ggml_gated_delta_net_tree_o if o_only else lib.ggml_gated_delta_net_tree
     return Tensor(op(ctx._ptr, q._ptr, k._ptr, v._ptr, g._ptr, beta._ptr, state._ptr, parent._ptr), ctx)
+
+
+def gated_delta_net_path(ctx: Context, state: Tensor, k: Tensor, g: Tensor, delta: Tensor) -> Tensor:
+    """The state after a path of L tree nodes, rebuilt from the state before it and the path's keys k [S_v, H_k, L,
+    n_s_k] (rows contiguous), log-decays g [1 or S_v, H_v, L, n_s] (contiguous) and deltas [S_v, H_v, L, n_s]
+    (rows contiguous; `gated_delta_net_tree`'s last part): f32 [S_v, S_v, H_v, n_s], the very bits of the tree
+    op's state after the last node (ggml-ext.h: ggml_gated_delta_net_path). A step with g = 0 and delta = 0 changes
+    nothing."""
+    S_v, _, H, n_s = state.ne
+    _expect(state, "path state", Type.F32, (S_v, S_v, H, n_s))
+    _expect_contiguous(state, "path state")
+    L = delta.ne[2]
+    _expect(delta, "path delta", Type.F32, (S_v, H, L, n_s))
+    _expect_rows(delta, "path delta")
+    if k.type != Type.F32 or k.ne[0] != S_v or k.ne[2] != L or H % k.ne[1] or n_s % k.ne[3]:
+        raise ValueError(f"path k must be F32 [S_v={S_v}, H_k, L={L}, n_s_k] with H_k dividing H_v={H} and n_s_k "
+                         f"dividing n_s={n_s}, got {k.type.name} ne {k.ne}")
+    _expect_rows(k, "path k")
+    if g.ne[0] not in (1, S_v):
+        raise ValueError(f"path g must be [1 or S_v={S_v}, H_v, L, n_s], got ne {g.ne}")
+    _expect(g, "path g", Type.F32, (g.ne[0], H, L, n_s))
+    _expect_contiguous(g, "path g")
+    return Tensor(lib.ggml_gated_delta_net_path(ctx._ptr, state._ptr, k._ptr, g._ptr, delta._ptr), ctx)
 
 
 def gated_delta_net_tree_persist(ctx: Context, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,

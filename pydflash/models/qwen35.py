@@ -260,12 +260,12 @@ class Qwen35Target(TargetRuntime):
             res = ggml.gated_delta_net_tree(ctx, q, k, v, gk, beta, state, parent, o_only=True)
             o = ctx.view_4d(res, d_v, h_v, n, 1, d_v * 4, d_v * h_v * 4, d_v * h_v * n * 4, 0)
             # Each source as a [width, n] matrix, the shape of its destination rows: CUDA copies those row by row.
-            # A [1, h_v, n] gate or beta would take ggml-cuda's transposed copy, which ignores the destination's
-            # row stride (ggml-org/ggml#1497) and packed every slot's gate and beta into slot 0's row.
+            # A [1, h_v, n] gate would take ggml-cuda's transposed copy, which ignores the destination's row
+            # stride (ggml-org/ggml#1497) and packed every slot's gate into slot 0's row.
             store = self.slot_states[il]
-            sources = (("k", ctx.view_2d(qk, hp.key_dim, n, qk.nb[2], hp.key_dim * 4)),
-                       ("v", ctx.view_2d(conv, hp.value_dim, n, conv.nb[1], 2 * hp.key_dim * 4)),
-                       ("g", ctx.reshape_2d(gk, h_v, n)), ("beta", ctx.reshape_2d(beta, h_v, n)))
+            deltas = ctx.view_2d(res, hp.value_dim, n, hp.value_dim * 4, hp.value_dim * n * (1 + d_v) * 4)
+            sources = (("k", ctx.view_2d(qk, hp.key_dim, n, qk.nb[2], hp.key_dim * 4)), ("delta", deltas),
+                       ("g", ctx.reshape_2d(gk, h_v, n)))
             offset = 0
             for name, t in sources:
                 dst = ctx.view_2d(store, t.ne[0], n, store.nb[1], offset)

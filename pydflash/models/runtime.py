@@ -239,6 +239,7 @@ class _CommitGraph:
         self.state_slot = None        # i32 [1]: the accepted node's slot in the verify's state store
         self.replay_slots = None      # i32 [steps]: state_type 'replay': the path's slots, then the zero column
         self.conv_cols = None         # i32 [d_conv-1]: columns of (conv state ‖ verify inputs) that become the state
+                                      # (of the verify inputs alone where the path is at least that long)
         self.kv_src = self.kv_dst = None   # i32 / i64 [n_slots]: KV cells to move, and where to
 
 
@@ -337,7 +338,8 @@ class TargetRuntime:
         self.tree_state_op = None         # the tree delta-rule op writing slot_states (None: chains only)
         self.replay = False               # state_type 'replay': slot_states hold each slot's delta-rule inputs
         self._trees = False               # verify accepts branching trees (else chains only)
-        self._commit_graphs: dict[tuple[bool, int | None], _CommitGraph] = {}   # (KV compacted, replay steps)
+        # (KV compacted, replay steps, conv window from the verify inputs alone) -> its commit graph
+        self._commit_graphs: dict[tuple[bool, int | None, bool], _CommitGraph] = {}
         self._commit_allocator = ggml.Allocator(self.backend)
         self._last: GraphInputs | None = None
         self.sampling_enabled = False     # graphs end in the on-device sampler (enable_sampling)
@@ -621,9 +623,10 @@ class TargetRuntime:
         tree=False allows chains only, through upstream gated_delta_net's state snapshots; tree=True needs the
         tree ops (`ggml.gated_delta_net_tree_persist`). state_type 'f16' halves the state store (tree ops only),
         at the price of rounding every node's state (docs/benchmarks.md measures it against f32). state_type
-        'replay' (tree ops only) stores no node state: per slot only its delta-rule inputs (k, v, gate, beta), and
-        `commit` runs the accepted path's steps again from the committed state with upstream gated_delta_net (the
-        op plain decoding uses), so the 27B's store shrinks from 3.3 GiB to ~80 MiB at 23 slots. A model without
+        'replay' (tree ops only) stores no node state: per slot only its key, decay and delta (what the tree op
+        adds to its parent's state), and `commit` rebuilds the accepted node's state from the committed one
+        (ggml.gated_delta_net_path: the verify's node state, bit for bit, with no dot products left to redo), so
+        the 27B's store shrinks from 3.3 GiB to ~80 MiB at 23 slots and the verify skips most state stores. A model without
         recurrent layers verifies trees either way."""
         hp = self.hp
         if not 1 <= n_slots <= self.n_ubatch:
@@ -660,7 +663,7 @@ class TargetRuntime:
         self.slot_states, self.slot_inputs = {}, {}
         for il in range(hp.n_layer):
             if hp.recurrent[il]:
-                if replay:   # one more column, kept zero: the commit's padding steps (gate 0, beta 0) change nothing
+                if replay:   # one more column, kept zero: the commit's padding steps (decay 1, delta 0) change nothing
                     shape, name = (replay_width(hp), n_slots + 1), f"verify.l{il}.steps"
                 else:
                     shape, name = (S * S, H, n_slots, 1), f"verify.l{il}.states"
@@ -721,20 +724,22 @@ class TargetRuntime:
             raise ValueError(f"path must start at the root slot 0 and hold at most {n} slots")
         compact = path != list(range(len(path)))          # a chain prefix is already in place
         steps = replay_steps(len(path), n) if self.replay else None
-        cg = self._commit_graphs.get((compact, steps))
+        d = self.hp.ssm_d_conv - 1 if self.slot_states else 0
+        inputs_only = len(path) >= d                       # the new conv window holds no column of the old one
+        key = (compact, steps, inputs_only)
+        cg = self._commit_graphs.get(key)
         if cg is None:
-            cg = self._commit_graphs[(compact, steps)] = self._build_commit(compact, steps)
+            cg = self._commit_graphs[key] = self._build_commit(compact, steps, inputs_only)
         if cg.graph is not None and self._commit_allocator.current is not cg.graph:
             self._commit_allocator.allocate(cg.graph)
         if cg.conv_cols is not None:
-            d = self.hp.ssm_d_conv - 1
             if cg.replay_slots is not None:
                 padded = path + [n] * (steps - len(path))          # n: the store's zero column
                 cg.replay_slots.set(np.array(padded, np.int32), self.backend)
             else:
                 column = path[-1] if self.tree_state_op is not None else n - 1 - path[-1]   # snapshots: newest first
                 cg.state_slot.set(np.array([column], np.int32), self.backend)
-            cols = (list(range(d)) + [d + s for s in path])[-d:]
+            cols = path[-d:] if inputs_only else (list(range(d)) + [d + s for s in path])[-d:]
             cg.conv_cols.set(np.array(cols, np.int32), self.backend)
         if cg.kv_src is not None:
             src = np.full(n, n_past + n - 1, np.int32)        # padding: the last verify cell onto itself
@@ -849,23 +854,24 @@ class TargetRuntime:
         return g
 
     def _replay_state(self, ctx, il: int, store, slots, n: int):
-        """The committed state of recurrent layer il after the accepted path: upstream gated_delta_net over the
-        path's stored (k, v, gate, beta), padded to n steps with the zero column, from the cache's state."""
+        """The committed state of recurrent layer il after the accepted path, rebuilt from the cache's state and the
+        path's stored (k, delta, gate), padded to n steps with the zero column (ggml.gated_delta_net_path: the
+        verify's own node state, bit for bit)."""
         hp = self.hp
         d_k, h_k, d_v, h_v = hp.ssm_d_k, hp.ssm_n_k_heads, hp.ssm_d_v, hp.ssm_n_v_heads
         steps = ctx.get_rows(store, slots)                                # f32 [replay_width, n]
         row = steps.nb[1]
         k = ctx.view_4d(steps, d_k, h_k, n, 1, d_k * 4, row, row * n, 0)
-        v = ctx.view_4d(steps, d_v, h_v, n, 1, d_v * 4, row, row * n, hp.key_dim * 4)
+        delta = ctx.view_4d(steps, d_v, h_v, n, 1, d_v * 4, row, row * n, hp.key_dim * 4)
         g = ctx.cont(ctx.view_4d(steps, 1, h_v, n, 1, 4, row, row * n, (hp.key_dim + hp.value_dim) * 4))
-        beta = ctx.cont(ctx.view_4d(steps, 1, h_v, n, 1, 4, row, row * n, (hp.key_dim + hp.value_dim + h_v) * 4))
         ssm = self.cache.ssm[il]
-        res = ctx.gated_delta_net(k, k, v, g, beta, ctx.reshape_4d(ssm, d_v, d_v, h_v, 1), 1)   # q unused: o is
-        state = ctx.view_1d(res, d_v * d_v * h_v, d_v * h_v * n * 4)                             # not read
+        state = ggml.gated_delta_net_path(ctx, ctx.reshape_4d(ssm, d_v, d_v, h_v, 1), k, g, delta)
         return ctx.cpy(state, ssm).named(f"l{il}.commit.state")
 
-    def _build_commit(self, compact_kv: bool, steps: int | None) -> _CommitGraph:
-        """steps: with state_type 'replay', the delta-rule steps the commit runs (replay_steps)."""
+    def _build_commit(self, compact_kv: bool, steps: int | None, inputs_only: bool) -> _CommitGraph:
+        """steps: with state_type 'replay', the delta-rule steps the commit runs (replay_steps). inputs_only: the
+        path is at least d_conv-1 slots long, so the conv window comes from the verify's inputs alone (no
+        transposed copy and concatenation of the old window: two kernels fewer per recurrent layer)."""
         hp, cache, n = self.hp, self.cache, self.n_slots
         cg = _CommitGraph(16 * hp.n_layer + 16)
         ctx, outs = cg.ctx, []
@@ -886,8 +892,11 @@ class TargetRuntime:
                 state = ctx.get_rows(states, cg.state_slot)               # f32 [S*S*H, 1]
                 outs.append(ctx.cpy(state, ctx.reshape_2d(cache.ssm[il], size, 1)).named(f"l{il}.commit.state"))
             # conv window: columns of (old state ‖ slot inputs), channel-major rows for get_rows
-            old = ctx.cont(ctx.transpose(ctx.reshape_2d(cache.conv[il], d, hp.conv_dim)))   # [conv_dim, d]
-            seq = ctx.concat(old, self.slot_inputs[il], 1)                # [conv_dim, d + n_slots]
+            if inputs_only:
+                seq = self.slot_inputs[il]                                # [conv_dim, n_slots]
+            else:
+                old = ctx.cont(ctx.transpose(ctx.reshape_2d(cache.conv[il], d, hp.conv_dim)))   # [conv_dim, d]
+                seq = ctx.concat(old, self.slot_inputs[il], 1)            # [conv_dim, d + n_slots]
             window = ctx.get_rows(seq, cg.conv_cols)                      # [conv_dim, d]
             outs.append(ctx.cpy(ctx.transpose(window), ctx.reshape_2d(cache.conv[il], d, hp.conv_dim))
                         .named(f"l{il}.commit.conv"))
@@ -908,9 +917,9 @@ _ROOT_PARENT = np.full((1, 1), -1, np.int32)   # a one-node tree: the node follo
 
 
 def replay_width(hp) -> int:
-    """Values per verify slot and recurrent layer that state_type 'replay' keeps: k (key_dim), v (value_dim),
-    gate and beta (one per value head)."""
-    return hp.key_dim + hp.value_dim + 2 * hp.ssm_n_v_heads
+    """Values per verify slot and recurrent layer that state_type 'replay' keeps: k (key_dim), the delta-rule
+    update's delta (value_dim) and the log-decay (one per value head)."""
+    return hp.key_dim + hp.value_dim + hp.ssm_n_v_heads
 
 
 def replay_steps(path_len: int, n_slots: int) -> int:
