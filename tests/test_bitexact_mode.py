@@ -104,12 +104,14 @@ def test_tree_verify_equals_path_decodes_bit_for_bit(model, bitexact, n_prompt):
 
 
 @pytest.mark.slow
-def test_ddtree_equals_ar_token_for_token(model, prompt, bitexact):
-    """No near-tie excuse: in bit-exact mode every verify logit is AR's, so every token is AR's."""
+@pytest.mark.parametrize("state_type", ["f32", "replay"])
+def test_ddtree_equals_ar_token_for_token(model, prompt, bitexact, state_type):
+    """No near-tie excuse: in bit-exact mode every verify logit is AR's, so every token is AR's (with every node's
+    state stored, or rebuilt at commit)."""
     target = Qwen35Target(model, "cpu", n_ctx=512, n_ubatch=64)
     ar, _ = Decoder(target, mode="ar").generate_ids(prompt, 100)
     draft = OracleDraft(prompt + ar, target.hp.n_vocab, block_size=16, error_positions=(27, 40, 41, 58, 80, 99))
-    out, stats = Decoder(target, draft, mode="ddtree", budget=22).generate_ids(prompt, 100)
+    out, stats = Decoder(target, draft, mode="ddtree", budget=22, state_type=state_type).generate_ids(prompt, 100)
     assert out == ar
     assert stats["acceptance_length"] > 4 and stats["off_chain_steps"] > 0
 
@@ -119,7 +121,7 @@ def test_refuses_what_it_cannot_make_exact(model, prompt, bitexact):
     with pytest.raises(ValueError, match="PYDFLASH_BITEXACT=1 needs an f16 KV cache.*q8_0"):
         quantised_kv.prefill(prompt)
     target = Qwen35Target(model, "cpu", n_ctx=512, n_ubatch=64)
-    with pytest.raises(ValueError, match="f32 state store, got state_type 'f16'"):
+    with pytest.raises(ValueError, match="f32 or replayed states, got state_type 'f16'"):
         target.enable_verify(8, state_type="f16")
     with pytest.raises(ValueError, match="verifies at most 48 slots, got 49"):
         target.enable_verify(49)

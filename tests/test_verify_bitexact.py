@@ -77,14 +77,16 @@ def test_cuda_tree_verify_equals_path_decodes_across_a_kv_bucket(q27, bitexact):
     assert not diffs.any(), f"tree verify and path decodes differ: max abs diff per slot {diffs.tolist()}"
 
 
-def test_cuda_greedy_ddtree_equals_ar_token_for_token(q27, bitexact):
-    """The 27B-shaped model with the oracle draft (wrong guesses planted at known positions), over a KV bucket."""
+@pytest.mark.parametrize("state_type", ["f32", "replay"])
+def test_cuda_greedy_ddtree_equals_ar_token_for_token(q27, bitexact, state_type):
+    """The 27B-shaped model with the oracle draft (wrong guesses planted at known positions), over a KV bucket,
+    with every node's state stored or rebuilt at commit."""
     target = Qwen35Target(str(q27), "cuda", n_ctx=512, n_ubatch=64)
     prompt = [int(t) for t in np.random.default_rng(17).integers(0, 5000, 200)]
     ar, _ = Decoder(target, mode="ar").generate_ids(prompt, 128)
     errors = tuple(len(prompt) + e for e in (3, 16, 17, 34, 56, 57, 75, 106))
     draft = OracleDraft(prompt + ar, target.hp.n_vocab, block_size=BLOCK, error_positions=errors)
-    out, stats = Decoder(target, draft, mode="ddtree", budget=22).generate_ids(prompt, 128)
+    out, stats = Decoder(target, draft, mode="ddtree", budget=22, state_type=state_type).generate_ids(prompt, 128)
     first = next((i for i, (a, b) in enumerate(zip(out, ar)) if a != b), None)
     assert out == ar, f"ddtree leaves AR at token {first}"
     assert stats["acceptance_length"] > 4 and stats["off_chain_steps"] > 0

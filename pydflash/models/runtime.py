@@ -646,9 +646,10 @@ class TargetRuntime:
         if layers.bitexact_enabled() and n_slots > ggml.QMATMUL_MAX_COLS:
             raise ValueError(f"PYDFLASH_BITEXACT=1 verifies at most {ggml.QMATMUL_MAX_COLS} slots, got {n_slots}")
         bitexact = layers.bitexact_enabled() and n_rec > 0
-        if bitexact and (persist is None or state_type != "f32"):
+        if bitexact and (persist is None or state_type not in ("f32", "replay")):
             # a decode keeps its state in f32 and runs the tree kernel: a verify must do the same, chains included
-            raise ValueError("PYDFLASH_BITEXACT=1 verifies through the tree ops with an f32 state store, got "
+            # (a replayed state is the tree kernel's f32 state, rebuilt bit for bit)
+            raise ValueError("PYDFLASH_BITEXACT=1 verifies through the tree ops with f32 or replayed states, got "
                              f"state_type {state_type!r}" + ("" if persist else " and a build without the tree ops"))
         S, H = (hp.ssm_d_v, hp.ssm_n_v_heads) if n_rec else (0, 0)   # attention-only models have no GDN layer
         if n_rec:
