@@ -26,6 +26,28 @@ size_t ggml_ext_cpu_gated_delta_net_tree_work_size(const struct ggml_tensor * no
     return (size_t) (gdn_tree_scratch_f32(node) * n_tasks + GGML_EXT_LINE_F32) * sizeof(float);
 }
 
+// One step's decay S <- exp(g) S (scalar g, or one per key with KDA; scratch: S_v floats) and rank-one update
+// S += k delta^T, on a state stored transposed (S[j*S_v + i] = S[key i][value j], row j contiguous). The tree op
+// and the path op share them, so that a rebuilt state is the walked one bit for bit.
+static void gdn_decay(float * S, int64_t S_v, const float * g_d, bool kda, float * scratch) {
+    if (kda) {
+        for (int64_t i = 0; i < S_v; ++i) {
+            scratch[i] = expf(g_d[i]);
+        }
+        for (int64_t j = 0; j < S_v; ++j) {
+            ggml_vec_mul_f32((int) S_v, &S[j * S_v], &S[j * S_v], scratch);
+        }
+    } else {
+        ggml_vec_scale_f32((int) (S_v * S_v), S, expf(g_d[0]));
+    }
+}
+
+static void gdn_update(float * S, int64_t S_v, const float * k_d, const float * delta) {
+    for (int64_t j = 0; j < S_v; ++j) {
+        ggml_vec_mad_f32((int) S_v, &S[j * S_v], k_d, delta[j]);
+    }
+}
+
 // inter: NULL for ggml_gated_delta_net_tree (node states go to dst after o), else the persistent tensor.
 static void gdn_tree(const struct ggml_compute_params * params, struct ggml_tensor * dst,
                      const struct ggml_tensor * inter) {
@@ -109,25 +131,13 @@ static void gdn_tree(const struct ggml_compute_params * params, struct ggml_tens
             const float * g_d = (const float *) ((const char *) g->data + s * g->nb[3] + t * g->nb[2] + h * g->nb[1]);
             const float beta_val = *(const float *) ((const char *) beta->data + s * beta->nb[3] + t * beta->nb[2] + h * beta->nb[1]);
 
-            // S is stored transposed: S[j*S_v + i] = S[key i][value j], row j contiguous.
-            if (kda) {
-                for (int64_t i = 0; i < S_v; ++i) {
-                    delta[i] = expf(g_d[i]);
-                }
-                for (int64_t j = 0; j < S_v; ++j) {
-                    ggml_vec_mul_f32((int) S_v, &S[j * S_v], &S[j * S_v], delta);
-                }
-            } else {
-                ggml_vec_scale_f32((int) D, S, expf(g_d[0]));
-            }
+            gdn_decay(S, S_v, g_d, kda, delta);   // (delta is scratch until it is computed below)
             for (int64_t j = 0; j < S_v; ++j) {
                 float sum = 0.0f;
                 ggml_vec_dot_f32((int) S_v, &sum, 0, &S[j * S_v], 0, k_d, 0, 1);
                 delta[j] = (v_d[j] - sum) * beta_val;
             }
-            for (int64_t j = 0; j < S_v; ++j) {
-                ggml_vec_mad_f32((int) S_v, &S[j * S_v], k_d, delta[j]);
-            }
+            gdn_update(S, S_v, k_d, delta);
             if (delta_base != NULL) {
                 memcpy(delta_base + ((s * n_t + t) * H + h) * S_v, delta, S_v * sizeof(float));
             }
@@ -190,20 +200,8 @@ void ggml_ext_cpu_gated_delta_net_path(const struct ggml_compute_params * params
             const float * k_d = (const float *) ((const char *) k->data + (s / rk3) * k->nb[3] + l * k->nb[2] + (h % k->ne[1]) * k->nb[1]);
             const float * g_d = (const float *) ((const char *) g->data + s * g->nb[3] + l * g->nb[2] + h * g->nb[1]);
             const float * d_d = (const float *) ((const char *) delta->data + s * delta->nb[3] + l * delta->nb[2] + h * delta->nb[1]);
-            // the tree kernel's decay and update, primitive for primitive
-            if (kda) {
-                for (int64_t i = 0; i < S_v; ++i) {
-                    decay[i] = expf(g_d[i]);
-                }
-                for (int64_t j = 0; j < S_v; ++j) {
-                    ggml_vec_mul_f32((int) S_v, &S[j * S_v], &S[j * S_v], decay);
-                }
-            } else {
-                ggml_vec_scale_f32((int) D, S, expf(g_d[0]));
-            }
-            for (int64_t j = 0; j < S_v; ++j) {
-                ggml_vec_mad_f32((int) S_v, &S[j * S_v], k_d, d_d[j]);
-            }
+            gdn_decay(S, S_v, g_d, kda, decay);
+            gdn_update(S, S_v, k_d, d_d);
         }
     }
 }
