@@ -11,10 +11,12 @@
 // column, from the committed state (parent -1) or from its parent's stored state, which the same lane wrote
 // earlier (so no synchronisation is needed). That reload is asked for while the node before it computes (a second
 // register copy of the column): waiting for it was most of this latency-bound kernel's stalls (H100 profile: 1.5
-// warps per scheduler, 82% of cycles with none eligible, half of the stalls on global loads). After each node the column is stored to the node states (the output tail, or
-// `inter` in f32 or f16, with 16-byte stores; with f16 the registers keep the rounded values, so children start
-// from what is stored, as on the CPU). The node-state stores dominate the memory traffic: 23 nodes of the 27B
-// layer are 72 MB in f32, 36 MB in f16; ggml_gated_delta_net_tree_o stores only the states a later node reloads.
+// warps per scheduler, 82% of cycles with none eligible, half of the stalls on global loads). After each node the
+// column is stored to the node states (the output tail, or `inter` in f32 or f16, with 16-byte stores; with f16
+// the registers keep the rounded values, so children start from what is stored, as on the CPU), and its delta to
+// the output's last part (not by the persist op). The node-state stores dominate the memory traffic: 23 nodes of
+// the 27B layer are 72 MB in f32, 36 MB in f16; ggml_gated_delta_net_tree_o stores only the states a later node
+// reloads.
 
 #include "ggml-ext-cuda.cuh"
 #include "../src/tree-walk.h"
@@ -422,7 +424,8 @@ static void gdn_tree(ggml_backend_cuda_context & ctx, ggml_tensor * dst, const g
 // (gdn_decay, gdn_update) and its decay expression, expf(g). V = 4 moves the state 16 bytes at a time.
 template <bool KDA, int V>
 __global__ void gdn_path_kernel(const float * __restrict__ state, const float * __restrict__ k,
-                                const float * __restrict__ g, const float * __restrict__ delta, float * __restrict__ dst,
+                                const float * __restrict__ g, const float * __restrict__ delta,
+                                float * __restrict__ dst,
                                 int S_v, int H, int H_k, int L, int rk3,
                                 int64_t sk1, int64_t sk2, int64_t sk3, int64_t sd1, int64_t sd2, int64_t sd3) {
     const int h = blockIdx.y;
