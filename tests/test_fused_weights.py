@@ -149,10 +149,11 @@ def test_one_token_gate_and_up_stay_one_product_where_qmatmul_takes_them(tmp_pat
 
 @pytest.mark.parametrize("case", ["llama-q8_0", "qwen35-q8_0"])
 def test_norms_computed_inside_qmatmul_give_the_same_logits(tmp_path, monkeypatch, case):
-    """With the norms inside the products (the default) a layer's input norms (layers.Normed) go into the products ggml_qmatmul
-    takes (ggml_qmatmul_rms_norm, here forced: PYDFLASH_QMATMUL=1 and the weights counted as a GPU's, its CPU
-    reference computing): no RMS_NORM node is left for them, and the logits are those of the graph with the norms
-    as their own ops (PYDFLASH_NORM_IN_QMATMUL=0), bit for bit (the CPU reference norms the columns as ggml's rms_norm and mul)."""
+    """With the norms inside the products (the default) a layer's input norms (layers.Normed) go into the products
+    ggml_qmatmul takes (ggml_qmatmul_rms_norm, here forced: PYDFLASH_QMATMUL=1 and the weights counted as a GPU's,
+    its CPU reference computing): no RMS_NORM node is left for them, and the logits are those of the graph with the
+    norms as their own ops (PYDFLASH_NORM_IN_QMATMUL=0), bit for bit (the CPU reference norms the columns as
+    ggml's rms_norm and mul)."""
     path = str(tmp_path / f"{case}.gguf")
     _write(path, case)
     monkeypatch.setenv("PYDFLASH_QMATMUL", "1")

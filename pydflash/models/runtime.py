@@ -336,7 +336,7 @@ class TargetRuntime:
         self.slot_states: dict[int, ggml.Tensor] = {}
         self.slot_inputs: dict[int, ggml.Tensor] = {}
         self.tree_state_op = None         # the tree delta-rule op writing slot_states (None: chains only)
-        self.replay = False               # state_type 'replay': slot_states hold each slot's delta-rule inputs
+        self.replay = False               # state_type 'replay': slot_states hold each slot's key, delta and decay
         self._trees = False               # verify accepts branching trees (else chains only)
         # (KV compacted, replay steps, conv window from the verify inputs alone) -> its commit graph
         self._commit_graphs: dict[tuple[bool, int | None, bool], _CommitGraph] = {}
@@ -626,8 +626,8 @@ class TargetRuntime:
         'replay' (tree ops only) stores no node state: per slot only its key, decay and delta (what the tree op
         adds to its parent's state), and `commit` rebuilds the accepted node's state from the committed one
         (ggml.gated_delta_net_path: the verify's node state, bit for bit, with no dot products left to redo), so
-        the 27B's store shrinks from 3.3 GiB to ~80 MiB at 23 slots and the verify skips most state stores. A model without
-        recurrent layers verifies trees either way."""
+        the 27B's store shrinks from 3.3 GiB to ~80 MiB at 23 slots and the verify skips most state stores. A
+        model without recurrent layers verifies trees either way."""
         hp = self.hp
         if not 1 <= n_slots <= self.n_ubatch:
             raise ValueError(f"n_slots must be 1..n_ubatch ({self.n_ubatch}), got {n_slots}")
