@@ -14,6 +14,7 @@ from test_engine import CUDA_SHAPE   # a qwen35 shape CUDA's tree ops take
 from test_qwen35 import CUDA_LOGIT_ATOL
 
 from pydflash import ggml
+from pydflash.ggml._ffi import ffi
 from pydflash.gguf_io import GGUFFile
 from pydflash.models import layers, load_target
 from pydflash.models.runtime import fusable_runs
@@ -193,7 +194,6 @@ def _fused_and_separate(tmp_path, monkeypatch, case, separate):
 
 def _count(target, op, src):
     """In the last graph (the 4-slot verify): QMATMUL nodes with src[src] set, and nodes of op."""
-    from pydflash.ggml._ffi import ffi
     nodes = target._last.graph.nodes()
     return (sum(n.op == ggml.Op.QMATMUL and n._ptr.src[src] != ffi.NULL for n in nodes),
             sum(n.op == op for n in nodes))
@@ -225,6 +225,27 @@ def test_swiglu_inside_qmatmul_gives_the_same_logits(tmp_path, monkeypatch, case
     fused, got, plain, ref = _fused_and_separate(tmp_path, monkeypatch, case, swiglu_first)
     gated = fused.hp.n_layer + sum(getattr(fused.hp, "recurrent", ()))
     assert _count(fused, ggml.Op.GLU, 4) == (gated, 0) and _count(plain, ggml.Op.GLU, 4) == (0, gated)
+    assert np.array_equal(got, ref)
+
+
+def test_head_norm_inside_qmatmul_gives_the_same_logits(tmp_path, monkeypatch):
+    """With PYDFLASH_HEAD_NORM_IN_QMATMUL=1 a qwen35 GDN layer's output projection also RMS-norms o per head as it
+    quantises its input (ggml_qmatmul_fused's up with a norm): one RMS_NORM node fewer per recurrent layer, and the
+    logits are those of ggml's rms_norm and mul before the same gated product, bit for bit (CPU)."""
+    monkeypatch.setenv("PYDFLASH_HEAD_NORM_IN_QMATMUL", "1")
+
+    def norm_first(product, ctx, w, x, row_tiles=0, up=None, norm=None, eps=0.0, **fusions):
+        if up is not None and norm is not None:   # the per-head norm as ggml's ops, the gating left inside
+            heads = ctx.reshape_3d(up, norm.ne[0], up.ne[0] // norm.ne[0], up.ne[1])
+            up, norm = ctx.reshape_2d(ctx.mul(ctx.rms_norm(heads, eps), norm), *up.ne[:2]), None
+        return product(ctx, w, x, row_tiles, up=up, norm=norm, eps=eps, **fusions)
+    fused, got, plain, ref = _fused_and_separate(tmp_path, monkeypatch, "qwen35-q8_0", norm_first)
+    n_rec = sum(fused.hp.recurrent)
+    (both, norms), (both_plain, norms_plain) = (
+        [sum(n.op == ggml.Op.QMATMUL and n._ptr.src[2] != ffi.NULL and n._ptr.src[4] != ffi.NULL
+             for n in t._last.graph.nodes()), sum(n.op == ggml.Op.RMS_NORM for n in t._last.graph.nodes())]
+        for t in (fused, plain))
+    assert both == n_rec > 0 and both_plain == 0 and norms_plain - norms == n_rec
     assert np.array_equal(got, ref)
 
 

@@ -90,24 +90,32 @@ class QMatmul:
         self.backend.compute(graph)
         return graph.outputs[0].numpy().reshape(n, self.M)
 
-    def run_gated(self, x: np.ndarray, u: np.ndarray, row_tiles: int = 0, separate: bool = False) -> np.ndarray:
+    def run_gated(self, x: np.ndarray, u: np.ndarray, row_tiles: int = 0, separate: bool = False,
+                  norm: np.ndarray | None = None) -> np.ndarray:
         """qmatmul(w, silu(x) * u) for x, u [N, K] (numpy order), both views of one [N, 2K] tensor as a fused
         gate/up product's halves: gated inside the product (ggml_qmatmul_fused's up), or by ggml's swiglu_split
-        before it (separate)."""
+        before it (separate). norm [G]: u RMS-normed in groups of G values first (inside the product, or by ggml's
+        rms_norm and mul)."""
         n = x.shape[0]
-        ctx = ggml.Context(n_tensors=8, graph_size=8)
+        ctx = ggml.Context(n_tensors=16, graph_size=16)
         w = ctx.new_tensor(self.wtype, (self.K, self.M), name="w").mark_input()
         gu = ctx.new_tensor(np.float32, (2 * self.K, n), name="gate_up").mark_input()
+        g = ctx.new_tensor(np.float32, (norm.size if norm is not None else 1,), name="norm").mark_input()
         gate = ctx.view_2d(gu, self.K, n, gu.nb[1], 0)
         up = ctx.view_2d(gu, self.K, n, gu.nb[1], self.K * 4)
         if separate:
+            if norm is not None:
+                heads = ctx.reshape_3d(ctx.cont(up), norm.size, self.K // norm.size, n)
+                up = ctx.reshape_2d(ctx.mul(ctx.rms_norm(heads, EPS), g), self.K, n)
             out = ggml.qmatmul(ctx, w, ctx.swiglu_split(gate, up), row_tiles)
         else:
-            out = ggml.qmatmul(ctx, w, gate, row_tiles, up=up)
+            out = ggml.qmatmul(ctx, w, gate, row_tiles, up=up, norm=g if norm is not None else None, eps=EPS)
         graph = ctx.graph(out)
         ggml.Allocator(self.backend).allocate(graph)
         w.set(self.w_data)
         gu.set(np.ascontiguousarray(np.concatenate([x, u], axis=1), dtype=np.float32))
+        if norm is not None:
+            g.set(norm)
         self.backend.compute(graph)
         return graph.outputs[0].numpy().reshape(n, self.M)
 
@@ -209,6 +217,34 @@ def test_qmatmul_gated_is_ggml_swiglu_then_the_product(backend, rng, wtype):
             assert np.array_equal(fused, separate), f"{wtype.name} N={n} row_tiles={rt}: not the bits of ggml's swiglu"
         xd = x.astype(np.float64)
         gated = xd / (1.0 + np.exp(-xd)) * u
+        err = rel_err(fused, (gated if backend.is_cpu else as_q8(gated.astype(np.float32))) @ w_ref.T)
+        assert err < (1e-5 if backend.is_cpu else 1e-3), f"{wtype.name} N={n}: relative error {err:.2e}"
+
+
+@pytest.mark.parametrize("wtype", TYPES, ids=[t.name for t in TYPES])
+def test_qmatmul_gated_with_a_group_norm(backend, rng, wtype):
+    """ggml_qmatmul_fused's up with a norm: up RMS-normed in groups of G values (a per-head norm), then gated. On the
+    CPU the bits of ggml's rms_norm and mul over [G, K/G, N], swiglu_split and the product; on CUDA (a warp's own
+    sum of the group's squares) column j is the same alone or among N at every row-tile count, and near float64."""
+    op, w_ref = make(backend, rng, wtype, SHAPES_TALL)
+    G = 128 if op.K % 128 == 0 else 32
+    norm = rng.uniform(0.5, 1.5, G).astype(np.float32)
+    tiles = [0] if backend.is_cpu else [0] + ROW_TILES
+    x = (rng.standard_normal((48, op.K)) * 3.0).astype(np.float32)
+    u = (rng.standard_normal((48, op.K)) * rng.uniform(0.1, 10.0, (48, op.K // G)).repeat(G, axis=1)).astype(np.float32)
+    alone = {rt: op.run_gated(x[:1], u[:1], row_tiles=rt, norm=norm) for rt in tiles}
+    for n in (1, 3, 16, 23, 48):
+        for rt in tiles:
+            fused = op.run_gated(x[:n], u[:n], row_tiles=rt, norm=norm)
+            if backend.is_cpu:
+                separate = op.run_gated(x[:n], u[:n], row_tiles=rt, separate=True, norm=norm)
+                assert np.array_equal(fused, separate), f"{wtype.name} N={n}: not the bits of ggml's norm and swiglu"
+            else:
+                assert np.array_equal(fused[:1], alone[rt]), f"{wtype.name} N={n} row_tiles={rt}: column 0 moved"
+        ud = u[:n].astype(np.float64).reshape(n, -1, G)
+        normed = (ud / np.sqrt((ud ** 2).mean(axis=2, keepdims=True) + EPS) * norm).reshape(n, op.K)
+        xd = x[:n].astype(np.float64)
+        gated = xd / (1.0 + np.exp(-xd)) * normed
         err = rel_err(fused, (gated if backend.is_cpu else as_q8(gated.astype(np.float32))) @ w_ref.T)
         assert err < (1e-5 if backend.is_cpu else 1e-3), f"{wtype.name} N={n}: relative error {err:.2e}"
 
@@ -320,6 +356,6 @@ def test_qmatmul_rejects_bad_input():
         ggml.qmatmul(ctx, w, ctx.new_tensor(np.float32, (256, 3)), add=ctx.new_tensor(np.float16, (4, 3)))
     with pytest.raises(ValueError, match=r"qmatmul up must have ne \(256, 3\)"):
         ggml.qmatmul(ctx, w, ctx.new_tensor(np.float32, (256, 3)), up=ctx.new_tensor(np.float32, (256, 2)))
-    with pytest.raises(ValueError, match="a norm or up, not both"):
+    with pytest.raises(ValueError, match="norm must be a contiguous f32 vector of a length dividing 256"):
         ggml.qmatmul(ctx, w, ctx.new_tensor(np.float32, (256, 3)), up=ctx.new_tensor(np.float32, (256, 3)),
-                     norm=ctx.new_tensor(np.float32, (256,)))
+                     norm=ctx.new_tensor(np.float32, (96,)))

@@ -2,8 +2,9 @@
 // (ggml's own to_float of its type) and dotted with every column of x in float, in index order. With a norm
 // (ggml_qmatmul_rms_norm) each column is first scaled as ggml's CPU rms_norm and mul would: squares summed in
 // double, scale = 1 / sqrtf(mean + eps), value = x * scale * norm. ggml_qmatmul_fused: with up, the columns are
-// ggml's CPU swiglu of x and up (its own vector function, computed once into the work buffer, a column per thread);
-// with an added tensor each output is sum + add, ggml's CPU add.
+// ggml's CPU swiglu of x and up (its own vector function, computed once into the work buffer, a column per thread),
+// with a norm of up's groups first (ggml's rms_norm and mul of each group, as above); with an added tensor each
+// output is sum + add, ggml's CPU add.
 
 #include "ggml-ext.h"
 #include "ggml-ext-cpu.h"
@@ -51,18 +52,30 @@ void ggml_ext_cpu_qmatmul(const struct ggml_compute_params * params, struct ggml
     const int64_t r0 = per_thread * params->ith;
     const int64_t r1 = MIN(r0 + per_thread, M);
 
+    float eps;
+    memcpy(&eps, &dst->op_params[1], sizeof(float));
     float * gated = up != NULL ? (float *) params->wdata + params->nth * (K + 16) : NULL;   // [N][K]
     if (up != NULL) {
         for (int64_t j = params->ith; j < N; j += params->nth) {
-            ggml_vec_swiglu_f32((int) K, gated + j * K, column(x, j), column(up, j));
+            const float * u = column(up, j);
+            if (norm != NULL) {   // up's groups normed first, into this thread's row buffer (free until below)
+                const int64_t G = ggml_nelements(norm);
+                const float * g = (const float *) norm->data;
+                for (int64_t k0 = 0; k0 < K; k0 += G) {
+                    const float s = rms_norm_scale(u + k0, G, eps);
+                    for (int64_t k = 0; k < G; ++k) {
+                        row[k0 + k] = u[k0 + k] * s * g[k];
+                    }
+                }
+                u = row;
+            }
+            ggml_vec_swiglu_f32((int) K, gated + j * K, column(x, j), u);
         }
         ggml_barrier(params->threadpool);
     }
-
-    float scale[GGML_EXT_QMATMUL_MAX_COLS];   // each column's rms_norm factor (with a norm)
-    if (norm != NULL) {
-        float eps;
-        memcpy(&eps, &dst->op_params[1], sizeof(float));
+    const struct ggml_tensor * col_norm = up == NULL ? norm : NULL;   // a norm of the columns (else of up's groups)
+    float scale[GGML_EXT_QMATMUL_MAX_COLS];   // each column's rms_norm factor
+    if (col_norm != NULL) {
         for (int64_t j = 0; j < N; ++j) {
             scale[j] = rms_norm_scale(column(x, j), K, eps);
         }
@@ -73,12 +86,12 @@ void ggml_ext_cpu_qmatmul(const struct ggml_compute_params * params, struct ggml
         for (int64_t j = 0; j < N; ++j) {
             const float * xj = up != NULL ? gated + j * K : column(x, j);
             float sum = 0.0f;
-            if (norm == NULL) {
+            if (col_norm == NULL) {
                 for (int64_t k = 0; k < K; ++k) {
                     sum += row[k] * xj[k];
                 }
             } else {
-                const float * g = (const float *) norm->data;
+                const float * g = (const float *) col_norm->data;
                 for (int64_t k = 0; k < K; ++k) {
                     const float xn = xj[k] * scale[j] * g[k];
                     sum += row[k] * xn;

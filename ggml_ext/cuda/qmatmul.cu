@@ -199,9 +199,29 @@ static __device__ __forceinline__ void qmm_quantize_block(float v, int lane, int
     }
 }
 
+// ggml_qmatmul_fused's up, RMS-normed in groups of G values (G a multiple of 32; norm: f32 [G]): a warp sums the
+// squares of its value's group itself, G/32 a lane in order, then a butterfly, so every warp of a group finds the
+// same factor whatever N is; value = (up * factor) * norm, ggml's rms_norm then mul.
+static __device__ __forceinline__ float qmm_group_normed(const float * __restrict__ upc, const float * __restrict__ norm,
+                                                         int G, float eps, int k, int lane) {
+    const int k0 = k - k % G;
+    float s = 0.0f;
+    for (int i = lane; i < G; i += WARP_SIZE) {
+        s += upc[k0 + i] * upc[k0 + i];
+    }
+#pragma unroll
+    for (int offset = WARP_SIZE / 2; offset > 0; offset >>= 1) {
+        s += __shfl_xor_sync(0xffffffff, s, offset, WARP_SIZE);
+    }
+    const float factor = rsqrtf(s / (float) G + eps);
+    return __fmul_rn(__fmul_rn(upc[k], factor), norm[k - k0]);
+}
+
 // The activations: one warp per column and 32 values. With up (ggml_qmatmul_fused) the gated values silu(x) * up,
-// by ggml-cuda's own swiglu expression (its silu times up, as its gated-op kernel: the same bits).
-static __global__ void qmm_quantize_x(const float * __restrict__ x, const float * __restrict__ up, int8_t * __restrict__ yq,
+// by ggml-cuda's own swiglu expression (its silu times up, as its gated-op kernel: the same bits); with a norm as
+// well, up's groups normed first (qmm_group_normed).
+static __global__ void qmm_quantize_x(const float * __restrict__ x, const float * __restrict__ up,
+                                      const float * __restrict__ norm, int G, float eps, int8_t * __restrict__ yq,
                                       float2 * __restrict__ yds, int K, int N, int npad, int64_t stride_col_x,
                                       int64_t stride_col_up, bool halves) {
     const int warp = blockIdx.x * (blockDim.x / WARP_SIZE) + threadIdx.x / WARP_SIZE;
@@ -216,8 +236,13 @@ static __global__ void qmm_quantize_x(const float * __restrict__ x, const float 
     float v = 0.0f;
     if (col < N) {
         const int k = kb * QK8_1 + lane;
-        v = up != nullptr ? ggml_cuda_op_silu_single(x[col * stride_col_x + k]) * up[col * stride_col_up + k]
-                          : x[col * stride_col_x + k];
+        if (up != nullptr) {
+            const float * upc = up + col * stride_col_up;
+            const float u = norm != nullptr ? qmm_group_normed(upc, norm, G, eps, k, lane) : upc[k];
+            v = ggml_cuda_op_silu_single(x[col * stride_col_x + k]) * u;
+        } else {
+            v = x[col * stride_col_x + k];
+        }
     }
     qmm_quantize_block(v, lane, col, kb, K, npad, halves, yq, yds);
 }
@@ -311,13 +336,18 @@ static __global__ void qmm_add_after(float * __restrict__ dst, const float * __r
     }
 }
 
-// The gated columns silu(x) * up as floats, [K, N] contiguous (grid: N columns), for the vector kernel of older GPUs.
-static __global__ void qmm_glu_x(const float * __restrict__ x, const float * __restrict__ up, float * __restrict__ out,
+// The gated columns silu(x) * up as floats, [K, N] contiguous (grid: N columns; a warp per 32 values), for the
+// vector kernel of older GPUs; with a norm, up's groups normed first as qmm_quantize_x does.
+static __global__ void qmm_glu_x(const float * __restrict__ x, const float * __restrict__ up,
+                                 const float * __restrict__ norm, int G, float eps, float * __restrict__ out,
                                  int K, int64_t stride_col_x, int64_t stride_col_up) {
-    const int col = blockIdx.x;
+    const int col  = blockIdx.x;
+    const int lane = threadIdx.x % WARP_SIZE;
+    const float * upc = up + col * stride_col_up;
     ggml_cuda_pdl_sync();
-    for (int k = threadIdx.x; k < K; k += blockDim.x) {
-        out[(int64_t) col * K + k] = ggml_cuda_op_silu_single(x[col * stride_col_x + k]) * up[col * stride_col_up + k];
+    for (int k = threadIdx.x; k < K; k += blockDim.x) {   // (K a multiple of 32: whole warps stay in the loop)
+        const float u = norm != nullptr ? qmm_group_normed(upc, norm, G, eps, k, lane) : upc[k];
+        out[(int64_t) col * K + k] = ggml_cuda_op_silu_single(x[col * stride_col_x + k]) * u;
     }
 }
 
@@ -379,17 +409,20 @@ static void qmatmul_mma(ggml_backend_cuda_context & ctx, const ggml_tensor * w, 
     int8_t * yq   = (int8_t *) buf.get();
     float2 * yds  = (float2 *) (buf.get() + (size_t) npad * K);   // npad*K is a multiple of 256: aligned
     const int64_t stride_col_x = x->nb[1] / sizeof(float);
-    if (const ggml_tensor * norm = dst->src[2]) {   // ggml_qmatmul_rms_norm
+    const ggml_tensor * up = dst->src[4];   // ggml_qmatmul_fused: the gated columns
+    if (const ggml_tensor * norm = dst->src[2]; norm != nullptr && up == nullptr) {   // ggml_qmatmul_rms_norm
         const dim3 grid((K / QK8_1 + QMM_RMS_QUANT_WARPS - 1) / QMM_RMS_QUANT_WARPS, npad);
         ggml_cuda_kernel_launch(qmm_quantize_x_rms, ggml_cuda_kernel_launch_params(grid, dim3(QMM_RMS_QUANT_WARPS * WARP_SIZE), 0, stream),
                                 (const float *) x->data, (const float *) norm->data, qmm_norm_eps(dst), yq, yds, K, N,
                                 npad, stride_col_x, staged_rt > 0);
     } else {
-        const ggml_tensor * up = dst->src[4];   // ggml_qmatmul_fused: the gated columns
+        const ggml_tensor * unorm = up != nullptr ? dst->src[2] : nullptr;   // up's per-group norm, or null
         const int n_warps = npad * (K / QK8_1);
         ggml_cuda_kernel_launch(qmm_quantize_x, ggml_cuda_kernel_launch_params(dim3((n_warps + 7) / 8), dim3(8 * WARP_SIZE), 0, stream),
-                                (const float *) x->data, up ? (const float *) up->data : nullptr, yq, yds, K, N, npad,
-                                stride_col_x, up ? (int64_t) (up->nb[1] / sizeof(float)) : 0, staged_rt > 0);
+                                (const float *) x->data, up ? (const float *) up->data : nullptr,
+                                unorm ? (const float *) unorm->data : nullptr, unorm ? (int) ggml_nelements(unorm) : 0,
+                                qmm_norm_eps(dst), yq, yds, K, N, npad, stride_col_x,
+                                up ? (int64_t) (up->nb[1] / sizeof(float)) : 0, staged_rt > 0);
     }
 
     qmm_args p = {(const char *) w->data, yq, yds, (float *) dst->data, (int) (K / ggml_blck_size(w->type)),
@@ -436,17 +469,19 @@ void ggml_ext_cuda_qmatmul(ggml_backend_cuda_context & ctx, ggml_tensor * dst) {
     const float * xf = (const float *) x->data;
     int64_t stride_col_x = x->nb[1] / sizeof(float);
     ggml_cuda_pool_alloc<float> normed(ctx.pool());
-    if (const ggml_tensor * norm = dst->src[2]) {   // ggml_qmatmul_rms_norm: the normed columns first
+    if (const ggml_tensor * norm = dst->src[2]; norm != nullptr && dst->src[4] == nullptr) {   // ggml_qmatmul_rms_norm
         normed.alloc(N * K);
         ggml_cuda_kernel_launch(qmm_rms_norm_x, ggml_cuda_kernel_launch_params(dim3(N), dim3(QMM_RMS_MAX_THREADS), 0, stream),
                                 xf, (const float *) norm->data, qmm_norm_eps(dst), normed.get(), (int) K, stride_col_x);
         xf = normed.get();
         stride_col_x = K;
     } else if (const ggml_tensor * up = dst->src[4]) {   // ggml_qmatmul_fused's gated columns first
+        const ggml_tensor * unorm = dst->src[2];           // up's per-group norm, or null
         normed.alloc(N * K);
         ggml_cuda_kernel_launch(qmm_glu_x, ggml_cuda_kernel_launch_params(dim3(N), dim3(256), 0, stream),
-                                xf, (const float *) up->data, normed.get(), (int) K, stride_col_x,
-                                (int64_t) (up->nb[1] / sizeof(float)));
+                                xf, (const float *) up->data, unorm ? (const float *) unorm->data : nullptr,
+                                unorm ? (int) ggml_nelements(unorm) : 0, qmm_norm_eps(dst), normed.get(), (int) K,
+                                stride_col_x, (int64_t) (up->nb[1] / sizeof(float)));
         xf = normed.get();
         stride_col_x = K;
     }
@@ -476,6 +511,7 @@ void ggml_ext_cuda_qmatmul(ggml_backend_cuda_context & ctx, ggml_tensor * dst) {
 
 bool ggml_ext_cuda_qmatmul_supported(const ggml_tensor * op) {
     const ggml_tensor * w = op->src[0];
-    // the launch indexes quant blocks with int
-    return ggml_qmatmul_supported(w->type) && w->ne[1] * (w->ne[0] / ggml_blck_size(w->type)) <= INT_MAX;
+    // the launch indexes quant blocks with int; a norm of up's groups takes whole warps per group
+    const bool groups_ok = op->src[4] == nullptr || op->src[2] == nullptr || ggml_nelements(op->src[2]) % WARP_SIZE == 0;
+    return ggml_qmatmul_supported(w->type) && w->ne[1] * (w->ne[0] / ggml_blck_size(w->type)) <= INT_MAX && groups_ok;
 }

@@ -10,7 +10,7 @@ extern "C" {
 #endif
 
 // Bumped whenever an op's signature or semantics change; the Python bindings check it at load.
-#define GGML_EXT_ABI_VERSION 12
+#define GGML_EXT_ABI_VERSION 13
 
 // The number of ops in ggml-ext-ops.def.
 enum {
@@ -229,7 +229,9 @@ GGML_API struct ggml_tensor * ggml_qmatmul_rms_norm(
 // same backend, with a kernel fewer:
 //   up    f32 [K, N], rows contiguous: multiply the gated columns silu(x) * up (ggml_swiglu_split(x, up); x and up
 //         are typically the two halves of a fused gate/up product), gated where the activations are quantised
-//   norm  with eps, as ggml_qmatmul_rms_norm's (not with up)
+//   norm  with eps: without up, as ggml_qmatmul_rms_norm's; with up, f32 [G] contiguous, G dividing K: up is
+//         RMS-normed in groups of G values first (a per-head norm), silu(x) * (rms_norm(up_group, eps) * norm)
+//         (on CUDA G a multiple of 32: a warp sums its group's squares itself, in an order of its own)
 //   add   f32 [M, N], rows contiguous (a residual): W * X + add, added to every output as it is stored
 GGML_API struct ggml_tensor * ggml_qmatmul_fused(
         struct ggml_context * ctx,

@@ -254,7 +254,8 @@ struct ggml_tensor * ggml_qmatmul_rms_norm(
     return ggml_qmatmul_fused(ctx, w, x, NULL, norm, eps, NULL, row_tiles);
 }
 
-// src[2]: the norm (op_params[1]: eps), src[3]: the added tensor, src[4]: up (the gated columns silu(x) * up)
+// src[2]: the norm (op_params[1]: eps; with up, of up's groups), src[3]: the added tensor, src[4]: up (the gated
+// columns silu(x) * up)
 struct ggml_tensor * ggml_qmatmul_fused(
         struct ggml_context * ctx,
         struct ggml_tensor  * w,
@@ -266,13 +267,14 @@ struct ggml_tensor * ggml_qmatmul_fused(
         int                   row_tiles) {
     struct ggml_tensor * result = ggml_qmatmul(ctx, w, x, row_tiles);
     if (up != NULL) {
-        GGML_ASSERT(norm == NULL);
         GGML_ASSERT(ggml_ext_is_f32_rows(up));
         GGML_ASSERT(up->ne[0] == x->ne[0] && up->ne[1] == x->ne[1]);
         result->src[4] = up;
     }
     if (norm != NULL) {
-        GGML_ASSERT(norm->type == GGML_TYPE_F32 && ggml_is_contiguous(norm) && ggml_nelements(norm) == x->ne[0]);
+        // without up the norm spans a column; with up, groups of up's values (its length divides K)
+        GGML_ASSERT(norm->type == GGML_TYPE_F32 && ggml_is_contiguous(norm));
+        GGML_ASSERT(up != NULL ? x->ne[0] % ggml_nelements(norm) == 0 : ggml_nelements(norm) == x->ne[0]);
         GGML_ASSERT(eps >= 0.0f);
         memcpy(&result->op_params[1], &eps, sizeof(float));
         result->src[2] = norm;

@@ -236,8 +236,10 @@ def qmatmul(ctx: Context, w: Tensor, x: Tensor, row_tiles: int = 0, norm: Tensor
     (ggml_qmatmul_rms_norm: on CUDA the norm is computed as the columns are quantised).
     add (f32 [M, N], rows contiguous; a residual): return W * X + add, added as each output is stored
     (ggml_qmatmul_fused: the bits of `ctx.add` after the product, one kernel fewer).
-    up (f32 [K, N], rows contiguous; not with norm): multiply the gated columns silu(x) * up instead, gated as they
-    are quantised (ggml_qmatmul_fused: the bits of `ctx.swiglu_split(x, up)` before the product)."""
+    up (f32 [K, N], rows contiguous): multiply the gated columns silu(x) * up instead, gated as they are quantised
+    (ggml_qmatmul_fused: the bits of `ctx.swiglu_split(x, up)` before the product). With up, norm (f32 [G], G
+    dividing K; on CUDA a multiple of 32) norms up in groups of G values first: silu(x) * (rms_norm(up group, eps)
+    * norm), a per-head norm (on the CPU the bits of ggml's rms_norm and mul on [G, K/G, N])."""
     if row_tiles not in QMATMUL_ROW_TILES:
         raise ValueError(f"qmatmul row_tiles must be one of {QMATMUL_ROW_TILES}, got {row_tiles}")
     if w.type not in QMATMUL_TYPES:
@@ -254,14 +256,13 @@ def qmatmul(ctx: Context, w: Tensor, x: Tensor, row_tiles: int = 0, norm: Tensor
     if norm is None and add is None and up is None:
         return Tensor(lib.ggml_qmatmul(ctx._ptr, w._ptr, x._ptr, row_tiles), ctx)
     if up is not None:
-        if norm is not None:
-            raise ValueError("qmatmul takes a norm or up, not both")
         _expect(up, "qmatmul up", Type.F32, (K, n))
         _expect_rows(up, "qmatmul up")
     if norm is not None:
-        if norm.type != Type.F32 or math.prod(norm.ne) != K or not norm.is_contiguous:
-            raise ValueError(f"qmatmul norm must be a contiguous f32 vector of {K} values, got {norm.type.name} "
-                             f"ne {norm.ne}")
+        size = math.prod(norm.ne)
+        if norm.type != Type.F32 or not norm.is_contiguous or (K % size if up is not None else size != K):
+            what = f"of a length dividing {K} (up's groups)" if up is not None else f"of {K} values"
+            raise ValueError(f"qmatmul norm must be a contiguous f32 vector {what}, got {norm.type.name} ne {norm.ne}")
         if not eps >= 0.0:
             raise ValueError(f"qmatmul eps must be >= 0, got {eps}")
     if add is not None:

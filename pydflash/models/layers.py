@@ -126,6 +126,13 @@ def norm_in_qmatmul_enabled() -> bool:
     return env_switch("PYDFLASH_NORM_IN_QMATMUL", default="1")
 
 
+def head_norm_in_qmatmul_enabled() -> bool:
+    """PYDFLASH_HEAD_NORM_IN_QMATMUL=1: a Gated input whose up is RMS-normed per head (qwen35's GDN output gate)
+    is normed where ggml_qmatmul quantises it too (ggml_qmatmul_fused's up with a norm). Off by default until
+    measured on a GPU (its CUDA kernel is compile-checked only; docs/benchmarks.md, fourteenth session)."""
+    return env_switch("PYDFLASH_HEAD_NORM_IN_QMATMUL", default="0")
+
+
 def conv_split_enabled() -> bool:
     """A tree verify's recurrent conv reads the conv state and the projection's rows where they are
     (ggml_ssm_conv_tree_split: the same bits without the concatenated copy; on the H100 the 27B shape's budget-22
@@ -183,14 +190,37 @@ class Normed(_Deferred):
 
 class Gated(_Deferred):
     """silu(gate) * up (ggml's swiglu_split) as the input of a projection (linear): a product that ggml_qmatmul
-    takes gates the columns where it quantises them (ggml_qmatmul_fused's up: the same bits, one kernel fewer)."""
+    takes gates the columns where it quantises them (ggml_qmatmul_fused's up: the same bits, one kernel fewer).
 
-    def __init__(self, ctx: ggml.Context, gate: ggml.Tensor, up: ggml.Tensor):
+    head_norm (weight, eps, name): up is first RMS-normed per head of len(weight) values and scaled by the weight
+    (rms_norm over [head, heads, n], named `name` where built): with PYDFLASH_HEAD_NORM_IN_QMATMUL=1 inside the
+    product as well (ggml_qmatmul_fused's up with a norm), else as ggml's ops before the gated product."""
+
+    def __init__(self, ctx: ggml.Context, gate: ggml.Tensor, up: ggml.Tensor,
+                 head_norm: tuple[ggml.Tensor, float, str] | None = None):
         super().__init__(ctx, gate)
-        self.gate, self.up = gate, up
+        self.gate, self.up, self.head_norm = gate, up, head_norm
+        self._normed_up = None
+
+    def _up(self) -> ggml.Tensor:
+        """up as the gate multiplies it: with head_norm, the normed heads (ggml's rms_norm and mul, built once)."""
+        if self.head_norm is None:
+            return self.up
+        if self._normed_up is None:
+            weight, eps, name = self.head_norm
+            heads = self.ctx.reshape_3d(self.up, weight.ne[0], self.up.ne[0] // weight.ne[0], self.up.ne[1])
+            self._normed_up = self.ctx.reshape_2d(rms_norm(self.ctx, heads, weight, eps, name), *self.up.ne[:2])
+        return self._normed_up
 
     def _build(self) -> ggml.Tensor:
-        return self.ctx.swiglu_split(self.gate, self.up)
+        return self.ctx.swiglu_split(self.gate, self._up())
+
+    def _norm_inside(self) -> bool:
+        if self.head_norm is None or not head_norm_in_qmatmul_enabled():
+            return False
+        weight = self.head_norm[0]
+        return (weight.type == ggml.Type.F32 and weight.is_contiguous and weight.ne[0] % 32 == 0
+                and self.up.ne[0] % weight.ne[0] == 0)
 
     def fuses_into(self, w: ggml.Tensor) -> bool:
         """Whether linear(ctx, w, self) gates inside ggml_qmatmul."""
@@ -198,7 +228,10 @@ class Gated(_Deferred):
             and uses_qmatmul(w, self)
 
     def qmatmul(self, ctx: ggml.Context, w: ggml.Tensor, add: ggml.Tensor | None) -> ggml.Tensor:
-        return ggml.qmatmul(ctx, w, self.gate, up=self.up, add=add)
+        if self._norm_inside():
+            weight, eps, _ = self.head_norm
+            return ggml.qmatmul(ctx, w, self.gate, up=self.up, norm=weight, eps=eps, add=add)
+        return ggml.qmatmul(ctx, w, self.gate, up=self._up(), add=add)
 
 
 def uses_qmatmul(w: ggml.Tensor, x: ggml.Tensor) -> bool:

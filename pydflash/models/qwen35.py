@@ -284,7 +284,9 @@ class Qwen35Target(TargetRuntime):
             side_effects.append(ctx.cpy(snaps, ctx.view_2d(store, size, n, size * 4, 0))
                                 .named(f"l{il}.gdn.slot_states"))
 
-        # the gated norm silu(z) * rms_norm(o): a SwiGLU of z's rows (read where they are) and the normed o, which
-        # ggml_qmatmul computes as it quantises the output projection's input (layers.Gated)
-        o = ctx.reshape_2d(rms_norm(ctx, o, w[p + "ssm_norm.weight"], hp.rms_eps, f"l{il}.gdn.norm"), hp.value_dim, n)
-        return linear(ctx, w[p + "ssm_out.weight"], layers.Gated(ctx, z, o), add=add, name=f"l{il}.gdn.out")
+        # the gated norm silu(z) * rms_norm(o): a SwiGLU of z's rows (read where they are) and o normed per head,
+        # which ggml_qmatmul computes as it quantises the output projection's input (layers.Gated; the per-head
+        # norm too with PYDFLASH_HEAD_NORM_IN_QMATMUL=1)
+        gated = layers.Gated(ctx, z, ctx.reshape_2d(o, hp.value_dim, n),
+                             head_norm=(w[p + "ssm_norm.weight"], hp.rms_eps, f"l{il}.gdn.norm"))
+        return linear(ctx, w[p + "ssm_out.weight"], gated, add=add, name=f"l{il}.gdn.out")
