@@ -5,6 +5,9 @@
 # same, still warm machine) goes on where the last call stopped; a phase that would not fit in the time left
 # waits for the next call (tools/gpu_phases.sh).
 #
+# (For a session's own measurements on one warm machine, tools/gpu_hold.sh runs the build and models of this script
+# in the background and a job of yours after them.)
+#
 # Usage: first, here, `python tools/prepare_gpu_carry.py` (makes .device/ and .whl/); then, in the repo root on
 # the GPU machine, with .device and .whl carried:
 #   tools/gpu_run.sh .whl .device/ggml-src .device/llama .device/pylibs [SECONDS]
