@@ -352,6 +352,15 @@ static __global__ void qmm_glu_x(const float * __restrict__ x, const float * __r
     }
 }
 
+// src[2], the norm: of the columns without up (ggml_qmatmul_rms_norm), of up's groups with it (ggml_qmatmul_fused)
+static const ggml_tensor * qmm_column_norm(const ggml_tensor * dst) {
+    return dst->src[4] == nullptr ? dst->src[2] : nullptr;
+}
+
+static const ggml_tensor * qmm_up_norm(const ggml_tensor * dst) {
+    return dst->src[4] != nullptr ? dst->src[2] : nullptr;
+}
+
 static float qmm_norm_eps(const ggml_tensor * dst) {
     float eps;
     memcpy(&eps, &dst->op_params[1], sizeof(float));
@@ -411,13 +420,13 @@ static void qmatmul_mma(ggml_backend_cuda_context & ctx, const ggml_tensor * w, 
     float2 * yds  = (float2 *) (buf.get() + (size_t) npad * K);   // npad*K is a multiple of 256: aligned
     const int64_t stride_col_x = x->nb[1] / sizeof(float);
     const ggml_tensor * up = dst->src[4];   // ggml_qmatmul_fused: the gated columns
-    if (const ggml_tensor * norm = dst->src[2]; norm != nullptr && up == nullptr) {   // ggml_qmatmul_rms_norm
+    if (const ggml_tensor * norm = qmm_column_norm(dst)) {   // ggml_qmatmul_rms_norm
         const dim3 grid((K / QK8_1 + QMM_RMS_QUANT_WARPS - 1) / QMM_RMS_QUANT_WARPS, npad);
         ggml_cuda_kernel_launch(qmm_quantize_x_rms, ggml_cuda_kernel_launch_params(grid, dim3(QMM_RMS_QUANT_WARPS * WARP_SIZE), 0, stream),
                                 (const float *) x->data, (const float *) norm->data, qmm_norm_eps(dst), yq, yds, K, N,
                                 npad, stride_col_x, staged_rt > 0);
     } else {
-        const ggml_tensor * unorm = up != nullptr ? dst->src[2] : nullptr;   // up's per-group norm, or null
+        const ggml_tensor * unorm = qmm_up_norm(dst);
         const int n_warps = npad * (K / QK8_1);
         ggml_cuda_kernel_launch(qmm_quantize_x, ggml_cuda_kernel_launch_params(dim3((n_warps + 7) / 8), dim3(8 * WARP_SIZE), 0, stream),
                                 (const float *) x->data, up ? (const float *) up->data : nullptr,
@@ -470,14 +479,14 @@ void ggml_ext_cuda_qmatmul(ggml_backend_cuda_context & ctx, ggml_tensor * dst) {
     const float * xf = (const float *) x->data;
     int64_t stride_col_x = x->nb[1] / sizeof(float);
     ggml_cuda_pool_alloc<float> normed(ctx.pool());
-    if (const ggml_tensor * norm = dst->src[2]; norm != nullptr && dst->src[4] == nullptr) {   // ggml_qmatmul_rms_norm
+    if (const ggml_tensor * norm = qmm_column_norm(dst)) {   // ggml_qmatmul_rms_norm
         normed.alloc(N * K);
         ggml_cuda_kernel_launch(qmm_rms_norm_x, ggml_cuda_kernel_launch_params(dim3(N), dim3(QMM_RMS_MAX_THREADS), 0, stream),
                                 xf, (const float *) norm->data, qmm_norm_eps(dst), normed.get(), (int) K, stride_col_x);
         xf = normed.get();
         stride_col_x = K;
     } else if (const ggml_tensor * up = dst->src[4]) {   // ggml_qmatmul_fused's gated columns first
-        const ggml_tensor * unorm = dst->src[2];           // up's per-group norm, or null
+        const ggml_tensor * unorm = qmm_up_norm(dst);
         normed.alloc(N * K);
         ggml_cuda_kernel_launch(qmm_glu_x, ggml_cuda_kernel_launch_params(dim3(N), dim3(256), 0, stream),
                                 xf, (const float *) up->data, unorm ? (const float *) unorm->data : nullptr,
@@ -513,6 +522,6 @@ void ggml_ext_cuda_qmatmul(ggml_backend_cuda_context & ctx, ggml_tensor * dst) {
 bool ggml_ext_cuda_qmatmul_supported(const ggml_tensor * op) {
     const ggml_tensor * w = op->src[0];
     // the launch indexes quant blocks with int; a norm of up's groups takes whole warps per group
-    const bool groups_ok = op->src[4] == nullptr || op->src[2] == nullptr || ggml_nelements(op->src[2]) % WARP_SIZE == 0;
+    const bool groups_ok = qmm_up_norm(op) == nullptr || ggml_nelements(qmm_up_norm(op)) % WARP_SIZE == 0;
     return ggml_qmatmul_supported(w->type) && w->ne[1] * (w->ne[0] / ggml_blck_size(w->type)) <= INT_MAX && groups_ok;
 }
