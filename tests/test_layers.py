@@ -118,6 +118,24 @@ def test_default_rule_for_device_weights(qmatmul_default, monkeypatch):
     assert layers.kernel_mode() == "ggml"
 
 
+def test_f16_kernel_takes_large_q4_k_matrices_up_to_48_columns(qmatmul_default, monkeypatch):
+    """auto on a GPU with the f16 kernel (layers._streams): Q4_K matrices of more than QMATMUL_F16_MIN_ROWS rows go
+    to ggml_qmatmul up to its 48-column limit (the f16 kernel from 9 columns), other types keep 4..24;
+    PYDFLASH_QMATMUL_F16=0 gives the int8 rule back."""
+    monkeypatch.setattr(layers, "_on_device", lambda w: True)
+    monkeypatch.setattr(layers, "_streams", lambda w: True)
+    monkeypatch.delenv("PYDFLASH_QMATMUL_F16", raising=False)
+    rows = layers.QMATMUL_F16_MIN_ROWS + 256
+    def taken(wtype):
+        return [n for n in range(1, 50) if _route(None, wtype, n, rows=rows) == ggml.Op.QMATMUL]
+    assert taken(ggml.Type.Q4_K) == [1] + list(range(4, 49))
+    assert taken(ggml.Type.Q6_K) == [1] + list(range(4, 25))
+    assert layers.kernel_mode() == "auto+f16"
+    monkeypatch.setenv("PYDFLASH_QMATMUL_F16", "0")
+    assert taken(ggml.Type.Q4_K) == [1] + list(range(4, 25))
+    assert layers.kernel_mode() == "auto"
+
+
 def test_bad_switch_value_is_named(monkeypatch):
     monkeypatch.setenv("PYDFLASH_QMATMUL", "yes")
     with pytest.raises(ValueError, match="PYDFLASH_QMATMUL must be 0, 1 or auto, got 'yes'"):

@@ -315,6 +315,92 @@ def test_one_column_streaming_kernel_gives_the_mma_bits(rng, wtype):
         assert err < 1e-3, f"{wtype.name} K={K} M={M}: relative error {err:.2e} against q8-rounded x"
 
 
+def q4_k_f16_parts(w_data: np.ndarray, K: int, M: int) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_K weights as the f16 kernel rounds them (qmatmul_half.cuh): w [M, K] = round_f16(round_f16(d * sc) * q)
+    and the minima dm [M, K / 32] = round_f16(dmin * m) (float64 arrays)."""
+    blocks = np.frombuffer(np.ascontiguousarray(w_data).tobytes(), dtype=np.uint8).reshape(M * K // 256, 144)
+    d = blocks[:, 0:2].copy().view(np.float16).astype(np.float32)
+    dmin = blocks[:, 2:4].copy().view(np.float16).astype(np.float32)
+    sc_bytes, qs = blocks[:, 4:16].astype(np.int32), blocks[:, 16:]
+    sc = np.empty((len(blocks), 8), np.int32)
+    mn = np.empty((len(blocks), 8), np.int32)
+    sc[:, :4], mn[:, :4] = sc_bytes[:, 0:4] & 63, sc_bytes[:, 4:8] & 63
+    sc[:, 4:] = (sc_bytes[:, 8:12] & 15) | ((sc_bytes[:, 0:4] >> 6) << 4)
+    mn[:, 4:] = (sc_bytes[:, 8:12] >> 4) | ((sc_bytes[:, 4:8] >> 6) << 4)
+    q = np.empty((len(blocks), 8, 32), np.int32)   # sub-block 2j: low nibbles of qs[32j:32j+32], 2j + 1: high
+    q[:, 0::2] = (qs.reshape(-1, 4, 32) & 15)
+    q[:, 1::2] = (qs.reshape(-1, 4, 32) >> 4)
+    dsc = (d * sc.astype(np.float32)).astype(np.float16)
+    dm = (dmin * mn.astype(np.float32)).astype(np.float16)
+    w = (dsc.astype(np.float32)[:, :, None] * q.astype(np.float32)).astype(np.float16)
+    return w.astype(np.float64).reshape(M, K), dm.astype(np.float64).reshape(M, K // 32)
+
+
+def f16_reference(x: np.ndarray, w16: np.ndarray, dm: np.ndarray) -> np.ndarray:
+    """What the f16 kernel computes in float64: x rounded to f16, each 32-value sub-block's sum of those rounded to
+    f16, sum(w x) - sum(dm * sums)."""
+    xh = x.astype(np.float16).astype(np.float64)
+    sums = xh.reshape(len(x), -1, 32).sum(axis=2).astype(np.float16).astype(np.float64)
+    return xh @ w16.T - sums @ dm.T
+
+
+def f16_kernel_or_skip(backend):
+    if not ggml.qmatmul_streams(backend._dev):
+        pytest.skip(f"{backend.name} has no f16 qmatmul kernel (Hopper and later)")
+
+
+# Shapes of the f16 kernel's cases: few row tiles of 256 rows, each cut over many CUDA blocks (every tile finished
+# from several blocks' partial sums); and more items than SMs (blocks running parts of two tiles), rows ending in
+# a partial tile.
+F16_SHAPES = ((2816, 301), (1280, 7001))
+
+
+@pytest.mark.cuda
+def test_qmatmul_f16_kernel_matches_its_rounding_and_keeps_columns_apart(rng):
+    """ggml.QMATMUL_F16 (Q4_K): within 2e-5 of float64 on its documented roundings (f16 weights and activations,
+    f16 sub-block sums), 5x further from the unrounded product (so a kernel that skipped a rounding could not pass);
+    column j bit-identical alone or among N; plain, RMS-normed and gated columns, and with a residual added."""
+    backend = ggml.Backend("cuda")
+    f16_kernel_or_skip(backend)
+    F16 = ggml.QMATMUL_F16
+    for K, M in F16_SHAPES:
+        op, w_ref = make(backend, rng, ggml.Type.Q4_K, {ggml.Type.Q4_K: (K, M)})
+        w16, dm = q4_k_f16_parts(op.w_data, K, M)
+        assert rel_err(w16 - np.repeat(dm, 32, axis=1), w_ref) < 1e-3   # the decoder reads the blocks right
+        x = rng.standard_normal((48, K)).astype(np.float32)
+        full = op.run(x, row_tiles=F16)
+        for n in COLS:
+            got = op.run(x[:n], row_tiles=F16)
+            assert np.array_equal(got, full[:n]), f"K={K} M={M}: the first {n} of 48 columns differ when N={n}"
+            err = rel_err(got, f16_reference(x[:n], w16, dm))
+            assert err < 2e-5, f"K={K} M={M} N={n}: relative error {err:.2e} against the f16-rounded product"
+            assert rel_err(got, x[:n].astype(np.float64) @ w_ref.T) > 5 * err, f"N={n}: x was not rounded to f16"
+        for j in (0, 22, 47):
+            assert np.array_equal(op.run(x[j:j + 1], row_tiles=F16)[0], full[j]), f"K={K} M={M}: column {j} alone"
+        norm = rng.uniform(0.5, 1.5, K).astype(np.float32)
+        normed = op.run(x, row_tiles=F16, norm=norm)
+        assert np.array_equal(op.run(x[:1], row_tiles=F16, norm=norm)[0], normed[0]), "normed column 0 alone"
+        xn = rms_normed(x, norm).astype(np.float32)
+        err = rel_err(normed, f16_reference(xn, w16, dm))
+        assert err < 1e-4, f"K={K} M={M}: normed, relative error {err:.2e}"   # (x * scale * norm in f32 first)
+        for n in (1, 23, 48):
+            r = (rng.standard_normal((n, M)) * 300.0).astype(np.float32)
+            assert np.array_equal(op.run_add(x[:n], r, row_tiles=F16, pad=5),
+                                  op.run_add(x[:n], r, row_tiles=F16, separate=True)), f"N={n}: not ggml's add"
+            u = rng.standard_normal((n, K)).astype(np.float32)
+            assert np.array_equal(op.run_gated(x[:n], u, row_tiles=F16),
+                                  op.run_gated(x[:n], u, row_tiles=F16, separate=True)), f"N={n}: not ggml's swiglu"
+
+
+@pytest.mark.cuda
+def test_qmatmul_f16_request_falls_back_where_there_is_none(rng):
+    """Q6_K has no f16 kernel: asked for it, ggml_qmatmul gives the int8 kernels' own choice, bit for bit."""
+    backend = ggml.Backend("cuda")
+    op, _ = make(backend, rng, ggml.Type.Q6_K, SHAPES_TALL)
+    x = rng.standard_normal((23, op.K)).astype(np.float32)
+    assert np.array_equal(op.run(x, row_tiles=ggml.QMATMUL_F16), op.run(x))
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("wtype", TYPES, ids=[t.name for t in TYPES])
 def test_qmatmul_error_no_larger_than_ggml_mul_mat(rng, wtype):
@@ -359,3 +445,28 @@ def test_qmatmul_rejects_bad_input():
     with pytest.raises(ValueError, match="norm must be a contiguous f32 vector of a length dividing 256"):
         ggml.qmatmul(ctx, w, ctx.new_tensor(np.float32, (256, 3)), up=ctx.new_tensor(np.float32, (256, 3)),
                      norm=ctx.new_tensor(np.float32, (96,)))
+
+
+def test_f16_kernel_taken_for_large_q4_k_matrices_from_9_columns_outside_bit_exact_mode(monkeypatch):
+    """layers.qmatmul_row_tiles: the f16 kernel for a Q4_K weight of more than QMATMUL_F16_MIN_ROWS rows from
+    QMATMUL_F16_MIN_COLS columns on a GPU that has it; not for Q6_K, short matrices, few columns, other GPUs, with
+    PYDFLASH_QMATMUL_F16=0 or in bit-exact mode (whose verify must give decode's bits)."""
+    from pydflash.models import layers
+    ctx = ggml.Context(n_tensors=8)
+    big = ctx.new_tensor(ggml.Type.Q4_K, (5120, 34816))
+    monkeypatch.delenv("PYDFLASH_QMATMUL_F16", raising=False)
+    monkeypatch.delenv("PYDFLASH_BITEXACT", raising=False)
+    monkeypatch.setattr(layers, "_streams", lambda w: True)
+    assert layers.qmatmul_row_tiles(big, 23) == ggml.QMATMUL_F16
+    assert layers.qmatmul_row_tiles(big, 9) == ggml.QMATMUL_F16
+    assert layers.qmatmul_row_tiles(big, 8) == 0
+    assert layers.qmatmul_row_tiles(ctx.new_tensor(ggml.Type.Q4_K, (6144, 5120)), 23) == 0
+    assert layers.qmatmul_row_tiles(ctx.new_tensor(ggml.Type.Q6_K, (5120, 34816)), 23) == 0
+    monkeypatch.setenv("PYDFLASH_QMATMUL_F16", "0")
+    assert layers.qmatmul_row_tiles(big, 23) == 0
+    monkeypatch.delenv("PYDFLASH_QMATMUL_F16")
+    monkeypatch.setenv("PYDFLASH_BITEXACT", "1")
+    assert layers.qmatmul_row_tiles(big, 23) == 0
+    monkeypatch.delenv("PYDFLASH_BITEXACT")
+    monkeypatch.setattr(layers, "_streams", lambda w: False)
+    assert layers.qmatmul_row_tiles(big, 23) == 0

@@ -8,6 +8,11 @@
 //        -Iggml_ext/include -Iggml_ext/cuda -I$GGML/include -I$GGML/src -I$GGML/src/ggml-cuda
 //   /tmp/qmm_lab [shape ...]        (shapes: the names in SHAPES below; default all)
 //
+// QMM_LAB_SHARED=1 with QMM_LAB_COLS: the f16 kernel of qmatmul_shared.cuh (Q4_K shapes) at each column count and
+// several (warps, stages, blocks per SM), beside the best of qmm_mma / its staged form (and the streaming kernel at
+// one column), on the same activation values rounded to f16; checking that its column 0 has the same bits at every
+// N and how far it is from qmm_mma's result (the f16 roundings of the weights and activations).
+//
 // QMM_LAB_COLS=1,8,23,48 times the tensor-core kernel instead, at those column counts and each row-tile count,
 // checking that a column's result does not depend on how many columns come with it (and from 9 columns, at 1 and 2
 // row tiles, the staged kernel of qmatmul_staged.cuh beside it, checked against its bits); built with
@@ -19,6 +24,7 @@
 // of one launch per copy; the time is the median over repetitions, per launch.
 
 #include "qmatmul_staged.cuh"
+#include "qmatmul_shared.cuh"
 #ifdef QMM_LAB_BASELINE
 #include QMM_LAB_BASELINE
 #endif
@@ -43,6 +49,22 @@ int ggml_cuda_get_device() {
     int d;
     CK(cudaGetDevice(&d));
     return d;
+}
+
+// ggml's, likewise, for the launchers that size themselves from the device (this machine's device 0 only)
+const ggml_cuda_device_info & ggml_cuda_info() {
+    static const ggml_cuda_device_info info = [] {
+        ggml_cuda_device_info i = {};
+        cudaDeviceProp p;
+        CK(cudaGetDeviceProperties(&p, 0));
+        i.device_count = 1;
+        i.devices[0].cc    = 100 * p.major + 10 * p.minor;
+        i.devices[0].nsm   = p.multiProcessorCount;
+        i.devices[0].smpb  = p.sharedMemPerBlock;
+        i.devices[0].smpbo = p.sharedMemPerBlockOptin;
+        return i;
+    }();
+    return info;
 }
 
 void ggml_abort(const char * file, int line, const char * fmt, ...) {
@@ -386,6 +408,148 @@ template <ggml_type type> static void run_cols(const shape & sh, const std::vect
     CK(cudaFree(dst));
 }
 
+// --- Several columns: the f16 kernel of qmatmul_shared.cuh against the best of the others -------------------
+
+template <int NT, int NW, int S, int MB> static void shared_launch(const qmh_args & a, int P, cudaStream_t st) {
+    constexpr size_t smem = qmh_smem_bytes<NT, NW, S>();
+    static bool set = false;
+    if (!set) {
+        CK(cudaFuncSetAttribute(qmm_half_shared<NT, NW, S, MB>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int) smem));
+        set = true;
+    }
+    qmm_half_shared<NT, NW, S, MB><<<P, dim3(WARP_SIZE, NW), smem, st>>>(a);
+}
+
+template <int NW, int S, int MB> static void shared_any(const qmh_args & a, int P, cudaStream_t st) {
+    switch (a.npad / 8) {
+        case 1: shared_launch<1, NW, S, MB>(a, P, st); break;
+        case 2: shared_launch<2, NW, S, MB>(a, P, st); break;
+        case 3: shared_launch<3, NW, S, MB>(a, P, st); break;
+        case 4: shared_launch<4, NW, S, MB>(a, P, st); break;
+        case 5: shared_launch<5, NW, S, MB>(a, P, st); break;
+        default: shared_launch<6, NW, S, MB>(a, P, st); break;
+    }
+}
+
+// the int8 activations (yq, yds as qmm_quantize_x lays them out) as the f16 ones of qmatmul_half.cuh: the same
+// values d * q, rounded to f16, and their sub-block sums, for the first 8 nt columns
+static half * half_layout(const int8_t * yq, const float2 * yds, int K, int npad, int nt) {
+    std::vector<int8_t> h((size_t) npad * K);
+    std::vector<float2> hd((size_t) K / QK8_1 * npad);
+    CK(cudaMemcpy(h.data(), yq, h.size(), cudaMemcpyDeviceToHost));
+    CK(cudaMemcpy(hd.data(), yds, hd.size() * sizeof(float2), cudaMemcpyDeviceToHost));
+    const int np = 8 * nt;
+    std::vector<half> o((size_t) K / QK_K * np * QMH_HALF_PITCH, __float2half(0.0f));
+    for (int u = 0; u < K / QK_K; ++u) {
+        for (int c = 0; c < np; ++c) {
+            half * col = &o[((size_t) u * np + c) * QMH_HALF_PITCH];
+            for (int s = 0; s < 8; ++s) {
+                const int kb = 8 * u + s;
+                float sum = 0.0f;
+                for (int i = 0; i < 32; ++i) {
+                    const half v = __float2half(hd[(size_t) kb * npad + c].x * h[(size_t) c * K + kb * 32 + i]);
+                    col[32 * s + i] = v;
+                    sum += __half2float(v);
+                }
+                col[QK_K + s] = __float2half(sum);
+            }
+        }
+    }
+    half * d;
+    CK(cudaMalloc(&d, o.size() * sizeof(half)));
+    CK(cudaMemcpy(d, o.data(), o.size() * sizeof(half), cudaMemcpyHostToDevice));
+    return d;
+}
+
+template <ggml_type type> static void run_shared(const shape & sh, const std::vector<int> & cols, int n_sm, cudaStream_t st) {
+    static_assert(type == GGML_TYPE_Q4_K, "the f16 kernel is Q4_K's");
+    const int nb = sh.K / QK_K;
+    size_t bytes;
+    const std::vector<const char *> Ws = weight_copies(sh, bytes);
+    const int copies = (int) Ws.size();
+    const int npad = 48;
+    int8_t * yq;
+    float2 * yds;
+    float * dst;
+    random_activations(sh.K, npad, npad, yq, yds);
+    CK(cudaMalloc(&dst, (size_t) sh.M * 4 * npad));
+    float * ws;
+    CK(cudaMalloc(&ws, (size_t) 2 * n_sm * 2 * 16 * 6 * 4 * WARP_SIZE * sizeof(float)));
+    auto output = [&](int N, auto launch) {
+        CK(cudaMemset(dst, 0xFF, (size_t) sh.M * 4 * npad));
+        launch();
+        CK(cudaStreamSynchronize(st));
+        CK(cudaGetLastError());
+        std::vector<float> out((size_t) sh.M * N);
+        CK(cudaMemcpy(out.data(), dst, out.size() * 4, cudaMemcpyDeviceToHost));
+        return out;
+    };
+    const double gb = bytes / 1e3;
+    printf("%s %dx%d %s, %.1f MB, %d copies (us per call, GB/s of weights)\n", sh.name, sh.M, sh.K,
+           type == GGML_TYPE_Q4_K ? "Q4_K" : type == GGML_TYPE_Q5_K ? "Q5_K" : "Q6_K", bytes / 1e6, copies);
+    std::vector<std::vector<float>> col0(16);   // the shared kernel's column 0 at N = 1, per variant
+    for (int N : cols) {
+        const int nt = (N + 7) / 8;
+        // the best of the others
+        double best = 1e30;
+        const char * best_name = "";
+        std::vector<float> ref;
+        for (int rt : {1, 2, 4}) {
+            const qmm_args q = {Ws[0], yq, yds, dst, nb, sh.K, sh.M, N, npad, sh.M};
+            if (ref.empty()) ref = output(N, [&] { mma_any<type>(q, rt, false, st); });
+            const double us = time_graph([&](int c) { qmm_args b = q; b.W = Ws[c]; mma_any<type>(b, rt, false, st); }, copies, st);
+            if (us < best) { best = us; best_name = rt == 1 ? "mma rt1" : rt == 2 ? "mma rt2" : "mma rt4"; }
+        }
+        staged_x sx = staged_layout(yq, yds, sh.K, npad, nt);
+        if (nt >= 2) {
+            for (int rt : {1, 2}) {
+                qmm_args sq = {Ws[0], sx.yqh, sx.yds, dst, nb, sh.K, sh.M, N, 8 * nt, sh.M};
+                const double us = time_graph([&](int c) { qmm_args b = sq; b.W = Ws[c]; staged_run<type>(b, rt, st); }, copies, st);
+                if (us < best) { best = us; best_name = rt == 1 ? "staged rt1" : "staged rt2"; }
+            }
+        } else {
+            qmm_args q = {Ws[0], yq, yds, dst, nb, sh.K, sh.M, 1, npad, sh.M};
+            const double us = time_graph([&](int c) { qmm_args b = q; b.W = Ws[c]; qms_run<type>(b, 0, st); }, copies, st);
+            if (us < best) { best = us; best_name = "stream"; }
+        }
+        printf("  N=%2d  best other %-10s %7.1f us %5.0f GB/s\n", N, best_name, best, gb / best);
+        int v = 0;
+        half * hx = half_layout(yq, yds, sh.K, npad, nt);
+        auto variant = [&](const char * name, int per_sm, auto launch) {
+            qmh_args a = {Ws[0], hx, dst, nb, sh.K, sh.M, N, 8 * nt, sh.M, nullptr, 0, ws};
+            const int P = (int) std::min<int64_t>((int64_t) n_sm * per_sm,
+                                                  (int64_t) (sh.M + 16 * (16 / per_sm) - 1) / (16 * (16 / per_sm)) * (sh.K / QK_K));
+            const std::vector<float> got = output(N, [&] { launch(a, P); });
+            if (N == cols[0]) col0[v] = std::vector<float>(got.begin(), got.begin() + sh.M);
+            const bool same = memcmp(got.data(), col0[v].data(), (size_t) sh.M * 4) == 0;
+            double maxdiff = 0.0, maxref = 0.0;
+            for (size_t i = 0; i < got.size(); ++i) {
+                const double d = fabs((double) got[i] - ref[i]);
+                if (!(d <= maxdiff)) maxdiff = d;   // (NaN counts)
+                maxref = std::max(maxref, fabs((double) ref[i]));
+            }
+            const double maxrel = maxdiff / maxref;
+            const double us = time_graph([&](int c) { qmh_args b = a; b.W = Ws[c]; launch(b, P); }, copies, st);
+            printf("        shared %-9s %7.1f us %5.0f GB/s  %.2fx best  col0 %s  max |diff| / max |mma| %.1e\n", name, us,
+                   gb / us, us / best, same ? "same bits" : "DIFFERS", maxrel);
+            ++v;
+        };
+        // (warps, stages, blocks per SM; 16 warps a block or 8 at two blocks per SM: 256 rows per SM)
+        variant("f16 w16 s2 x1", 1, [&](const qmh_args & a, int P) { shared_any<16, 2, 1>(a, P, st); });
+        variant("f16 w16 s3 x1", 1, [&](const qmh_args & a, int P) { shared_any<16, 3, 1>(a, P, st); });
+        variant("f16 w8 s2 x2", 2, [&](const qmh_args & a, int P) { shared_any<8, 2, 2>(a, P, st); });
+        fflush(stdout);
+        CK(cudaFree(hx));
+        CK(cudaFree(sx.yqh));
+        CK(cudaFree(sx.yds));
+    }
+    for (const char * w : Ws) CK(cudaFree((void *) w));
+    CK(cudaFree(yq));
+    CK(cudaFree(yds));
+    CK(cudaFree(dst));
+    CK(cudaFree(ws));
+}
+
 int main(int argc, char ** argv) {
     cudaDeviceProp prop;
     CK(cudaGetDeviceProperties(&prop, 0));
@@ -424,6 +588,13 @@ int main(int argc, char ** argv) {
         bool want = argc < 2;
         for (int i = 1; i < argc; ++i) want |= strcmp(argv[i], sh.name) == 0;
         if (!want) continue;
+        if (!cols.empty() && getenv("QMM_LAB_SHARED") != nullptr) {
+            switch (sh.type) {
+                case GGML_TYPE_Q4_K: run_shared<GGML_TYPE_Q4_K>(sh, cols, prop.multiProcessorCount, st); break;
+                default: break;
+            }
+            continue;
+        }
         if (!cols.empty()) {
             switch (sh.type) {
                 case GGML_TYPE_Q4_K: run_cols<GGML_TYPE_Q4_K>(sh, cols, st); break;

@@ -1,6 +1,7 @@
 // ggml_qmatmul on CUDA: W * X for a few columns, bit-identical per column whatever the number of columns.
 // On Ampere and later every type takes the tensor-core kernel further down (on Hopper one column of Q4_K/Q5_K/Q6_K
 // takes the streaming kernel of the same bits, qmatmul_stream.cuh); older GPUs the vector kernel described here.
+// Asked for (GGML_EXT_QMATMUL_F16), Q4_K on Hopper takes the f16 kernel of qmatmul_shared.cuh instead.
 //
 // The columns of x are quantised to q8_1 (ggml's quantize_row_q8_1_cuda: per column, per 32 values), then a
 // vector kernel in the manner of ggml's mul_mat_vec_q dots each weight row with them through ggml's own
@@ -21,6 +22,7 @@
 #include "unary.cuh"
 #include "vecdotq.cuh"
 #include "qmatmul_staged.cuh"
+#include "qmatmul_shared.cuh"
 
 #define QMM_WARPS     4
 #define QMM_THREADS   (QMM_WARPS * WARP_SIZE)
@@ -174,10 +176,33 @@ bool ggml_ext_cuda_qmatmul_streams(int device) {
     return GGML_CUDA_CC_IS_NVIDIA(cc) && ggml_cuda_highest_compiled_arch(cc) >= GGML_CUDA_CC_HOPPER;
 }
 
-// One 32-value block of a column quantised as the kernels read it (qmatmul_mma.cuh, "Activations"; halves: the
-// staged kernel's layout by half unit, qmatmul_staged.cuh): lane `lane` of a warp holds value v of block kb.
-static __device__ __forceinline__ void qmm_quantize_block(float v, int lane, int col, int kb, int K, int npad, bool halves,
-                                                          int8_t * __restrict__ yq, float2 * __restrict__ yds) {
+// How the activations are laid out for the kernel that reads them
+enum qmm_x_layout {
+    QMM_X_INT8,     // int8 [npad][K], scales [K / 32][npad] (qmatmul_mma.cuh, "Activations")
+    QMM_X_HALVES,   // int8 by half unit [K / 128][npad][128], blocks swizzled (qmatmul_staged.cuh); scales as above
+    QMM_X_F16,      // f16 by unit [K / 256][npad][QMH_HALF_PITCH]: values, then sub-block sums (qmatmul_half.cuh)
+};
+
+// One 32-value block of a column as the kernels read it: lane `lane` of a warp holds value v of block kb. Int8:
+// scale d = amax/127 rounded to f16 as q8_1 does, q = round(v/d), and (d, d * sum q); f16: round_f16(v), and the sum
+// of the rounded values in f32 (a butterfly: every lane the same bits) rounded to f16.
+static __device__ __forceinline__ void qmm_quantize_block(float v, int lane, int col, int kb, int K, int npad,
+                                                          qmm_x_layout layout, int8_t * __restrict__ yq,
+                                                          float2 * __restrict__ yds) {
+    if (layout == QMM_X_F16) {
+        const half h = __float2half_rn(v);
+        float sum = __half2float(h);
+#pragma unroll
+        for (int offset = WARP_SIZE / 2; offset > 0; offset >>= 1) {
+            sum += __shfl_xor_sync(0xffffffff, sum, offset, WARP_SIZE);
+        }
+        half * col_unit = (half *) yq + ((size_t) (kb / 8) * npad + col) * QMH_HALF_PITCH;
+        col_unit[QK8_1 * (kb % 8) + lane] = h;
+        if (lane == 0) {
+            col_unit[QMM_UNIT + kb % 8] = __float2half_rn(sum);
+        }
+        return;
+    }
     float amax = fabsf(v);
 #pragma unroll
     for (int offset = WARP_SIZE / 2; offset > 0; offset >>= 1) {
@@ -190,8 +215,9 @@ static __device__ __forceinline__ void qmm_quantize_block(float v, int lane, int
     for (int offset = WARP_SIZE / 2; offset > 0; offset >>= 1) {
         sum += __shfl_xor_sync(0xffffffff, sum, offset, WARP_SIZE);
     }
-    const size_t at = halves ? ((size_t) (kb / 4) * npad + col) * (QMM_UNIT / 2) + QK8_1 * ((kb % 4 + col) % 4) + lane
-                             : (size_t) col * K + kb * QK8_1 + lane;
+    const size_t at = layout == QMM_X_HALVES
+        ? ((size_t) (kb / 4) * npad + col) * (QMM_UNIT / 2) + QK8_1 * ((kb % 4 + col) % 4) + lane
+        : (size_t) col * K + kb * QK8_1 + lane;
     yq[at] = (int8_t) q;
     if (lane == 0) {
         const float dh = __half2float(__float2half_rn(d));
@@ -224,7 +250,7 @@ static __device__ __forceinline__ float qmm_group_normed(const float * __restric
 static __global__ void qmm_quantize_x(const float * __restrict__ x, const float * __restrict__ up,
                                       const float * __restrict__ norm, int G, float eps, int8_t * __restrict__ yq,
                                       float2 * __restrict__ yds, int K, int N, int npad, int64_t stride_col_x,
-                                      int64_t stride_col_up, bool halves) {
+                                      int64_t stride_col_up, qmm_x_layout layout) {
     const int warp = blockIdx.x * (blockDim.x / WARP_SIZE) + threadIdx.x / WARP_SIZE;
     const int lane = threadIdx.x % WARP_SIZE;
     const int blocks_per_col = K / QK8_1;
@@ -245,7 +271,7 @@ static __global__ void qmm_quantize_x(const float * __restrict__ x, const float 
             v = x[col * stride_col_x + k];
         }
     }
-    qmm_quantize_block(v, lane, col, kb, K, npad, halves, yq, yds);
+    qmm_quantize_block(v, lane, col, kb, K, npad, layout, yq, yds);
 }
 
 // ggml_qmatmul_rms_norm: a column's factor 1 / sqrt(mean(x^2) + eps), computed by a whole CUDA block of
@@ -296,7 +322,7 @@ static __device__ __forceinline__ float qmm_rms_scale(const float * __restrict__
 
 static __global__ void qmm_quantize_x_rms(const float * __restrict__ x, const float * __restrict__ norm, float eps,
                                           int8_t * __restrict__ yq, float2 * __restrict__ yds,
-                                          int K, int N, int npad, int64_t stride_col_x, bool halves) {
+                                          int K, int N, int npad, int64_t stride_col_x, qmm_x_layout layout) {
     const int col  = blockIdx.y;
     const int lane = threadIdx.x % WARP_SIZE;
     const int kb   = blockIdx.x * QMM_RMS_QUANT_WARPS + threadIdx.x / WARP_SIZE;
@@ -311,7 +337,7 @@ static __global__ void qmm_quantize_x_rms(const float * __restrict__ x, const fl
         return;
     }
     const float v = live ? __fmul_rn(__fmul_rn(xk, scale), w) : 0.0f;
-    qmm_quantize_block(v, lane, col, kb, K, npad, halves, yq, yds);
+    qmm_quantize_block(v, lane, col, kb, K, npad, layout, yq, yds);
 }
 
 // The normed activations as floats, [K, N] contiguous (grid: N columns), for the vector kernel of older GPUs.
@@ -399,6 +425,45 @@ static int qmm_auto_staged(ggml_type type, int nt, int M) {
     }
 }
 
+// The activations quantised (or rounded to f16) into yq/yds in `layout`: gated with up, normed with norm, as
+// ggml_qmatmul_fused asks (qmm_quantize_x, qmm_quantize_x_rms)
+static void qmm_prepare_x(ggml_backend_cuda_context & ctx, const ggml_tensor * x, const ggml_tensor * dst, int K, int N,
+                          int npad, qmm_x_layout layout, int8_t * yq, float2 * yds) {
+    cudaStream_t stream = ctx.stream();
+    const int64_t stride_col_x = x->nb[1] / sizeof(float);
+    const ggml_tensor * up = dst->src[4];   // ggml_qmatmul_fused: the gated columns
+    if (const ggml_tensor * norm = qmm_column_norm(dst)) {   // ggml_qmatmul_rms_norm
+        const dim3 grid((K / QK8_1 + QMM_RMS_QUANT_WARPS - 1) / QMM_RMS_QUANT_WARPS, npad);
+        ggml_cuda_kernel_launch(qmm_quantize_x_rms, ggml_cuda_kernel_launch_params(grid, dim3(QMM_RMS_QUANT_WARPS * WARP_SIZE), 0, stream),
+                                (const float *) x->data, (const float *) norm->data, qmm_norm_eps(dst), yq, yds, K, N,
+                                npad, stride_col_x, layout);
+        return;
+    }
+    const ggml_tensor * unorm = qmm_up_norm(dst);
+    const int n_warps = npad * (K / QK8_1);
+    ggml_cuda_kernel_launch(qmm_quantize_x, ggml_cuda_kernel_launch_params(dim3((n_warps + 7) / 8), dim3(8 * WARP_SIZE), 0, stream),
+                            (const float *) x->data, up ? (const float *) up->data : nullptr,
+                            unorm ? (const float *) unorm->data : nullptr, unorm ? (int) ggml_nelements(unorm) : 0,
+                            qmm_norm_eps(dst), yq, yds, K, N, npad, stride_col_x,
+                            up ? (int64_t) (up->nb[1] / sizeof(float)) : 0, layout);
+}
+
+// Q4_K through the f16 kernel (qmatmul_shared.cuh): K a multiple of 256, Hopper
+static void qmatmul_half(ggml_backend_cuda_context & ctx, const ggml_tensor * w, const ggml_tensor * x, ggml_tensor * dst) {
+    const int K = (int) w->ne[0], M = (int) w->ne[1], N = (int) x->ne[1];
+    const int nt = (N + 7) / 8, npad = 8 * nt;
+    GGML_ASSERT(qmh_tiles(M) <= QMH_MAX_TILES);
+    const int P = qmh_grid(M, K, ggml_cuda_info().devices[ctx.device].nsm);
+    ggml_cuda_pool_alloc<char> xh(ctx.pool(), (size_t) (K / QMM_UNIT) * qmh_act_bytes(npad));
+    ggml_cuda_pool_alloc<float> ws(ctx.pool(), qmh_ws_floats(nt, P));
+    qmm_prepare_x(ctx, x, dst, K, N, npad, QMM_X_F16, (int8_t *) xh.get(), nullptr);
+    const ggml_tensor * add = dst->src[3];   // ggml_qmatmul_fused: added as the outputs are stored
+    const qmh_args p = {(const char *) w->data, (const half *) xh.get(), (float *) dst->data, (int) (K / QK_K), K, M,
+                        N, npad, (int) (dst->nb[1] / sizeof(float)), add ? (const float *) add->data : nullptr,
+                        add ? (int) (add->nb[1] / sizeof(float)) : 0, ws.get()};
+    qmh_run(p, ctx.device, P, ctx.stream());
+}
+
 template <ggml_type type>
 static void qmatmul_mma(ggml_backend_cuda_context & ctx, const ggml_tensor * w, const ggml_tensor * x, ggml_tensor * dst) {
     cudaStream_t stream = ctx.stream();
@@ -407,8 +472,15 @@ static void qmatmul_mma(ggml_backend_cuda_context & ctx, const ggml_tensor * w, 
     const int N    = (int) x->ne[1];
     const int nt   = (N + 7) / 8;
     const int npad = 8 * nt;
-    const int forced = dst->op_params[0];   // row_tiles (ggml_qmatmul): 0 = choose here, < 0 the staged kernel
+    int forced = dst->op_params[0];   // row_tiles (ggml_qmatmul): 0 = choose here, < 0 the staged kernel
     const bool hopper = ggml_ext_cuda_qmatmul_streams(ctx.device);
+    if (forced == GGML_EXT_QMATMUL_F16) {
+        if (type == GGML_TYPE_Q4_K && hopper && K % QMM_UNIT == 0) {
+            qmatmul_half(ctx, w, x, dst);
+            return;
+        }
+        forced = 0;   // no f16 kernel here: the kernel's own choice
+    }
     int staged_rt = 0;   // > 0: the staged kernel with these row tiles
     if constexpr (type != GGML_TYPE_Q8_0) {
         if (hopper && nt >= 2) {
@@ -418,22 +490,7 @@ static void qmatmul_mma(ggml_backend_cuda_context & ctx, const ggml_tensor * w, 
     ggml_cuda_pool_alloc<char> buf(ctx.pool(), (size_t) npad * K + (size_t) npad * (K / QK8_1) * sizeof(float2));
     int8_t * yq   = (int8_t *) buf.get();
     float2 * yds  = (float2 *) (buf.get() + (size_t) npad * K);   // npad*K is a multiple of 256: aligned
-    const int64_t stride_col_x = x->nb[1] / sizeof(float);
-    const ggml_tensor * up = dst->src[4];   // ggml_qmatmul_fused: the gated columns
-    if (const ggml_tensor * norm = qmm_column_norm(dst)) {   // ggml_qmatmul_rms_norm
-        const dim3 grid((K / QK8_1 + QMM_RMS_QUANT_WARPS - 1) / QMM_RMS_QUANT_WARPS, npad);
-        ggml_cuda_kernel_launch(qmm_quantize_x_rms, ggml_cuda_kernel_launch_params(grid, dim3(QMM_RMS_QUANT_WARPS * WARP_SIZE), 0, stream),
-                                (const float *) x->data, (const float *) norm->data, qmm_norm_eps(dst), yq, yds, K, N,
-                                npad, stride_col_x, staged_rt > 0);
-    } else {
-        const ggml_tensor * unorm = qmm_up_norm(dst);
-        const int n_warps = npad * (K / QK8_1);
-        ggml_cuda_kernel_launch(qmm_quantize_x, ggml_cuda_kernel_launch_params(dim3((n_warps + 7) / 8), dim3(8 * WARP_SIZE), 0, stream),
-                                (const float *) x->data, up ? (const float *) up->data : nullptr,
-                                unorm ? (const float *) unorm->data : nullptr, unorm ? (int) ggml_nelements(unorm) : 0,
-                                qmm_norm_eps(dst), yq, yds, K, N, npad, stride_col_x,
-                                up ? (int64_t) (up->nb[1] / sizeof(float)) : 0, staged_rt > 0);
-    }
+    qmm_prepare_x(ctx, x, dst, K, N, npad, staged_rt > 0 ? QMM_X_HALVES : QMM_X_INT8, yq, yds);
 
     qmm_args p = {(const char *) w->data, yq, yds, (float *) dst->data, (int) (K / ggml_blck_size(w->type)),
                   K, M, N, npad, (int) (dst->nb[1] / sizeof(float))};

@@ -233,7 +233,8 @@ struct ggml_tensor * ggml_qmatmul(
     GGML_ASSERT(ggml_ext_is_f32_rows(x));
     GGML_ASSERT(x->ne[0] == w->ne[0]);
     GGML_ASSERT(x->ne[1] >= 1 && x->ne[1] <= GGML_EXT_QMATMUL_MAX_COLS);
-    GGML_ASSERT(row_tiles == 0 || row_tiles == 1 || row_tiles == 2 || row_tiles == 4 || row_tiles == -1 || row_tiles == -2);
+    GGML_ASSERT(row_tiles == 0 || row_tiles == 1 || row_tiles == 2 || row_tiles == 4 || row_tiles == -1 || row_tiles == -2 ||
+                row_tiles == GGML_EXT_QMATMUL_F16);
 
     struct ggml_tensor * result = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, w->ne[1], x->ne[1]);
     result->op     = GGML_OP_QMATMUL;

@@ -203,8 +203,10 @@ def gated_delta_net_tree_persist(ctx: Context, q: Tensor, k: Tensor, v: Tensor, 
 # Weight types ggml_qmatmul takes, and its column limit (ggml-ext.h: GGML_EXT_QMATMUL_MAX_COLS).
 QMATMUL_TYPES = (Type.Q4_K, Type.Q5_K, Type.Q6_K, Type.Q8_0)
 QMATMUL_MAX_COLS = 48
-# Values of qmatmul's row_tiles (ggml-ext.h): 0 = the kernel chooses; negative: activations staged in shared memory.
-QMATMUL_ROW_TILES = (0, 1, 2, 4, -1, -2)
+# Values of qmatmul's row_tiles (ggml-ext.h): 0 = the kernel chooses; negative: activations staged in shared memory;
+# QMATMUL_F16: the f16 kernel (GGML_EXT_QMATMUL_F16).
+QMATMUL_F16 = 16
+QMATMUL_ROW_TILES = (0, 1, 2, 4, -1, -2, QMATMUL_F16)
 # Weight types of qmatmul's streaming one-column kernel (ggml_ext/cuda/qmatmul_stream.cuh).
 QMATMUL_STREAM_TYPES = (Type.Q4_K, Type.Q5_K, Type.Q6_K)
 _streams: dict[int, bool] = {}
@@ -231,7 +233,9 @@ def qmatmul(ctx: Context, w: Tensor, x: Tensor, row_tiles: int = 0, norm: Tensor
 
     row_tiles: on CUDA, how many 16-row tiles of w each warp multiplies with each activation fragment it loads
     (0: the kernel chooses; 1, 2, 4 force it, for benchmarks; -1, -2 force it with the activations staged in
-    shared memory: Hopper, K-quants, N > 8). It changes the speed, never the result.
+    shared memory: Hopper, K-quants, N > 8). It changes the speed, never the result. QMATMUL_F16 takes the f16
+    kernel instead (Hopper, Q4_K, K a multiple of 256; elsewhere as 0): f16 weights and activations, f32 sums, a
+    result of its own (column j still bit-identical whatever N is), faster from ~9 columns on large matrices.
     norm (f32 [K]): multiply the RMS-normed columns instead, W * (rms_norm(x, eps) * norm)
     (ggml_qmatmul_rms_norm: on CUDA the norm is computed as the columns are quantised).
     add (f32 [M, N], rows contiguous; a residual): return W * X + add, added as each output is stored

@@ -84,9 +84,13 @@ def bitexact_enabled() -> bool:
 
 def kernel_mode() -> str:
     """Which of the modes above graphs built now take (for benchmark reports): 'bit-exact', 'qmatmul' (ggml_qmatmul
-    wherever it takes), 'auto' (ggml_qmatmul where it is faster) or 'ggml' (mul_mat only)."""
+    wherever it takes), 'auto' (ggml_qmatmul where it is faster) or 'ggml' (mul_mat only); '+f16' where
+    ggml_qmatmul may take its f16 kernel (qmatmul_f16_enabled)."""
     mode = qmatmul_mode()
-    return "bit-exact" if bitexact_enabled() else {"1": "qmatmul", "0": "ggml", "auto": "auto"}[mode]
+    if bitexact_enabled():
+        return "bit-exact"
+    name = {"1": "qmatmul", "0": "ggml", "auto": "auto"}[mode]
+    return name + "+f16" if mode != "0" and qmatmul_f16_enabled() else name
 
 
 def _buffer_of(w: ggml.Tensor):
@@ -117,6 +121,29 @@ def _takes_qmatmul(w: ggml.Tensor, x: ggml.Tensor) -> bool:
     return (w.type in ggml.QMATMUL_TYPES and w.ne[2:] == (1, 1) and w.is_contiguous
             and x.type == ggml.Type.F32 and x.ne[2:] == (1, 1) and 1 <= x.ne[1] <= ggml.QMATMUL_MAX_COLS
             and x.nb[0] == 4 and _on_device(w))
+
+
+# The f16 kernel (ggml.QMATMUL_F16; ggml_ext/cuda/qmatmul_shared.cuh): on Hopper, for Q4_K matrices of more than
+# QMATMUL_F16_MIN_ROWS rows from QMATMUL_F16_MIN_COLS columns on (H100, docs/benchmarks.md "An f16 kernel for
+# verify": the 27B FFN gate/up at 23/32/48 columns 0.88/0.72/0.70x the int8 kernels' time; on a 5,120-row matrix
+# 2.5x slower: its work split finishes every tile of a short matrix from several blocks' partial sums).
+QMATMUL_F16_MIN_ROWS = 6144
+QMATMUL_F16_MIN_COLS = 9
+
+
+def qmatmul_f16_enabled() -> bool:
+    """ggml_qmatmul's f16 kernel where it is the faster (qmatmul_row_tiles); PYDFLASH_QMATMUL_F16=0 keeps the int8
+    kernels. Never in bit-exact mode: its results are its own, and one token's decode would not equal its verify."""
+    return env_switch("PYDFLASH_QMATMUL_F16", default="1") and not bitexact_enabled()
+
+
+def qmatmul_row_tiles(w: ggml.Tensor, n_cols: int) -> int:
+    """ggml.qmatmul's row_tiles for w times n_cols columns: the f16 kernel (ggml.QMATMUL_F16) where it is faster,
+    else 0 (the int8 kernels' own choice)."""
+    if (qmatmul_f16_enabled() and w.type == ggml.Type.Q4_K and w.ne[0] % 256 == 0
+            and w.ne[1] > QMATMUL_F16_MIN_ROWS and n_cols >= QMATMUL_F16_MIN_COLS and _streams(w)):
+        return ggml.QMATMUL_F16
+    return 0
 
 
 def norm_in_qmatmul_enabled() -> bool:
@@ -185,7 +212,8 @@ class Normed(_Deferred):
                 and norm_in_qmatmul_enabled() and uses_qmatmul(w, self))
 
     def qmatmul(self, ctx: ggml.Context, w: ggml.Tensor, add: ggml.Tensor | None) -> ggml.Tensor:
-        return ggml.qmatmul(ctx, w, self.h, norm=self.weight, eps=self.eps, add=add)
+        return ggml.qmatmul(ctx, w, self.h, qmatmul_row_tiles(w, self.h.ne[1]), norm=self.weight, eps=self.eps,
+                            add=add)
 
 
 class Gated(_Deferred):
@@ -228,17 +256,19 @@ class Gated(_Deferred):
             and uses_qmatmul(w, self)
 
     def qmatmul(self, ctx: ggml.Context, w: ggml.Tensor, add: ggml.Tensor | None) -> ggml.Tensor:
+        row_tiles = qmatmul_row_tiles(w, self.gate.ne[1])
         if self._norm_inside():
             weight, eps, _ = self.head_norm
-            return ggml.qmatmul(ctx, w, self.gate, up=self.up, norm=weight, eps=eps, add=add)
-        return ggml.qmatmul(ctx, w, self.gate, up=self._up(), add=add)
+            return ggml.qmatmul(ctx, w, self.gate, row_tiles, up=self.up, norm=weight, eps=eps, add=add)
+        return ggml.qmatmul(ctx, w, self.gate, row_tiles, up=self._up(), add=add)
 
 
 def uses_qmatmul(w: ggml.Tensor, x: ggml.Tensor) -> bool:
     """Whether linear(ctx, w, x) takes ggml_qmatmul (else ggml's mul_mat) in the current qmatmul_mode."""
     mode = qmatmul_mode()
     return mode != "0" and _takes_qmatmul(w, x) and (
-        mode == "1" or qmatmul_faster(w.type, w.ne[1], x.ne[1], x.ne[1] == 1 and _streams(w)))
+        mode == "1" or qmatmul_faster(w.type, w.ne[1], x.ne[1], x.ne[1] == 1 and _streams(w))
+        or qmatmul_row_tiles(w, x.ne[1]) == ggml.QMATMUL_F16)
 
 
 def linear(ctx: ggml.Context, w: ggml.Tensor, x: ggml.Tensor | Normed | Gated, add: ggml.Tensor | None = None,
@@ -259,7 +289,7 @@ def linear(ctx: ggml.Context, w: ggml.Tensor, x: ggml.Tensor | Normed | Gated, a
             return out if add is not None or name is None else out.named(name)
         x = x.tensor()
     if uses_qmatmul(w, x):
-        out = ggml.qmatmul(ctx, w, x, add=add)
+        out = ggml.qmatmul(ctx, w, x, qmatmul_row_tiles(w, x.ne[1]), add=add)
         return out if add is not None or name is None else out.named(name)
     if bitexact_enabled() and x.ne[1] <= ggml.QMATMUL_MAX_COLS and x.ne[2:] == (1, 1) and x.is_contiguous:
         # tokens as a batch of single columns: ggml then takes its matrix-vector kernel for every token count

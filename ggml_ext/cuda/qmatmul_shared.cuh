@@ -1,0 +1,318 @@
+// ggml_qmatmul's f16 kernel (Hopper, Q4_K; `row_tiles` QMM_F16): the f16 arithmetic of qmatmul_half.cuh fed from
+// a ring of shared-memory stages that hold both a stage's weights and its activations, shared by all the warps of a
+// CUDA block, the work cut "stream-K" over a fixed set of blocks.
+//
+// Why (docs/benchmarks.md, "An f16 kernel for verify"): in qmm_mma and its staged form the 8 warps of a CUDA block
+// split K, so every warp reads its units' activations for itself and every CUDA block (16 RT rows) all of K's: at
+// 23 columns and 34,816 rows ~170 MB from L2 beside 100 MB of weights from DRAM; and their int8 arithmetic ends
+// every 32-value group in float work per output, which grows with the column count. Here the warps split the rows
+// (a CUDA block: NW x 16 RT rows), each stage of K comes into shared memory once for all of them, and the
+// per-column work is the MMA alone.
+//
+// The work: T row tiles (of a block's rows) times S stages of K (QMH_UPS units each) are T * S items in tile-major
+// order; CUDA block p of P runs items [p T S / P, (p + 1) T S / P), so every block gets the same share (no tail
+// wave: P is the SM count). A block's run of items within one tile is a segment; a tile cut into several segments
+// is finished by the block that completes it last: the partial sums of its segments, from a workspace, added in
+// segment (K) order. Every output is thus an f32 MMA chain over K units in order within each segment, then the
+// segments' sums in order: the cut depends on M, K and P only, so a column's bits do not depend on N. (They are not
+// the int8 kernels' bits: decode and verify agree only if both take this kernel.)
+//
+// Stages: each warp copies its own rows of a stage with cp.async (16 bytes a lane), and starts the next copy into a
+// stage as soon as it is done with it; the activations of a stage (one bulk copy, counted on the stage's mbarrier)
+// are refilled by the last warp to finish with it.
+
+#pragma once
+
+#include "qmatmul_stream.cuh"
+#include "qmatmul_half.cuh"
+
+#define QMH_WARPS 8   // warps per CUDA block (each its own 16 RT rows)
+#define QMH_UPS   1   // K units (256 values) per stage
+
+#define QMH_UPS 1   // K units (256 values) per stage
+
+// Shared-memory bytes per Q4_K weight row of a stage, rounded up to a multiple of 16 whose word count is 8 or 24
+// modulo 32 (the 8-byte loads of a warp's 4 row groups then hit distinct banks)
+__host__ __device__ constexpr int qmh_pitch() {
+    int p = QMH_UPS * (int) sizeof(block_q4_K);
+    while ((p / 4) % 32 != 8 && (p / 4) % 32 != 24) {
+        p += 16;
+    }
+    return p;
+}
+
+// Bytes of one K unit's activations for npad columns (qmatmul_half.cuh)
+__host__ __device__ constexpr int qmh_act_bytes(int npad) {
+    return npad * QMH_HALF_PITCH * (int) sizeof(half);
+}
+
+struct qmh_args {
+    const char * W;
+    const half * x;         // the activations, qmatmul_half.cuh's layout: [K / 256][npad][QMH_HALF_PITCH]
+    float * dst;
+    int nb, K, M, N, npad, stride_col_dst;
+    const float * add;      // ggml_qmatmul_fused's added tensor, or null
+    int stride_col_add;
+    float * ws;             // partial sums: qmh_ws_floats
+};
+
+// Segments counted per row tile: zero between calls (each tile's finisher puts its count back). One array per
+// device and translation unit; calls of this kernel on one device must not overlap (ggml runs a graph's nodes in
+// order on one stream, and the kernel does not let the next one start early).
+#define QMH_MAX_TILES 8192
+static __device__ int qmh_counters[QMH_MAX_TILES];
+
+template <int NT, int NW> struct qmh_shape {
+    static constexpr int rows = NW * QMM_MMA_ROWS;              // per CUDA block (a 16-row tile per warp)
+    static constexpr int frag = NW * NT * 4 * WARP_SIZE;        // floats of a block's partial sums
+};
+
+// The item range of CUDA block p, and which block holds item j
+static __device__ __forceinline__ int64_t qmh_first_item(int64_t p, int64_t items, int P) {
+    return p * items / P;
+}
+
+static __device__ __forceinline__ int qmh_block_of(int64_t j, int64_t items, int P) {
+    return (int) (((j + 1) * P - 1) / items);
+}
+
+static __device__ __forceinline__ void qmh_cp16(char * smem, const char * gmem) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" : : "r"(qms_smem_addr(smem)), "l"(gmem) : "memory");
+}
+
+// NW warps of 16 rows each, a ring of STAGES stages, MINB CUDA blocks per SM (the grid: MINB per SM, at most the
+// item count). K: a multiple of 256.
+template <int NT, int NW, int STAGES, int MINB>
+static __global__ void __launch_bounds__(NW * WARP_SIZE, MINB)
+qmm_half_shared(const qmh_args p) {
+    using shape = qmh_shape<NT, NW>;
+    constexpr int ub      = sizeof(block_q4_K);        // bytes of a K unit in a row
+    constexpr int pitch   = qmh_pitch();
+    constexpr int w_bytes = shape::rows * pitch;
+    constexpr int CH      = QMH_UPS * ub / 16;         // 16-byte chunks of a row's stage
+    constexpr int KC      = (QMM_MMA_ROWS * CH + WARP_SIZE - 1) / WARP_SIZE;   // chunks per lane
+    static_assert(ub % 16 == 0, "Q4_K rows and units start at 16-byte boundaries");
+    extern __shared__ __align__(128) char qmh_smem[];
+    __shared__ uint64_t full[STAGES];   // a stage's activations have landed
+    __shared__ int done[STAGES];        // warps done with a stage
+    __shared__ int last;
+
+    const int lane = threadIdx.x, warp = threadIdx.y, t4 = lane % 4, g = lane / 4;
+    const int n_units  = p.K / QMM_UNIT;
+    const int n_stages = (n_units + QMH_UPS - 1) / QMH_UPS;   // per row tile
+    const int n_tiles  = (p.M + shape::rows - 1) / shape::rows;
+    const int64_t items = (int64_t) n_tiles * n_stages;
+    const int P = gridDim.x;
+    const int64_t j0 = qmh_first_item(blockIdx.x, items, P), j1 = qmh_first_item(blockIdx.x + 1, items, P);
+    const int64_t row_bytes = (int64_t) p.nb * ub;
+    const int act_bytes   = QMH_UPS * qmh_act_bytes(p.npad);
+    const int stage_bytes = w_bytes + act_bytes;
+
+    if (lane == 0 && warp == 0) {
+        for (int s = 0; s < STAGES; ++s) {
+            qms_bar_init(&full[s]);
+            done[s] = 0;
+        }
+    }
+    __syncthreads();
+
+    auto stage_of = [&](int64_t j) { return (int) ((j - j0) % STAGES); };
+    // this lane's chunks of its warp's 16 rows: chunk i = lane + 32 k is row i / CH, 16 bytes at 16 (i % CH)
+    int src_off[KC], dst_off[KC], row_of[KC];
+#pragma unroll
+    for (int k = 0; k < KC; ++k) {
+        const int i = lane + WARP_SIZE * k;
+        row_of[k]  = i < QMM_MMA_ROWS * CH ? i / CH : QMM_MMA_ROWS;
+        src_off[k] = (int) ((i / CH) * row_bytes) + 16 * (i % CH);
+        dst_off[k] = (i / CH) * pitch + 16 * (i % CH);
+    }
+    // this warp's rows of item j (one commit group per item, empty past the block's last item)
+    auto ask_weights = [&](int64_t j) {
+        if (j < j1) {
+            const int tile = (int) (j / n_stages), u0 = (int) (j % n_stages) * QMH_UPS;
+            const int row0 = tile * shape::rows + warp * QMM_MMA_ROWS;
+            char * wstage = qmh_smem + stage_of(j) * stage_bytes + warp * QMM_MMA_ROWS * pitch;
+            const char * base = p.W + (int64_t) row0 * row_bytes + (int64_t) u0 * ub;
+#pragma unroll
+            for (int k = 0; k < KC; ++k) {
+                if (row_of[k] < min(QMM_MMA_ROWS, p.M - row0)) {
+                    qmh_cp16(wstage + dst_off[k], base + src_off[k]);
+                }
+            }
+        }
+        asm volatile("cp.async.commit_group;" : : : "memory");
+    };
+    // the activations of item j (one bulk copy by one thread; they come from the previous kernel)
+    auto ask_acts = [&](int64_t j) {
+        const int u0 = (int) (j % n_stages) * QMH_UPS, nu = min(QMH_UPS, n_units - u0);
+        uint64_t * bar = &full[stage_of(j)];
+        qms_bar_expect(bar, nu * qmh_act_bytes(p.npad));
+        qms_bulk_copy(qmh_smem + stage_of(j) * stage_bytes + w_bytes,
+                      (const char *) p.x + (size_t) u0 * qmh_act_bytes(p.npad), nu * qmh_act_bytes(p.npad), bar);
+    };
+    for (int64_t j = j0; j < j0 + STAGES; ++j) {   // the weights do not depend on the previous kernel
+        ask_weights(j);
+    }
+    ggml_cuda_pdl_sync();
+    if (lane == 0 && warp == 0) {
+        for (int64_t j = j0; j < min(j0 + STAGES, j1); ++j) {
+            ask_acts(j);
+        }
+    }
+
+    float acc[1][NT][4] = {};
+    for (int64_t j = j0; j < j1; ++j) {
+        const int tile = (int) (j / n_stages), st = (int) (j % n_stages);
+        const int u0 = st * QMH_UPS;
+        const int s = stage_of(j);
+        const char * stage = qmh_smem + s * stage_bytes;
+        asm volatile("cp.async.wait_group %0;" : : "n"(STAGES - 1) : "memory");
+        __syncwarp();   // the other lanes' copies of this warp's rows
+        qms_bar_wait(&full[s], (int) ((j - j0) / STAGES) & 1);
+
+        const char * rows[1][2];
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            rows[0][h] = stage + (warp * QMM_MMA_ROWS + 8 * h + g) * pitch;
+        }
+#pragma unroll
+        for (int u = 0; u < QMH_UPS; ++u) {
+            if (u0 + u < n_units) {
+                const qmh_cols_half<NT> x = {(const half *) (stage + w_bytes + u * qmh_act_bytes(p.npad))};
+                qmh_unit_q4_k<NT, 1>(rows, u, x, t4, acc);
+            }
+        }
+        // this warp is done with the stage: its own rows refill at once, the shared activations once every warp is
+        // (by the last warp to finish)
+        __syncwarp();
+        ask_weights(j + STAGES);
+        if (lane == 0) {
+            __threadfence_block();
+            if (atomicAdd(&done[s], 1) == NW - 1) {
+                done[s] = 0;
+                if (j + STAGES < j1) {
+                    asm volatile("fence.proxy.async.shared::cta;" : : : "memory");   // our reads before the TMA's writes
+                    ask_acts(j + STAGES);
+                }
+            }
+        }
+
+        if (st != n_stages - 1 && j != j1 - 1) {
+            continue;
+        }
+        // the segment [first item of this tile in this block, j] is done
+        const int64_t t0 = (int64_t) tile * n_stages, t1 = t0 + n_stages;
+        const int pb0 = qmh_block_of(t0, items, P), pb1 = qmh_block_of(t1 - 1, items, P);
+        const int r0 = tile * shape::rows + warp * QMM_MMA_ROWS;
+        auto store = [&](int t, int i, float v) {
+            const int row = r0 + 8 * (i / 2) + g, col = 8 * t + 2 * t4 + i % 2;
+            if (row < p.M && col < p.N) {
+                if (p.add != nullptr) {
+                    v = __fadd_rn(v, p.add[(size_t) col * p.stride_col_add + row]);
+                }
+                p.dst[(size_t) col * p.stride_col_dst + row] = v;
+            }
+        };
+        if (pb0 == pb1) {   // the whole tile is this block's
+#pragma unroll
+            for (int t = 0; t < NT; ++t) {
+#pragma unroll
+                for (int i = 0; i < 4; ++i) {
+                    store(t, i, acc[0][t][i]);
+                    acc[0][t][i] = 0.0f;
+                }
+            }
+            continue;
+        }
+        // a block's partial-sum slot for a tile: 0 for the first tile of its range, 1 for its last
+        auto slot = [&](int pb) -> float * {
+            const int first_tile = (int) (qmh_first_item(pb, items, P) / n_stages);
+            return p.ws + ((size_t) pb * 2 + (tile == first_tile ? 0 : 1)) * shape::frag;
+        };
+        auto at = [&](int t, int i) { return ((warp * NT + t) * 4 + i) * WARP_SIZE + lane; };
+        float * mine = slot(blockIdx.x);
+#pragma unroll
+        for (int t = 0; t < NT; ++t) {
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                mine[at(t, i)] = acc[0][t][i];
+                acc[0][t][i] = 0.0f;
+            }
+        }
+        __threadfence();
+        __syncthreads();
+        if (lane == 0 && warp == 0) {
+            last = atomicAdd(&qmh_counters[tile], 1) == pb1 - pb0;
+        }
+        __syncthreads();
+        if (!last) {
+            continue;
+        }
+        __threadfence();   // the other segments' sums, written before their blocks counted, are visible
+#pragma unroll
+        for (int t = 0; t < NT; ++t) {
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                float sum = __ldcg(slot(pb0) + at(t, i));
+                for (int pb = pb0 + 1; pb <= pb1; ++pb) {
+                    sum = __fadd_rn(sum, __ldcg(slot(pb) + at(t, i)));
+                }
+                store(t, i, sum);
+            }
+        }
+        if (lane == 0 && warp == 0) {
+            qmh_counters[tile] = 0;
+        }
+    }
+}
+
+// Shared memory of a CUDA block
+template <int NT, int NW, int STAGES> constexpr size_t qmh_smem_bytes() {
+    return (size_t) STAGES * (qmh_shape<NT, NW>::rows * qmh_pitch() + QMH_UPS * qmh_act_bytes(8 * NT));
+}
+
+// The shape ggml_qmatmul runs, from the H100 sweep of tools/qmm_lab.cu (docs/benchmarks.md, "An f16 kernel for
+// verify"): 16 warps a block, one block per SM, 2 stages
+#define QMH_RUN_WARPS  16
+#define QMH_RUN_STAGES 2
+
+// Row tiles of the f16 kernel for M rows (at most QMH_MAX_TILES)
+static int qmh_tiles(int M) {
+    return (M + qmh_shape<1, QMH_RUN_WARPS>::rows - 1) / qmh_shape<1, QMH_RUN_WARPS>::rows;
+}
+
+// CUDA blocks of its grid: one per SM, no more than there are items (each block must get one). Depends on the
+// shape and the GPU, never on N.
+static int qmh_grid(int M, int K, int n_sm) {
+    return (int) std::min<int64_t>(n_sm, (int64_t) qmh_tiles(M) * (K / QMM_UNIT / QMH_UPS));
+}
+
+// Workspace floats for nt column tiles and a grid of P blocks
+static size_t qmh_ws_floats(int nt, int P) {
+    return (size_t) P * 2 * QMH_RUN_WARPS * nt * 4 * WARP_SIZE;
+}
+
+template <int NT> static void qmh_launch(const qmh_args & p, int device, int P, cudaStream_t stream) {
+    constexpr auto kernel = qmm_half_shared<NT, QMH_RUN_WARPS, QMH_RUN_STAGES, 1>;
+    constexpr size_t smem = qmh_smem_bytes<NT, QMH_RUN_WARPS, QMH_RUN_STAGES>();
+    static bool smem_allowed[GGML_CUDA_MAX_DEVICES] = {};
+    if (!smem_allowed[device]) {
+        CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int) smem));
+        smem_allowed[device] = true;
+    }
+    ggml_cuda_kernel_launch(kernel, ggml_cuda_kernel_launch_params(dim3(P), dim3(WARP_SIZE, QMH_RUN_WARPS), smem, stream), p);
+}
+
+// W * X (Q4_K, K a multiple of 256) through the f16 kernel: p.x in qmatmul_half.cuh's layout, p.npad = 8 nt,
+// p.ws of qmh_ws_floats(nt, P) floats, P = qmh_grid(M, K, SMs)
+static void qmh_run(const qmh_args & p, int device, int P, cudaStream_t stream) {
+    switch (p.npad / 8) {
+        case 1: qmh_launch<1>(p, device, P, stream); break;
+        case 2: qmh_launch<2>(p, device, P, stream); break;
+        case 3: qmh_launch<3>(p, device, P, stream); break;
+        case 4: qmh_launch<4>(p, device, P, stream); break;
+        case 5: qmh_launch<5>(p, device, P, stream); break;
+        case 6: qmh_launch<6>(p, device, P, stream); break;
+        default: GGML_ABORT("ggml_qmatmul: %d column tiles", p.npad / 8);
+    }
+}
