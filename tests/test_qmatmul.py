@@ -460,7 +460,7 @@ def test_f16_kernel_taken_for_large_q4_k_matrices_from_9_columns_outside_bit_exa
     assert layers.qmatmul_row_tiles(big, 23) == ggml.QMATMUL_F16
     assert layers.qmatmul_row_tiles(big, 9) == ggml.QMATMUL_F16
     assert layers.qmatmul_row_tiles(big, 8) == 0
-    assert layers.qmatmul_row_tiles(ctx.new_tensor(ggml.Type.Q4_K, (6144, 5120)), 23) == 0
+    assert layers.qmatmul_row_tiles(ctx.new_tensor(ggml.Type.Q4_K, (5120, 16480)), 23) == 0   # 27B GDN input
     assert layers.qmatmul_row_tiles(ctx.new_tensor(ggml.Type.Q6_K, (5120, 34816)), 23) == 0
     monkeypatch.setenv("PYDFLASH_QMATMUL_F16", "0")
     assert layers.qmatmul_row_tiles(big, 23) == 0

@@ -125,9 +125,10 @@ def _takes_qmatmul(w: ggml.Tensor, x: ggml.Tensor) -> bool:
 
 # The f16 kernel (ggml.QMATMUL_F16; ggml_ext/cuda/qmatmul_shared.cuh): on Hopper, for Q4_K matrices of more than
 # QMATMUL_F16_MIN_ROWS rows from QMATMUL_F16_MIN_COLS columns on (H100, docs/benchmarks.md "An f16 kernel for
-# verify": the 27B FFN gate/up at 23/32/48 columns 0.88/0.72/0.70x the int8 kernels' time; on a 5,120-row matrix
-# 2.5x slower: its work split finishes every tile of a short matrix from several blocks' partial sums).
-QMATMUL_F16_MIN_ROWS = 6144
+# verify": the 27B FFN gate/up, 34,816 rows, at 9-48 columns 0.71-0.87x the int8 kernels' time; the 16,480- and
+# 13,312-row GDN and attention input products 1.02-1.25x, a 5,120-row matrix 2.5x: with fewer rows per SM its
+# pipeline's fill and the fix-up of tiles cut over several blocks weigh more). On the 27B that is the FFN gate/up.
+QMATMUL_F16_MIN_ROWS = 24576
 QMATMUL_F16_MIN_COLS = 9
 
 
