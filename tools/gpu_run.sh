@@ -140,12 +140,9 @@ phase bench_ar_norm_separate 150 env PYDFLASH_NORM_IN_QMATMUL=0 python3 "$src/be
     --device cuda --n-gen 128 --reps 5
 phase bench_ddtree_norm_separate 240 env PYDFLASH_NORM_IN_QMATMUL=0 python3 "$src/bench/ddtree_step.py" \
     "$data/q27.gguf" --draft "$data/d27" --device cuda --budget 22 --n-gen 64 --reps 5
-# and with a GDN layer's per-head output norm inside its output projection too (PYDFLASH_HEAD_NORM_IN_QMATMUL=1,
-# off by default until these say it pays; its CUDA tests first)
-phase tests_head_norm 150 pytest_cuda "$src/tests/test_qmatmul.py" -k group_norm
-phase bench_ar_head_norm 150 env PYDFLASH_HEAD_NORM_IN_QMATMUL=1 python3 "$src/bench/ar_decode.py" \
-    "$data/q27.gguf" --device cuda --n-gen 128 --reps 5
-phase bench_ddtree_head_norm 240 env PYDFLASH_HEAD_NORM_IN_QMATMUL=1 python3 "$src/bench/ddtree_step.py" \
+# bench_ddtree again with every product on the int8 kernels (PYDFLASH_QMATMUL_F16=0; by default the FFN gate/up
+# takes ggml_qmatmul's f16 kernel on Hopper, docs/benchmarks.md "An f16 kernel for verify")
+phase bench_ddtree_int8 240 env PYDFLASH_QMATMUL_F16=0 python3 "$src/bench/ddtree_step.py" \
     "$data/q27.gguf" --draft "$data/d27" --device cuda --budget 22 --n-gen 64 --reps 5
 # oracle draft (AR's own continuation, a wrong top-1 every 8th position): realistic path lengths for commit
 phase bench_oracle 200 python3 "$src/bench/ddtree_step.py" "$data/q27.gguf" --device cuda --budget 22 --n-gen 128 \
