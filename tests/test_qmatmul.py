@@ -450,12 +450,12 @@ def test_qmatmul_rejects_bad_input():
 def test_f16_kernel_taken_for_large_q4_k_matrices_from_9_columns_outside_bit_exact_mode(monkeypatch):
     """layers.qmatmul_row_tiles: the f16 kernel for a Q4_K weight of more than QMATMUL_F16_MIN_ROWS rows from
     QMATMUL_F16_MIN_COLS columns on a GPU that has it; not for Q6_K, short matrices, few columns, other GPUs, with
-    PYDFLASH_QMATMUL_F16=0 or in bit-exact mode (whose verify must give decode's bits)."""
+    PYDFLASH_QMATMUL_F16=0, PYDFLASH_QMATMUL=1 or in bit-exact mode (which keep every column's bits whatever N)."""
     from pydflash.models import layers
     ctx = ggml.Context(n_tensors=8)
     big = ctx.new_tensor(ggml.Type.Q4_K, (5120, 34816))
-    monkeypatch.delenv("PYDFLASH_QMATMUL_F16", raising=False)
-    monkeypatch.delenv("PYDFLASH_BITEXACT", raising=False)
+    for var in ("PYDFLASH_QMATMUL_F16", "PYDFLASH_BITEXACT", "PYDFLASH_QMATMUL"):
+        monkeypatch.delenv(var, raising=False)
     monkeypatch.setattr(layers, "_streams", lambda w: True)
     assert layers.qmatmul_row_tiles(big, 23) == ggml.QMATMUL_F16
     assert layers.qmatmul_row_tiles(big, 9) == ggml.QMATMUL_F16
@@ -468,5 +468,8 @@ def test_f16_kernel_taken_for_large_q4_k_matrices_from_9_columns_outside_bit_exa
     monkeypatch.setenv("PYDFLASH_BITEXACT", "1")
     assert layers.qmatmul_row_tiles(big, 23) == 0
     monkeypatch.delenv("PYDFLASH_BITEXACT")
+    monkeypatch.setenv("PYDFLASH_QMATMUL", "1")   # every product through ggml_qmatmul, each column's bits kept
+    assert layers.qmatmul_row_tiles(big, 23) == 0
+    monkeypatch.delenv("PYDFLASH_QMATMUL")
     monkeypatch.setattr(layers, "_streams", lambda w: False)
     assert layers.qmatmul_row_tiles(big, 23) == 0

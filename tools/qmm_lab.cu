@@ -497,19 +497,19 @@ template <ggml_type type> static void run_shared(const shape & sh, const std::ve
         for (int rt : {1, 2, 4}) {
             const qmm_args q = {Ws[0], yq, yds, dst, nb, sh.K, sh.M, N, npad, sh.M};
             if (ref.empty()) ref = output(N, [&] { mma_any<type>(q, rt, false, st); });
-            const double us = time_graph([&](int c) { qmm_args b = q; b.W = Ws[c]; mma_any<type>(b, rt, false, st); }, copies, st);
+            const double us = profile ? 0.0 : time_graph([&](int c) { qmm_args b = q; b.W = Ws[c]; mma_any<type>(b, rt, false, st); }, copies, st);
             if (us < best) { best = us; best_name = rt == 1 ? "mma rt1" : rt == 2 ? "mma rt2" : "mma rt4"; }
         }
         staged_x sx = staged_layout(yq, yds, sh.K, npad, nt);
         if (nt >= 2) {
             for (int rt : {1, 2}) {
                 qmm_args sq = {Ws[0], sx.yqh, sx.yds, dst, nb, sh.K, sh.M, N, 8 * nt, sh.M};
-                const double us = time_graph([&](int c) { qmm_args b = sq; b.W = Ws[c]; staged_run<type>(b, rt, st); }, copies, st);
+                const double us = profile ? 0.0 : time_graph([&](int c) { qmm_args b = sq; b.W = Ws[c]; staged_run<type>(b, rt, st); }, copies, st);
                 if (us < best) { best = us; best_name = rt == 1 ? "staged rt1" : "staged rt2"; }
             }
         } else {
             qmm_args q = {Ws[0], yq, yds, dst, nb, sh.K, sh.M, 1, npad, sh.M};
-            const double us = time_graph([&](int c) { qmm_args b = q; b.W = Ws[c]; qms_run<type>(b, 0, st); }, copies, st);
+            const double us = profile ? 0.0 : time_graph([&](int c) { qmm_args b = q; b.W = Ws[c]; qms_run<type>(b, 0, st); }, copies, st);
             if (us < best) { best = us; best_name = "stream"; }
         }
         printf("  N=%2d  best other %-10s %7.1f us %5.0f GB/s\n", N, best_name, best, gb / best);
@@ -529,7 +529,7 @@ template <ggml_type type> static void run_shared(const shape & sh, const std::ve
                 maxref = std::max(maxref, fabs((double) ref[i]));
             }
             const double maxrel = maxdiff / maxref;
-            const double us = time_graph([&](int c) { qmh_args b = a; b.W = Ws[c]; launch(b, P); }, copies, st);
+            const double us = profile ? 0.0 : time_graph([&](int c) { qmh_args b = a; b.W = Ws[c]; launch(b, P); }, copies, st);
             printf("        shared %-9s %7.1f us %5.0f GB/s  %.2fx best  col0 %s  max |diff| / max |mma| %.1e\n", name, us,
                    gb / us, us / best, same ? "same bits" : "DIFFERS", maxrel);
             ++v;

@@ -1,4 +1,4 @@
-// ggml_qmatmul's f16 kernel (Hopper, Q4_K; `row_tiles` QMM_F16): the f16 arithmetic of qmatmul_half.cuh fed from
+// ggml_qmatmul's f16 kernel (Hopper, Q4_K; row_tiles GGML_EXT_QMATMUL_F16): the f16 arithmetic of qmatmul_half.cuh fed from
 // a ring of shared-memory stages that hold both a stage's weights and its activations, shared by all the warps of a
 // CUDA block, the work cut "stream-K" over a fixed set of blocks.
 //
@@ -6,7 +6,7 @@
 // split K, so every warp reads its units' activations for itself and every CUDA block (16 RT rows) all of K's: at
 // 23 columns and 34,816 rows ~170 MB from L2 beside 100 MB of weights from DRAM; and their int8 arithmetic ends
 // every 32-value group in float work per output, which grows with the column count. Here the warps split the rows
-// (a CUDA block: NW x 16 RT rows), each stage of K comes into shared memory once for all of them, and the
+// (a CUDA block: NW x 16 rows), each stage of K comes into shared memory once for all of them, and the
 // per-column work is the MMA alone.
 //
 // The work: T row tiles (of a block's rows) times S stages of K (QMH_UPS units each) are T * S items in tile-major
@@ -25,9 +25,6 @@
 
 #include "qmatmul_stream.cuh"
 #include "qmatmul_half.cuh"
-
-#define QMH_WARPS 8   // warps per CUDA block (each its own 16 RT rows)
-#define QMH_UPS   1   // K units (256 values) per stage
 
 #define QMH_UPS 1   // K units (256 values) per stage
 

@@ -133,9 +133,11 @@ QMATMUL_F16_MIN_COLS = 9
 
 
 def qmatmul_f16_enabled() -> bool:
-    """ggml_qmatmul's f16 kernel where it is the faster (qmatmul_row_tiles); PYDFLASH_QMATMUL_F16=0 keeps the int8
-    kernels. Never in bit-exact mode: its results are its own, and one token's decode would not equal its verify."""
-    return env_switch("PYDFLASH_QMATMUL_F16", default="1") and not bitexact_enabled()
+    """ggml_qmatmul's f16 kernel where it is the faster (qmatmul_row_tiles) in the `auto` qmatmul_mode;
+    PYDFLASH_QMATMUL_F16=0 keeps the int8 kernels. Not with PYDFLASH_QMATMUL=1 or in bit-exact mode, which promise
+    every column's bits whatever the token count: the f16 kernel's results are its own, so one token's decode would
+    not equal its verify."""
+    return env_switch("PYDFLASH_QMATMUL_F16", default="1") and qmatmul_mode() == "auto" and not bitexact_enabled()
 
 
 def qmatmul_row_tiles(w: ggml.Tensor, n_cols: int) -> int:
