@@ -410,24 +410,24 @@ template <ggml_type type> static void run_cols(const shape & sh, const std::vect
 
 // --- Several columns: the f16 kernel of qmatmul_shared.cuh against the best of the others -------------------
 
-template <int NT, int NW, int S, int MB> static void shared_launch(const qmh_args & a, int P, cudaStream_t st) {
-    constexpr size_t smem = qmh_smem_bytes<NT, NW, S>();
+template <int NT, int RT, int NW, int S, int MB> static void shared_launch(const qmh_args & a, int P, cudaStream_t st) {
+    constexpr size_t smem = qmh_smem_bytes<NT, RT, NW, S>();
     static bool set = false;
     if (!set) {
-        CK(cudaFuncSetAttribute(qmm_half_shared<NT, NW, S, MB>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int) smem));
+        CK(cudaFuncSetAttribute(qmm_half_shared<NT, RT, NW, S, MB>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int) smem));
         set = true;
     }
-    qmm_half_shared<NT, NW, S, MB><<<P, dim3(WARP_SIZE, NW), smem, st>>>(a);
+    qmm_half_shared<NT, RT, NW, S, MB><<<P, dim3(WARP_SIZE, NW), smem, st>>>(a);
 }
 
-template <int NW, int S, int MB> static void shared_any(const qmh_args & a, int P, cudaStream_t st) {
+template <int RT, int NW, int S, int MB> static void shared_any(const qmh_args & a, int P, cudaStream_t st) {
     switch (a.npad / 8) {
-        case 1: shared_launch<1, NW, S, MB>(a, P, st); break;
-        case 2: shared_launch<2, NW, S, MB>(a, P, st); break;
-        case 3: shared_launch<3, NW, S, MB>(a, P, st); break;
-        case 4: shared_launch<4, NW, S, MB>(a, P, st); break;
-        case 5: shared_launch<5, NW, S, MB>(a, P, st); break;
-        default: shared_launch<6, NW, S, MB>(a, P, st); break;
+        case 1: shared_launch<1, RT, NW, S, MB>(a, P, st); break;
+        case 2: shared_launch<2, RT, NW, S, MB>(a, P, st); break;
+        case 3: shared_launch<3, RT, NW, S, MB>(a, P, st); break;
+        case 4: shared_launch<4, RT, NW, S, MB>(a, P, st); break;
+        case 5: shared_launch<5, RT, NW, S, MB>(a, P, st); break;
+        default: shared_launch<6, RT, NW, S, MB>(a, P, st); break;
     }
 }
 
@@ -474,7 +474,7 @@ template <ggml_type type> static void run_shared(const shape & sh, const std::ve
     random_activations(sh.K, npad, npad, yq, yds);
     CK(cudaMalloc(&dst, (size_t) sh.M * 4 * npad));
     float * ws;
-    CK(cudaMalloc(&ws, (size_t) 2 * n_sm * 2 * 16 * 6 * 4 * WARP_SIZE * sizeof(float)));
+    CK(cudaMalloc(&ws, (size_t) 2 * n_sm * 2 * 16 * 2 * 6 * 4 * WARP_SIZE * sizeof(float)));
     auto output = [&](int N, auto launch) {
         CK(cudaMemset(dst, 0xFF, (size_t) sh.M * 4 * npad));
         launch();
@@ -515,10 +515,10 @@ template <ggml_type type> static void run_shared(const shape & sh, const std::ve
         printf("  N=%2d  best other %-10s %7.1f us %5.0f GB/s\n", N, best_name, best, gb / best);
         int v = 0;
         half * hx = half_layout(yq, yds, sh.K, npad, nt);
-        auto variant = [&](const char * name, int per_sm, auto launch) {
+        auto variant = [&](const char * name, int per_sm, int block_rows, auto launch) {
             qmh_args a = {Ws[0], hx, dst, nb, sh.K, sh.M, N, 8 * nt, sh.M, nullptr, 0, ws};
             const int P = (int) std::min<int64_t>((int64_t) n_sm * per_sm,
-                                                  (int64_t) (sh.M + 16 * (16 / per_sm) - 1) / (16 * (16 / per_sm)) * (sh.K / QK_K));
+                                                  (int64_t) (sh.M + block_rows - 1) / block_rows * (sh.K / QK_K));
             const std::vector<float> got = output(N, [&] { launch(a, P); });
             if (N == cols[0]) col0[v] = std::vector<float>(got.begin(), got.begin() + sh.M);
             const bool same = memcmp(got.data(), col0[v].data(), (size_t) sh.M * 4) == 0;
@@ -534,10 +534,11 @@ template <ggml_type type> static void run_shared(const shape & sh, const std::ve
                    gb / us, us / best, same ? "same bits" : "DIFFERS", maxrel);
             ++v;
         };
-        // (warps, stages, blocks per SM; 16 warps a block or 8 at two blocks per SM: 256 rows per SM)
-        variant("f16 w16 s2 x1", 1, [&](const qmh_args & a, int P) { shared_any<16, 2, 1>(a, P, st); });
-        variant("f16 w16 s3 x1", 1, [&](const qmh_args & a, int P) { shared_any<16, 3, 1>(a, P, st); });
-        variant("f16 w8 s2 x2", 2, [&](const qmh_args & a, int P) { shared_any<8, 2, 2>(a, P, st); });
+        // (row tiles per warp, warps, stages, blocks per SM)
+        variant("f16 rt1 w16 s2 x1", 1, 256, [&](const qmh_args & a, int P) { shared_any<1, 16, 2, 1>(a, P, st); });
+        variant("f16 rt2 w16 s2 x1", 1, 512, [&](const qmh_args & a, int P) { shared_any<2, 16, 2, 1>(a, P, st); });
+        variant("f16 rt2 w8 s3 x1", 1, 256, [&](const qmh_args & a, int P) { shared_any<2, 8, 3, 1>(a, P, st); });
+        variant("f16 rt2 w8 s2 x2", 2, 256, [&](const qmh_args & a, int P) { shared_any<2, 8, 2, 2>(a, P, st); });
         fflush(stdout);
         CK(cudaFree(hx));
         CK(cudaFree(sx.yqh));

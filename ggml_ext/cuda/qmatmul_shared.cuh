@@ -59,9 +59,10 @@ struct qmh_args {
 #define QMH_MAX_TILES 8192
 static __device__ int qmh_counters[QMH_MAX_TILES];
 
-template <int NT, int NW> struct qmh_shape {
-    static constexpr int rows = NW * QMM_MMA_ROWS;              // per CUDA block (a 16-row tile per warp)
-    static constexpr int frag = NW * NT * 4 * WARP_SIZE;        // floats of a block's partial sums
+template <int NT, int RT, int NW> struct qmh_shape {
+    static constexpr int warp_rows = QMM_MMA_ROWS * RT;           // RT 16-row tiles per warp
+    static constexpr int rows      = NW * warp_rows;              // per CUDA block
+    static constexpr int frag      = NW * RT * NT * 4 * WARP_SIZE;// floats of a block's partial sums
 };
 
 // The item range of CUDA block p, and which block holds item j
@@ -77,17 +78,18 @@ static __device__ __forceinline__ void qmh_cp16(char * smem, const char * gmem) 
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" : : "r"(qms_smem_addr(smem)), "l"(gmem) : "memory");
 }
 
-// NW warps of 16 rows each, a ring of STAGES stages, MINB CUDA blocks per SM (the grid: MINB per SM, at most the
-// item count). K: a multiple of 256.
-template <int NT, int NW, int STAGES, int MINB>
+// NW warps of RT 16-row tiles each, a ring of STAGES stages, MINB CUDA blocks per SM (the grid: MINB per SM, at most
+// the item count). K: a multiple of 256.
+template <int NT, int RT, int NW, int STAGES, int MINB>
 static __global__ void __launch_bounds__(NW * WARP_SIZE, MINB)
 qmm_half_shared(const qmh_args p) {
-    using shape = qmh_shape<NT, NW>;
+    using shape = qmh_shape<NT, RT, NW>;
+    constexpr int RW      = shape::warp_rows;
     constexpr int ub      = sizeof(block_q4_K);        // bytes of a K unit in a row
     constexpr int pitch   = qmh_pitch();
     constexpr int w_bytes = shape::rows * pitch;
     constexpr int CH      = QMH_UPS * ub / 16;         // 16-byte chunks of a row's stage
-    constexpr int KC      = (QMM_MMA_ROWS * CH + WARP_SIZE - 1) / WARP_SIZE;   // chunks per lane
+    constexpr int KC      = (RW * CH + WARP_SIZE - 1) / WARP_SIZE;   // chunks per lane
     static_assert(ub % 16 == 0, "Q4_K rows and units start at 16-byte boundaries");
     extern __shared__ __align__(128) char qmh_smem[];
     __shared__ uint64_t full[STAGES];   // a stage's activations have landed
@@ -114,12 +116,12 @@ qmm_half_shared(const qmh_args p) {
     __syncthreads();
 
     auto stage_of = [&](int64_t j) { return (int) ((j - j0) % STAGES); };
-    // this lane's chunks of its warp's 16 rows: chunk i = lane + 32 k is row i / CH, 16 bytes at 16 (i % CH)
+    // this lane's chunks of its warp's rows: chunk i = lane + 32 k is row i / CH, 16 bytes at 16 (i % CH)
     int src_off[KC], dst_off[KC], row_of[KC];
 #pragma unroll
     for (int k = 0; k < KC; ++k) {
         const int i = lane + WARP_SIZE * k;
-        row_of[k]  = i < QMM_MMA_ROWS * CH ? i / CH : QMM_MMA_ROWS;
+        row_of[k]  = i < RW * CH ? i / CH : RW;
         src_off[k] = (int) ((i / CH) * row_bytes) + 16 * (i % CH);
         dst_off[k] = (i / CH) * pitch + 16 * (i % CH);
     }
@@ -127,12 +129,12 @@ qmm_half_shared(const qmh_args p) {
     auto ask_weights = [&](int64_t j) {
         if (j < j1) {
             const int tile = (int) (j / n_stages), u0 = (int) (j % n_stages) * QMH_UPS;
-            const int row0 = tile * shape::rows + warp * QMM_MMA_ROWS;
-            char * wstage = qmh_smem + stage_of(j) * stage_bytes + warp * QMM_MMA_ROWS * pitch;
+            const int row0 = tile * shape::rows + warp * RW;
+            char * wstage = qmh_smem + stage_of(j) * stage_bytes + warp * RW * pitch;
             const char * base = p.W + (int64_t) row0 * row_bytes + (int64_t) u0 * ub;
 #pragma unroll
             for (int k = 0; k < KC; ++k) {
-                if (row_of[k] < min(QMM_MMA_ROWS, p.M - row0)) {
+                if (row_of[k] < min(RW, p.M - row0)) {
                     qmh_cp16(wstage + dst_off[k], base + src_off[k]);
                 }
             }
@@ -157,7 +159,7 @@ qmm_half_shared(const qmh_args p) {
         }
     }
 
-    float acc[1][NT][4] = {};
+    float acc[RT][NT][4] = {};
     for (int64_t j = j0; j < j1; ++j) {
         const int tile = (int) (j / n_stages), st = (int) (j % n_stages);
         const int u0 = st * QMH_UPS;
@@ -167,16 +169,19 @@ qmm_half_shared(const qmh_args p) {
         __syncwarp();   // the other lanes' copies of this warp's rows
         qms_bar_wait(&full[s], (int) ((j - j0) / STAGES) & 1);
 
-        const char * rows[1][2];
+        const char * rows[RT][2];
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            rows[0][h] = stage + (warp * QMM_MMA_ROWS + 8 * h + g) * pitch;
+        for (int r = 0; r < RT; ++r) {
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                rows[r][h] = stage + (warp * RW + QMM_MMA_ROWS * r + 8 * h + g) * pitch;
+            }
         }
 #pragma unroll
         for (int u = 0; u < QMH_UPS; ++u) {
             if (u0 + u < n_units) {
                 const qmh_cols_half<NT> x = {(const half *) (stage + w_bytes + u * qmh_act_bytes(p.npad))};
-                qmh_unit_q4_k<NT, 1>(rows, u, x, t4, acc);
+                qmh_unit_q4_k<NT, RT>(rows, u, x, t4, acc);
             }
         }
         // this warp is done with the stage: its own rows refill at once, the shared activations once every warp is
@@ -200,9 +205,9 @@ qmm_half_shared(const qmh_args p) {
         // the segment [first item of this tile in this block, j] is done
         const int64_t t0 = (int64_t) tile * n_stages, t1 = t0 + n_stages;
         const int pb0 = qmh_block_of(t0, items, P), pb1 = qmh_block_of(t1 - 1, items, P);
-        const int r0 = tile * shape::rows + warp * QMM_MMA_ROWS;
-        auto store = [&](int t, int i, float v) {
-            const int row = r0 + 8 * (i / 2) + g, col = 8 * t + 2 * t4 + i % 2;
+        const int r0 = tile * shape::rows + warp * RW;
+        auto store = [&](int r, int t, int i, float v) {
+            const int row = r0 + QMM_MMA_ROWS * r + 8 * (i / 2) + g, col = 8 * t + 2 * t4 + i % 2;
             if (row < p.M && col < p.N) {
                 if (p.add != nullptr) {
                     v = __fadd_rn(v, p.add[(size_t) col * p.stride_col_add + row]);
@@ -212,11 +217,14 @@ qmm_half_shared(const qmh_args p) {
         };
         if (pb0 == pb1) {   // the whole tile is this block's
 #pragma unroll
-            for (int t = 0; t < NT; ++t) {
+            for (int r = 0; r < RT; ++r) {
 #pragma unroll
-                for (int i = 0; i < 4; ++i) {
-                    store(t, i, acc[0][t][i]);
-                    acc[0][t][i] = 0.0f;
+                for (int t = 0; t < NT; ++t) {
+#pragma unroll
+                    for (int i = 0; i < 4; ++i) {
+                        store(r, t, i, acc[r][t][i]);
+                        acc[r][t][i] = 0.0f;
+                    }
                 }
             }
             continue;
@@ -226,14 +234,17 @@ qmm_half_shared(const qmh_args p) {
             const int first_tile = (int) (qmh_first_item(pb, items, P) / n_stages);
             return p.ws + ((size_t) pb * 2 + (tile == first_tile ? 0 : 1)) * shape::frag;
         };
-        auto at = [&](int t, int i) { return ((warp * NT + t) * 4 + i) * WARP_SIZE + lane; };
+        auto at = [&](int r, int t, int i) { return (((warp * RT + r) * NT + t) * 4 + i) * WARP_SIZE + lane; };
         float * mine = slot(blockIdx.x);
 #pragma unroll
-        for (int t = 0; t < NT; ++t) {
+        for (int r = 0; r < RT; ++r) {
 #pragma unroll
-            for (int i = 0; i < 4; ++i) {
-                mine[at(t, i)] = acc[0][t][i];
-                acc[0][t][i] = 0.0f;
+            for (int t = 0; t < NT; ++t) {
+#pragma unroll
+                for (int i = 0; i < 4; ++i) {
+                    mine[at(r, t, i)] = acc[r][t][i];
+                    acc[r][t][i] = 0.0f;
+                }
             }
         }
         __threadfence();
@@ -247,14 +258,17 @@ qmm_half_shared(const qmh_args p) {
         }
         __threadfence();   // the other segments' sums, written before their blocks counted, are visible
 #pragma unroll
-        for (int t = 0; t < NT; ++t) {
+        for (int r = 0; r < RT; ++r) {
 #pragma unroll
-            for (int i = 0; i < 4; ++i) {
-                float sum = __ldcg(slot(pb0) + at(t, i));
-                for (int pb = pb0 + 1; pb <= pb1; ++pb) {
-                    sum = __fadd_rn(sum, __ldcg(slot(pb) + at(t, i)));
+            for (int t = 0; t < NT; ++t) {
+#pragma unroll
+                for (int i = 0; i < 4; ++i) {
+                    float sum = __ldcg(slot(pb0) + at(r, t, i));
+                    for (int pb = pb0 + 1; pb <= pb1; ++pb) {
+                        sum = __fadd_rn(sum, __ldcg(slot(pb) + at(r, t, i)));
+                    }
+                    store(r, t, i, sum);
                 }
-                store(t, i, sum);
             }
         }
         if (lane == 0 && warp == 0) {
@@ -264,18 +278,19 @@ qmm_half_shared(const qmh_args p) {
 }
 
 // Shared memory of a CUDA block
-template <int NT, int NW, int STAGES> constexpr size_t qmh_smem_bytes() {
-    return (size_t) STAGES * (qmh_shape<NT, NW>::rows * qmh_pitch() + QMH_UPS * qmh_act_bytes(8 * NT));
+template <int NT, int RT, int NW, int STAGES> constexpr size_t qmh_smem_bytes() {
+    return (size_t) STAGES * (qmh_shape<NT, RT, NW>::rows * qmh_pitch() + QMH_UPS * qmh_act_bytes(8 * NT));
 }
 
 // The shape ggml_qmatmul runs, from the H100 sweep of tools/qmm_lab.cu (docs/benchmarks.md, "An f16 kernel for
 // verify"): 16 warps a block, one block per SM, 2 stages
+#define QMH_RUN_RT     1
 #define QMH_RUN_WARPS  16
 #define QMH_RUN_STAGES 2
 
 // Row tiles of the f16 kernel for M rows (at most QMH_MAX_TILES)
 static int qmh_tiles(int M) {
-    return (M + qmh_shape<1, QMH_RUN_WARPS>::rows - 1) / qmh_shape<1, QMH_RUN_WARPS>::rows;
+    return (M + qmh_shape<1, QMH_RUN_RT, QMH_RUN_WARPS>::rows - 1) / qmh_shape<1, QMH_RUN_RT, QMH_RUN_WARPS>::rows;
 }
 
 // CUDA blocks of its grid: one per SM, no more than there are items (each block must get one). Depends on the
@@ -286,12 +301,12 @@ static int qmh_grid(int M, int K, int n_sm) {
 
 // Workspace floats for nt column tiles and a grid of P blocks
 static size_t qmh_ws_floats(int nt, int P) {
-    return (size_t) P * 2 * QMH_RUN_WARPS * nt * 4 * WARP_SIZE;
+    return (size_t) P * 2 * QMH_RUN_WARPS * QMH_RUN_RT * nt * 4 * WARP_SIZE;
 }
 
 template <int NT> static void qmh_launch(const qmh_args & p, int device, int P, cudaStream_t stream) {
-    constexpr auto kernel = qmm_half_shared<NT, QMH_RUN_WARPS, QMH_RUN_STAGES, 1>;
-    constexpr size_t smem = qmh_smem_bytes<NT, QMH_RUN_WARPS, QMH_RUN_STAGES>();
+    constexpr auto kernel = qmm_half_shared<NT, QMH_RUN_RT, QMH_RUN_WARPS, QMH_RUN_STAGES, 1>;
+    constexpr size_t smem = qmh_smem_bytes<NT, QMH_RUN_RT, QMH_RUN_WARPS, QMH_RUN_STAGES>();
     static bool smem_allowed[GGML_CUDA_MAX_DEVICES] = {};
     if (!smem_allowed[device]) {
         CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int) smem));
