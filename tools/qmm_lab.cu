@@ -536,9 +536,8 @@ template <ggml_type type> static void run_shared(const shape & sh, const std::ve
         };
         // (row tiles per warp, warps, stages, blocks per SM)
         variant("f16 rt1 w16 s2 x1", 1, 256, [&](const qmh_args & a, int P) { shared_any<1, 16, 2, 1>(a, P, st); });
-        variant("f16 rt2 w16 s2 x1", 1, 512, [&](const qmh_args & a, int P) { shared_any<2, 16, 2, 1>(a, P, st); });
-        variant("f16 rt2 w8 s3 x1", 1, 256, [&](const qmh_args & a, int P) { shared_any<2, 8, 3, 1>(a, P, st); });
-        variant("f16 rt2 w8 s2 x2", 2, 256, [&](const qmh_args & a, int P) { shared_any<2, 8, 2, 2>(a, P, st); });
+        variant("f16 rt1 w16 s2 x2", 2, 256, [&](const qmh_args & a, int P) { shared_any<1, 16, 2, 2>(a, P, st); });
+        variant("f16 rt1 w8 s2 x3", 3, 128, [&](const qmh_args & a, int P) { shared_any<1, 8, 2, 3>(a, P, st); });
         fflush(stdout);
         CK(cudaFree(hx));
         CK(cudaFree(sx.yqh));
