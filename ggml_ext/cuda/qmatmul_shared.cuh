@@ -215,18 +215,23 @@ qmm_half_shared(const qmh_args p) {
                 p.dst[(size_t) col * p.stride_col_dst + row] = v;
             }
         };
-        if (pb0 == pb1) {   // the whole tile is this block's
+        auto each_output = [&](auto && f) {   // f(r, t, i) for each of this thread's accumulators
 #pragma unroll
             for (int r = 0; r < RT; ++r) {
 #pragma unroll
                 for (int t = 0; t < NT; ++t) {
 #pragma unroll
                     for (int i = 0; i < 4; ++i) {
-                        store(r, t, i, acc[r][t][i]);
-                        acc[r][t][i] = 0.0f;
+                        f(r, t, i);
                     }
                 }
             }
+        };
+        if (pb0 == pb1) {   // the whole tile is this block's
+            each_output([&](int r, int t, int i) {
+                store(r, t, i, acc[r][t][i]);
+                acc[r][t][i] = 0.0f;
+            });
             continue;
         }
         // a block's partial-sum slot for a tile: 0 for the first tile of its range, 1 for its last
@@ -236,17 +241,10 @@ qmm_half_shared(const qmh_args p) {
         };
         auto at = [&](int r, int t, int i) { return (((warp * RT + r) * NT + t) * 4 + i) * WARP_SIZE + lane; };
         float * mine = slot(blockIdx.x);
-#pragma unroll
-        for (int r = 0; r < RT; ++r) {
-#pragma unroll
-            for (int t = 0; t < NT; ++t) {
-#pragma unroll
-                for (int i = 0; i < 4; ++i) {
-                    mine[at(r, t, i)] = acc[r][t][i];
-                    acc[r][t][i] = 0.0f;
-                }
-            }
-        }
+        each_output([&](int r, int t, int i) {
+            mine[at(r, t, i)] = acc[r][t][i];
+            acc[r][t][i] = 0.0f;
+        });
         __threadfence();
         __syncthreads();
         if (lane == 0 && warp == 0) {
@@ -257,20 +255,13 @@ qmm_half_shared(const qmh_args p) {
             continue;
         }
         __threadfence();   // the other segments' sums, written before their blocks counted, are visible
-#pragma unroll
-        for (int r = 0; r < RT; ++r) {
-#pragma unroll
-            for (int t = 0; t < NT; ++t) {
-#pragma unroll
-                for (int i = 0; i < 4; ++i) {
-                    float sum = __ldcg(slot(pb0) + at(r, t, i));
-                    for (int pb = pb0 + 1; pb <= pb1; ++pb) {
-                        sum = __fadd_rn(sum, __ldcg(slot(pb) + at(r, t, i)));
-                    }
-                    store(r, t, i, sum);
-                }
+        each_output([&](int r, int t, int i) {
+            float sum = __ldcg(slot(pb0) + at(r, t, i));
+            for (int pb = pb0 + 1; pb <= pb1; ++pb) {
+                sum = __fadd_rn(sum, __ldcg(slot(pb) + at(r, t, i)));
             }
-        }
+            store(r, t, i, sum);
+        });
         if (lane == 0 && warp == 0) {
             qmh_counters[tile] = 0;
         }
