@@ -90,7 +90,7 @@ def kernel_mode() -> str:
     if bitexact_enabled():
         return "bit-exact"
     name = {"1": "qmatmul", "0": "ggml", "auto": "auto"}[mode]
-    return name + "+f16" if mode != "0" and qmatmul_f16_enabled() else name
+    return name + "+f16" if qmatmul_f16_enabled() else name
 
 
 def _buffer_of(w: ggml.Tensor):
