@@ -96,10 +96,8 @@ static void gdn_tree(const struct ggml_compute_params * params, struct ggml_tens
     float * S     = (float *) params->wdata + params->ith * gdn_tree_scratch_f32(dst);
     float * delta = S + D;
 
-    const int64_t nr = H * n_s;
-    const int64_t dr = (nr + params->nth - 1) / params->nth;
-    const int64_t ir0 = dr * params->ith;
-    const int64_t ir1 = MIN(ir0 + dr, nr);
+    int64_t ir0, ir1;   // this thread's (head, sequence) pairs
+    ggml_ext_thread_rows(H * n_s, params->ith, params->nth, &ir0, &ir1);
 
     for (int64_t ir = ir0; ir < ir1; ++ir) {
         const int64_t h = ir % H;
@@ -186,10 +184,8 @@ void ggml_ext_cpu_gated_delta_net_path(const struct ggml_compute_params * params
 
     float * decay = (float *) params->wdata + params->ith * (S_v + GGML_EXT_LINE_F32);
 
-    const int64_t nr  = H * n_s;
-    const int64_t dr  = (nr + params->nth - 1) / params->nth;
-    const int64_t ir0 = dr * params->ith;
-    const int64_t ir1 = MIN(ir0 + dr, nr);
+    int64_t ir0, ir1;   // this thread's (head, sequence) pairs
+    ggml_ext_thread_rows(H * n_s, params->ith, params->nth, &ir0, &ir1);
 
     for (int64_t ir = ir0; ir < ir1; ++ir) {
         const int64_t h = ir % H;

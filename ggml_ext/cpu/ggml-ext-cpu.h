@@ -14,6 +14,14 @@ void   ggml_ext_cpu_compute_forward(const struct ggml_compute_params * params, s
 int    ggml_ext_cpu_n_tasks(const struct ggml_tensor * node, int n_threads);
 size_t ggml_ext_cpu_work_size(const struct ggml_tensor * node, int n_tasks);
 
+// Thread ith of nth's share of n rows, [*r0, *r1): contiguous runs of ceil(n / nth) (empty for the last threads
+// when n is small)
+static inline void ggml_ext_thread_rows(int64_t n, int ith, int nth, int64_t * r0, int64_t * r1) {
+    const int64_t per_thread = (n + nth - 1) / nth;
+    *r0 = per_thread * ith;
+    *r1 = *r0 + per_thread < n ? *r0 + per_thread : n;
+}
+
 // one function per op
 void ggml_ext_cpu_ssm_conv_tree(const struct ggml_compute_params * params, struct ggml_tensor * dst);
 void ggml_ext_cpu_gated_delta_net_tree(const struct ggml_compute_params * params, struct ggml_tensor * dst);

@@ -48,9 +48,8 @@ void ggml_ext_cpu_qmatmul(const struct ggml_compute_params * params, struct ggml
     const ggml_to_float_t to_float = ggml_get_type_traits(w->type)->to_float;
 
     float * row = (float *) params->wdata + params->ith * (K + 16);
-    const int64_t per_thread = (M + params->nth - 1) / params->nth;
-    const int64_t r0 = per_thread * params->ith;
-    const int64_t r1 = MIN(r0 + per_thread, M);
+    int64_t r0, r1;   // this thread's weight rows
+    ggml_ext_thread_rows(M, params->ith, params->nth, &r0, &r1);
 
     float eps;
     memcpy(&eps, &dst->op_params[1], sizeof(float));

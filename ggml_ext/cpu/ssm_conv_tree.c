@@ -32,9 +32,8 @@ void ggml_ext_cpu_ssm_conv_tree(const struct ggml_compute_params * params, struc
     GGML_ASSERT(d_conv <= GGML_EXT_MAX_CONV);
     GGML_ASSERT(sx->nb[0] == sizeof(float) && c->nb[0] == sizeof(float));
 
-    const int per_thread = (d_inner + params->nth - 1) / params->nth;
-    const int r0 = per_thread * params->ith;
-    const int r1 = MIN(r0 + per_thread, d_inner);
+    int64_t r0, r1;   // this thread's channels
+    ggml_ext_thread_rows(d_inner, params->ith, params->nth, &r0, &r1);
 
     int cols[GGML_EXT_MAX_CONV];
     int identity[GGML_EXT_MAX_CONV];
