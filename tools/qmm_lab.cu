@@ -148,6 +148,42 @@ static void random_activations(int K, int npad, int n_cols, int8_t * & yq, float
     CK(cudaMemcpy(yds, hds.data(), hds.size() * sizeof(float2), cudaMemcpyHostToDevice));
 }
 
+// One shape's test bench: its weight copies, npad activation columns (qmm_quantize_x's layout) of which the first
+// n_cols random, and an output buffer of npad columns; freed with it
+struct lab_case {
+    size_t bytes;                       // of one weight copy
+    std::vector<const char *> Ws;
+    int npad;
+    int8_t * yq;
+    float2 * yds;
+    float * dst;
+    const shape & sh;
+    cudaStream_t st;
+
+    lab_case(const shape & sh_, int npad_, int n_cols, cudaStream_t st_) : npad(npad_), sh(sh_), st(st_) {
+        Ws = weight_copies(sh, bytes);
+        random_activations(sh.K, npad, n_cols, yq, yds);
+        CK(cudaMalloc(&dst, (size_t) sh.M * 4 * npad));
+    }
+    ~lab_case() {
+        for (const char * w : Ws) CK(cudaFree((void *) w));
+        CK(cudaFree(yq));
+        CK(cudaFree(yds));
+        CK(cudaFree(dst));
+    }
+
+    // the first N columns launch() writes into dst (poisoned before)
+    template <typename F> std::vector<float> output(int N, F launch) const {
+        CK(cudaMemset(dst, 0xFF, (size_t) sh.M * 4 * npad));
+        launch();
+        CK(cudaStreamSynchronize(st));
+        CK(cudaGetLastError());
+        std::vector<float> out((size_t) sh.M * N);
+        CK(cudaMemcpy(out.data(), dst, out.size() * 4, cudaMemcpyDeviceToHost));
+        return out;
+    }
+};
+
 static __global__ void read_kernel(const uint4 * p, size_t n, unsigned * out) {
     unsigned x = 0;
     for (size_t i = blockIdx.x * (size_t) blockDim.x + threadIdx.x; i < n; i += (size_t) gridDim.x * blockDim.x) {
@@ -240,24 +276,18 @@ template <ggml_type type, int NT, int RT> static void mma_launch(const qmm_args 
 
 template <ggml_type type> static void run_shape(const shape & sh, int n_sm, double read_gbs, cudaStream_t st) {
     const int nb = sh.K / QK_K;
-    size_t bytes;
-    const std::vector<const char *> Ws = weight_copies(sh, bytes);
-    const int copies = (int) Ws.size();
-    const int npad = 8;
-    int8_t * yq;
-    float2 * yds;
-    float * dst;
-    random_activations(sh.K, npad, 1, yq, yds);
-    CK(cudaMalloc(&dst, (size_t) sh.M * 4 * 8));
+    const lab_case lc(sh, 8, 1, st);
+    const std::vector<const char *> & Ws = lc.Ws;
+    const size_t bytes = lc.bytes;
+    const int copies = (int) Ws.size(), npad = lc.npad;
+    int8_t * const yq = lc.yq;
+    float2 * const yds = lc.yds;
+    float * const dst = lc.dst;
 
     // the reference: the tensor-core kernel at one column tile, one row tile
     qmm_args m = {Ws[0], yq, yds, dst, nb, sh.K, sh.M, 1, npad, sh.M};
     auto mma = [&](const qmm_args & q) { mma_launch<type, 1, 1>(q, false, st); };
-    mma(m);
-    CK(cudaStreamSynchronize(st));
-    CK(cudaGetLastError());
-    std::vector<float> ref(sh.M);
-    CK(cudaMemcpy(ref.data(), dst, ref.size() * 4, cudaMemcpyDeviceToHost));
+    const std::vector<float> ref = lc.output(1, [&] { mma(m); });
     std::vector<candidate> cands;
     cands.push_back({"read (same bytes)", time_graph([&](int c) {
         read_kernel<<<n_sm * 8, 256, 0, st>>>((const uint4 *) Ws[c], bytes / 16, (unsigned *) dst);
@@ -282,10 +312,6 @@ template <ggml_type type> static void run_shape(const shape & sh, int n_sm, doub
                100.0 * bytes / c.us / 1e3 / read_gbs, c.same ? "bit-identical" : "DIFFERS");
     }
     fflush(stdout);
-    for (const char * w : Ws) CK(cudaFree((void *) w));
-    CK(cudaFree(yq));
-    CK(cudaFree(yds));
-    CK(cudaFree(dst));
 }
 
 // --- Several columns: the tensor-core kernel ----------------------------------------------------------------------
@@ -334,27 +360,15 @@ template <ggml_type type> static void staged_run(const qmm_args & q, int rt, cud
 
 template <ggml_type type> static void run_cols(const shape & sh, const std::vector<int> & cols, cudaStream_t st) {
     const int nb = sh.K / QK_K;
-    size_t bytes;
-    const std::vector<const char *> Ws = weight_copies(sh, bytes);
-    const int copies = (int) Ws.size();
-    const int npad = 48;   // activations of 48 columns; a call with N columns reads the first N (npad stays 48)
-    int8_t * yq;
-    float2 * yds;
-    float * dst;
-    random_activations(sh.K, npad, npad, yq, yds);
-    CK(cudaMalloc(&dst, (size_t) sh.M * 4 * npad));
-    // the output of launch(), which writes q.N columns into dst
-    auto output = [&](const qmm_args & q, auto launch) {
-        CK(cudaMemset(dst, 0xFF, (size_t) sh.M * 4 * npad));
-        launch();
-        CK(cudaStreamSynchronize(st));
-        CK(cudaGetLastError());
-        std::vector<float> out((size_t) sh.M * q.N);
-        CK(cudaMemcpy(out.data(), dst, out.size() * 4, cudaMemcpyDeviceToHost));
-        return out;
-    };
+    const lab_case lc(sh, 48, 48, st);   // a call with N columns reads the first N (npad stays 48)
+    const std::vector<const char *> & Ws = lc.Ws;
+    const size_t bytes = lc.bytes;
+    const int copies = (int) Ws.size(), npad = lc.npad;
+    int8_t * const yq = lc.yq;
+    float2 * const yds = lc.yds;
+    float * const dst = lc.dst;
     auto result = [&](const qmm_args & q, int rt, bool old) {
-        return output(q, [&] { mma_any<type>(q, rt, old, st); });
+        return lc.output(q.N, [&] { mma_any<type>(q, rt, old, st); });
     };
     const qmm_args one = {Ws[0], yq, yds, dst, nb, sh.K, sh.M, 1, npad, sh.M};
     const std::vector<float> col0 = result(one, 1, false);   // column 0 alone: every other call must give its bits
@@ -390,7 +404,7 @@ template <ggml_type type> static void run_cols(const shape & sh, const std::vect
                 sq.yq   = sx.yqh;
                 sq.yds  = sx.yds;
                 sq.npad = 8 * ((N + 7) / 8);
-                const std::vector<float> sg = output(sq, [&] { staged_run<type>(sq, rt, st); });
+                const std::vector<float> sg = lc.output(N, [&] { staged_run<type>(sq, rt, st); });
                 const bool ssame = memcmp(sg.data(), got.data(), got.size() * 4) == 0;
                 const double sus = time_graph([&](int c) { qmm_args b = sq; b.W = Ws[c]; staged_run<type>(b, rt, st); }, copies, st);
                 printf("         staged  %8.1f us  %s\n", sus, ssame ? "bit-identical" : "DIFFERS");
@@ -402,10 +416,6 @@ template <ggml_type type> static void run_cols(const shape & sh, const std::vect
         }
     }
     fflush(stdout);
-    for (const char * w : Ws) CK(cudaFree((void *) w));
-    CK(cudaFree(yq));
-    CK(cudaFree(yds));
-    CK(cudaFree(dst));
 }
 
 // --- Several columns: the f16 kernel of qmatmul_shared.cuh against the best of the others -------------------
@@ -464,26 +474,15 @@ static half * half_layout(const int8_t * yq, const float2 * yds, int K, int npad
 template <ggml_type type> static void run_shared(const shape & sh, const std::vector<int> & cols, int n_sm, cudaStream_t st) {
     static_assert(type == GGML_TYPE_Q4_K, "the f16 kernel is Q4_K's");
     const int nb = sh.K / QK_K;
-    size_t bytes;
-    const std::vector<const char *> Ws = weight_copies(sh, bytes);
-    const int copies = (int) Ws.size();
-    const int npad = 48;
-    int8_t * yq;
-    float2 * yds;
-    float * dst;
-    random_activations(sh.K, npad, npad, yq, yds);
-    CK(cudaMalloc(&dst, (size_t) sh.M * 4 * npad));
+    const lab_case lc(sh, 48, 48, st);
+    const std::vector<const char *> & Ws = lc.Ws;
+    const size_t bytes = lc.bytes;
+    const int copies = (int) Ws.size(), npad = lc.npad;
+    int8_t * const yq = lc.yq;
+    float2 * const yds = lc.yds;
+    float * const dst = lc.dst;
     float * ws;
     CK(cudaMalloc(&ws, (size_t) 2 * n_sm * 2 * 16 * 2 * 6 * 4 * WARP_SIZE * sizeof(float)));
-    auto output = [&](int N, auto launch) {
-        CK(cudaMemset(dst, 0xFF, (size_t) sh.M * 4 * npad));
-        launch();
-        CK(cudaStreamSynchronize(st));
-        CK(cudaGetLastError());
-        std::vector<float> out((size_t) sh.M * N);
-        CK(cudaMemcpy(out.data(), dst, out.size() * 4, cudaMemcpyDeviceToHost));
-        return out;
-    };
     const double gb = bytes / 1e3;
     printf("%s %dx%d %s, %.1f MB, %d copies (us per call, GB/s of weights)\n", sh.name, sh.M, sh.K,
            type == GGML_TYPE_Q4_K ? "Q4_K" : type == GGML_TYPE_Q5_K ? "Q5_K" : "Q6_K", bytes / 1e6, copies);
@@ -496,7 +495,7 @@ template <ggml_type type> static void run_shared(const shape & sh, const std::ve
         std::vector<float> ref;
         for (int rt : {1, 2, 4}) {
             const qmm_args q = {Ws[0], yq, yds, dst, nb, sh.K, sh.M, N, npad, sh.M};
-            if (ref.empty()) ref = output(N, [&] { mma_any<type>(q, rt, false, st); });
+            if (ref.empty()) ref = lc.output(N, [&] { mma_any<type>(q, rt, false, st); });
             const double us = profile ? 0.0 : time_graph([&](int c) { qmm_args b = q; b.W = Ws[c]; mma_any<type>(b, rt, false, st); }, copies, st);
             if (us < best) { best = us; best_name = rt == 1 ? "mma rt1" : rt == 2 ? "mma rt2" : "mma rt4"; }
         }
@@ -519,7 +518,7 @@ template <ggml_type type> static void run_shared(const shape & sh, const std::ve
             qmh_args a = {Ws[0], hx, dst, nb, sh.K, sh.M, N, 8 * nt, sh.M, nullptr, 0, ws};
             const int P = (int) std::min<int64_t>((int64_t) n_sm * per_sm,
                                                   (int64_t) (sh.M + block_rows - 1) / block_rows * (sh.K / QK_K));
-            const std::vector<float> got = output(N, [&] { launch(a, P); });
+            const std::vector<float> got = lc.output(N, [&] { launch(a, P); });
             if (N == cols[0]) col0[v] = std::vector<float>(got.begin(), got.begin() + sh.M);
             const bool same = memcmp(got.data(), col0[v].data(), (size_t) sh.M * 4) == 0;
             double maxdiff = 0.0, maxref = 0.0;
@@ -543,10 +542,6 @@ template <ggml_type type> static void run_shared(const shape & sh, const std::ve
         CK(cudaFree(sx.yqh));
         CK(cudaFree(sx.yds));
     }
-    for (const char * w : Ws) CK(cudaFree((void *) w));
-    CK(cudaFree(yq));
-    CK(cudaFree(yds));
-    CK(cudaFree(dst));
     CK(cudaFree(ws));
 }
 
