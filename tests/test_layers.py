@@ -118,18 +118,20 @@ def test_default_rule_for_device_weights(qmatmul_default, monkeypatch):
     assert layers.kernel_mode() == "ggml"
 
 
-def test_f16_kernel_takes_large_q4_k_matrices_up_to_48_columns(qmatmul_default, monkeypatch):
-    """auto on a GPU with the f16 kernel (layers._streams): Q4_K matrices of more than QMATMUL_F16_MIN_ROWS rows go
-    to ggml_qmatmul up to its 48-column limit (the f16 kernel from 9 columns), other types keep 4..24;
-    PYDFLASH_QMATMUL_F16=0 gives the int8 rule back."""
+def test_f16_kernel_takes_large_q4_k_and_q6_k_matrices_up_to_48_columns(qmatmul_default, monkeypatch):
+    """auto on a GPU with the f16 kernel (layers._streams): Q4_K and Q6_K matrices of at least QMATMUL_F16_MIN_ITEMS
+    (256-row tile, K unit) pairs go to ggml_qmatmul up to its 48-column limit (the f16 kernel from 9 columns), Q5_K
+    keeps 4..24; PYDFLASH_QMATMUL_F16=0 gives the int8 rule back."""
     monkeypatch.setattr(layers, "_on_device", lambda w: True)
     monkeypatch.setattr(layers, "_streams", lambda w: True)
     monkeypatch.delenv("PYDFLASH_QMATMUL_F16", raising=False)
-    rows = layers.QMATMUL_F16_MIN_ROWS + 256
-    def taken(wtype):
+    rows = 256 * layers.QMATMUL_F16_MIN_ITEMS   # (K = 256: one unit a row)
+    def taken(wtype, rows=rows):
         return [n for n in range(1, 50) if _route(None, wtype, n, rows=rows) == ggml.Op.QMATMUL]
     assert taken(ggml.Type.Q4_K) == [1] + list(range(4, 49))
-    assert taken(ggml.Type.Q6_K) == [1] + list(range(4, 25))
+    assert taken(ggml.Type.Q6_K) == [1] + list(range(4, 49))
+    assert taken(ggml.Type.Q5_K) == [1] + list(range(4, 25))
+    assert taken(ggml.Type.Q4_K, rows - 256) == [1] + list(range(4, 25))
     assert layers.kernel_mode() == "auto+f16"
     monkeypatch.setenv("PYDFLASH_QMATMUL_F16", "0")
     assert taken(ggml.Type.Q4_K) == [1] + list(range(4, 25))

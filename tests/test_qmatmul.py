@@ -336,6 +336,27 @@ def q4_k_f16_parts(w_data: np.ndarray, K: int, M: int) -> tuple[np.ndarray, np.n
     return w.astype(np.float64).reshape(M, K), dm.astype(np.float64).reshape(M, K // 32)
 
 
+def q6_k_f16_parts(w_data: np.ndarray, K: int, M: int) -> tuple[np.ndarray, np.ndarray]:
+    """Q6_K weights as the f16 kernel rounds them (qmatmul_half.cuh): w [M, K] = round_f16(round_f16(d * sc) * q),
+    q the 6-bit value minus 32, sc the 16-value group's int8 scale; no minima (zeros [M, K / 32])."""
+    blocks = np.frombuffer(np.ascontiguousarray(w_data).tobytes(), dtype=np.uint8).reshape(M * K // 256, 210)
+    ql, qh = blocks[:, :128].astype(np.int32), blocks[:, 128:192].astype(np.int32)
+    sc = blocks[:, 192:208].copy().view(np.int8).astype(np.float32)
+    d = blocks[:, 208:210].copy().view(np.float16).astype(np.float32)
+    q = np.empty((len(blocks), 256), np.int32)   # values 128 hh + 32 c + l
+    for hh in range(2):
+        for c in range(4):
+            lo = (ql[:, 64 * hh + 32 * (c % 2):][:, :32] >> (4 * (c // 2))) & 15
+            hi = (qh[:, 32 * hh:32 * hh + 32] >> (2 * c)) & 3
+            q[:, 128 * hh + 32 * c:128 * hh + 32 * c + 32] = (lo | (hi << 4)) - 32
+    dsc = (d * sc).astype(np.float16).astype(np.float32)   # [blocks, 16]: one per 16 values
+    w = (np.repeat(dsc, 16, axis=1) * q.astype(np.float32)).astype(np.float16)
+    return w.astype(np.float64).reshape(M, K), np.zeros((M, K // 32))
+
+
+F16_PARTS = {ggml.Type.Q4_K: q4_k_f16_parts, ggml.Type.Q6_K: q6_k_f16_parts}
+
+
 def f16_reference(x: np.ndarray, w16: np.ndarray, dm: np.ndarray) -> np.ndarray:
     """What the f16 kernel computes in float64: x rounded to f16, each 32-value sub-block's sum of those rounded to
     f16, sum(w x) - sum(dm * sums)."""
@@ -351,21 +372,23 @@ def f16_kernel_or_skip(backend):
 
 # Shapes of the f16 kernel's cases: few row tiles of 256 rows, each cut over many CUDA blocks (every tile finished
 # from several blocks' partial sums); and more items than SMs (blocks running parts of two tiles), rows ending in
-# a partial tile.
+# a partial tile. Q6_K: 11 and 5 units a row, so rows start at every even offset from a 16-byte boundary and the
+# matrix ends past its last one.
 F16_SHAPES = ((2816, 301), (1280, 7001))
 
 
 @pytest.mark.cuda
-def test_qmatmul_f16_kernel_matches_its_rounding_and_keeps_columns_apart(rng):
-    """ggml.QMATMUL_F16 (Q4_K): within 2e-5 of float64 on its documented roundings (f16 weights and activations,
-    f16 sub-block sums), 5x further from the unrounded product (so a kernel that skipped a rounding could not pass);
+@pytest.mark.parametrize("wtype", [ggml.Type.Q4_K, ggml.Type.Q6_K], ids=["Q4_K", "Q6_K"])
+def test_qmatmul_f16_kernel_matches_its_rounding_and_keeps_columns_apart(rng, wtype):
+    """ggml.QMATMUL_F16: within 2e-5 of float64 on its documented roundings (f16 weights and activations, f16
+    sub-block sums), 5x further from the unrounded product (so a kernel that skipped a rounding could not pass);
     column j bit-identical alone or among N; plain, RMS-normed and gated columns, and with a residual added."""
     backend = ggml.Backend("cuda")
     f16_kernel_or_skip(backend)
     F16 = ggml.QMATMUL_F16
     for K, M in F16_SHAPES:
-        op, w_ref = make(backend, rng, ggml.Type.Q4_K, {ggml.Type.Q4_K: (K, M)})
-        w16, dm = q4_k_f16_parts(op.w_data, K, M)
+        op, w_ref = make(backend, rng, wtype, {wtype: (K, M)})
+        w16, dm = F16_PARTS[wtype](op.w_data, K, M)
         assert rel_err(w16 - np.repeat(dm, 32, axis=1), w_ref) < 1e-3   # the decoder reads the blocks right
         x = rng.standard_normal((48, K)).astype(np.float32)
         full = op.run(x, row_tiles=F16)
@@ -394,9 +417,9 @@ def test_qmatmul_f16_kernel_matches_its_rounding_and_keeps_columns_apart(rng):
 
 @pytest.mark.cuda
 def test_qmatmul_f16_request_falls_back_where_there_is_none(rng):
-    """Q6_K has no f16 kernel: asked for it, ggml_qmatmul gives the int8 kernels' own choice, bit for bit."""
+    """Q5_K has no f16 kernel: asked for it, ggml_qmatmul gives the int8 kernels' own choice, bit for bit."""
     backend = ggml.Backend("cuda")
-    op, _ = make(backend, rng, ggml.Type.Q6_K, SHAPES_TALL)
+    op, _ = make(backend, rng, ggml.Type.Q5_K, SHAPES_TALL)
     x = rng.standard_normal((23, op.K)).astype(np.float32)
     assert np.array_equal(op.run(x, row_tiles=ggml.QMATMUL_F16), op.run(x))
 
@@ -447,21 +470,29 @@ def test_qmatmul_rejects_bad_input():
                      norm=ctx.new_tensor(np.float32, (96,)))
 
 
-def test_f16_kernel_taken_for_large_q4_k_matrices_from_9_columns_outside_bit_exact_mode(monkeypatch):
-    """layers.qmatmul_row_tiles: the f16 kernel for a Q4_K weight of more than QMATMUL_F16_MIN_ROWS rows from
-    QMATMUL_F16_MIN_COLS columns on a GPU that has it; not for Q6_K, short matrices, few columns, other GPUs, with
-    PYDFLASH_QMATMUL_F16=0, PYDFLASH_QMATMUL=1 or in bit-exact mode (which keep every column's bits whatever N)."""
+def test_f16_kernel_taken_for_large_q4_k_and_q6_k_matrices_from_9_columns_outside_bit_exact_mode(monkeypatch):
+    """layers.qmatmul_row_tiles: the f16 kernel for a Q4_K or Q6_K weight of at least QMATMUL_F16_MIN_ITEMS
+    (256-row tile, 256-value unit) pairs from QMATMUL_F16_MIN_COLS columns on a GPU that has it; not for Q5_K,
+    small matrices, few columns, other GPUs, with PYDFLASH_QMATMUL_F16=0, PYDFLASH_QMATMUL=1 or in bit-exact mode
+    (which keep every column's bits whatever N)."""
     from pydflash.models import layers
-    ctx = ggml.Context(n_tensors=8)
-    big = ctx.new_tensor(ggml.Type.Q4_K, (5120, 34816))
+    ctx = ggml.Context(n_tensors=16)
+    big = ctx.new_tensor(ggml.Type.Q4_K, (5120, 34816))   # the 27B's FFN gate/up: 136 x 20 items
     for var in ("PYDFLASH_QMATMUL_F16", "PYDFLASH_BITEXACT", "PYDFLASH_QMATMUL"):
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setattr(layers, "_streams", lambda w: True)
     assert layers.qmatmul_row_tiles(big, 23) == ggml.QMATMUL_F16
     assert layers.qmatmul_row_tiles(big, 9) == ggml.QMATMUL_F16
     assert layers.qmatmul_row_tiles(big, 8) == 0
-    assert layers.qmatmul_row_tiles(ctx.new_tensor(ggml.Type.Q4_K, (5120, 16480)), 23) == 0   # 27B GDN input
-    assert layers.qmatmul_row_tiles(ctx.new_tensor(ggml.Type.Q6_K, (5120, 34816)), 23) == 0
+    for wtype, ne, f16 in ((ggml.Type.Q6_K, (17408, 5120), True),    # FFN down: 20 x 68
+                           (ggml.Type.Q4_K, (17408, 5120), True),
+                           (ggml.Type.Q6_K, (5120, 248320), True),   # LM head
+                           (ggml.Type.Q4_K, (5120, 13312), True),    # attention Q/K: 52 x 20 = 1,040
+                           (ggml.Type.Q4_K, (5120, 12544), False),   # 49 x 20
+                           (ggml.Type.Q4_K, (6144, 5120), False),    # GDN output: 20 x 24
+                           (ggml.Type.Q6_K, (5120, 1024), False),    # attention V
+                           (ggml.Type.Q5_K, (5120, 34816), False)):
+        assert (layers.qmatmul_row_tiles(ctx.new_tensor(wtype, ne), 23) == ggml.QMATMUL_F16) == f16, (wtype, ne)
     monkeypatch.setenv("PYDFLASH_QMATMUL_F16", "0")
     assert layers.qmatmul_row_tiles(big, 23) == 0
     monkeypatch.delenv("PYDFLASH_QMATMUL_F16")

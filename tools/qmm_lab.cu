@@ -8,10 +8,12 @@
 //        -Iggml_ext/include -Iggml_ext/cuda -I$GGML/include -I$GGML/src -I$GGML/src/ggml-cuda
 //   /tmp/qmm_lab [shape ...]        (shapes: the names in SHAPES below; default all)
 //
-// QMM_LAB_SHARED=1 with QMM_LAB_COLS: the f16 kernel of qmatmul_shared.cuh (Q4_K shapes) at each column count and
-// several (warps, stages, blocks per SM), beside the best of qmm_mma / its staged form (and the streaming kernel at
-// one column), on the same activation values rounded to f16; checking that its column 0 has the same bits at every
-// N and how far it is from qmm_mma's result (the f16 roundings of the weights and activations).
+// QMM_LAB_SHARED=1 with QMM_LAB_COLS: the f16 kernel of qmatmul_shared.cuh (Q4_K and Q6_K shapes) at each column
+// count and several (warps, stages, blocks per SM), beside the best of qmm_mma / its staged form (and the streaming
+// kernel at one column), on the same activation values rounded to f16; checking that its column 0 has the same bits
+// at every N and how far it is from qmm_mma's result (the f16 roundings of the weights and activations); and where
+// one call's time goes (QMH_TRACE: the CUDA blocks' start, first stage in, last item done, exit, us from the
+// first start: median and latest).
 //
 // QMM_LAB_COLS=1,8,23,48 times the tensor-core kernel instead, at those column counts and each row-tile count,
 // checking that a column's result does not depend on how many columns come with it (and from 9 columns, at 1 and 2
@@ -24,6 +26,7 @@
 // of one launch per copy; the time is the median over repetitions, per launch.
 
 #include "qmatmul_staged.cuh"
+#define QMH_TRACE   // the f16 kernel records when each CUDA block starts, gets its first stage, ends its items, exits
 #include "qmatmul_shared.cuh"
 #ifdef QMM_LAB_BASELINE
 #include QMM_LAB_BASELINE
@@ -420,24 +423,25 @@ template <ggml_type type> static void run_cols(const shape & sh, const std::vect
 
 // --- Several columns: the f16 kernel of qmatmul_shared.cuh against the best of the others -------------------
 
-template <int NT, int RT, int NW, int S, int MB> static void shared_launch(const qmh_args & a, int P, cudaStream_t st) {
-    constexpr size_t smem = qmh_smem_bytes<NT, RT, NW, S>();
+template <ggml_type type, int NT, int RT, int NW, int S, int MB>
+static void shared_launch(const qmh_args & a, int P, cudaStream_t st) {
+    constexpr size_t smem = qmh_smem_bytes<type, NT, RT, NW, S>();
     static bool set = false;
     if (!set) {
-        CK(cudaFuncSetAttribute(qmm_half_shared<NT, RT, NW, S, MB>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int) smem));
+        CK(cudaFuncSetAttribute(qmm_half_shared<type, NT, RT, NW, S, MB>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int) smem));
         set = true;
     }
-    qmm_half_shared<NT, RT, NW, S, MB><<<P, dim3(WARP_SIZE, NW), smem, st>>>(a);
+    qmm_half_shared<type, NT, RT, NW, S, MB><<<P, dim3(WARP_SIZE, NW), smem, st>>>(a);
 }
 
-template <int RT, int NW, int S, int MB> static void shared_any(const qmh_args & a, int P, cudaStream_t st) {
+template <ggml_type type, int RT, int NW, int S, int MB> static void shared_any(const qmh_args & a, int P, cudaStream_t st) {
     switch (a.npad / 8) {
-        case 1: shared_launch<1, RT, NW, S, MB>(a, P, st); break;
-        case 2: shared_launch<2, RT, NW, S, MB>(a, P, st); break;
-        case 3: shared_launch<3, RT, NW, S, MB>(a, P, st); break;
-        case 4: shared_launch<4, RT, NW, S, MB>(a, P, st); break;
-        case 5: shared_launch<5, RT, NW, S, MB>(a, P, st); break;
-        default: shared_launch<6, RT, NW, S, MB>(a, P, st); break;
+        case 1: shared_launch<type, 1, RT, NW, S, MB>(a, P, st); break;
+        case 2: shared_launch<type, 2, RT, NW, S, MB>(a, P, st); break;
+        case 3: shared_launch<type, 3, RT, NW, S, MB>(a, P, st); break;
+        case 4: shared_launch<type, 4, RT, NW, S, MB>(a, P, st); break;
+        case 5: shared_launch<type, 5, RT, NW, S, MB>(a, P, st); break;
+        default: shared_launch<type, 6, RT, NW, S, MB>(a, P, st); break;
     }
 }
 
@@ -472,7 +476,7 @@ static half * half_layout(const int8_t * yq, const float2 * yds, int K, int npad
 }
 
 template <ggml_type type> static void run_shared(const shape & sh, const std::vector<int> & cols, int n_sm, cudaStream_t st) {
-    static_assert(type == GGML_TYPE_Q4_K, "the f16 kernel is Q4_K's");
+    static_assert(type == GGML_TYPE_Q4_K || type == GGML_TYPE_Q6_K, "the f16 kernel's types");
     const int nb = sh.K / QK_K;
     const lab_case lc(sh, 48, 48, st);
     const std::vector<const char *> & Ws = lc.Ws;
@@ -531,12 +535,33 @@ template <ggml_type type> static void run_shared(const shape & sh, const std::ve
             const double us = profile ? 0.0 : time_graph([&](int c) { qmh_args b = a; b.W = Ws[c]; launch(b, P); }, copies, st);
             printf("        shared %-9s %7.1f us %5.0f GB/s  %.2fx best  col0 %s  max |diff| / max |mma| %.1e\n", name, us,
                    gb / us, us / best, same ? "same bits" : "DIFFERS", maxrel);
+            if (v == 0) {   // one call traced, after another on a different weight copy (as in the timed graph)
+                std::vector<unsigned long long> tr(4 * 1024, 0);
+                CK(cudaMemcpyToSymbol(qmh_trace, tr.data(), tr.size() * 8));
+                qmh_args b = a;
+                b.W = Ws[copies - 1];
+                launch(b, P);
+                b.W = Ws[0];
+                launch(b, P);
+                CK(cudaStreamSynchronize(st));
+                CK(cudaMemcpyFromSymbol(tr.data(), qmh_trace, tr.size() * 8));
+                unsigned long long t0 = ~0ull;
+                for (int i = 0; i < P; ++i) t0 = std::min(t0, tr[4 * i]);
+                printf("          trace (us from the first start; median / latest):");
+                for (int e = 0; e < 4; ++e) {
+                    std::vector<double> ev(P);
+                    for (int i = 0; i < P; ++i) ev[i] = (tr[4 * i + e] - t0) / 1e3;
+                    std::sort(ev.begin(), ev.end());
+                    printf("  %s %.1f / %.1f", e == 0 ? "start" : e == 1 ? "first stage" : e == 2 ? "items done" : "exit",
+                           ev[P / 2], ev[P - 1]);
+                }
+                printf("\n");
+            }
             ++v;
         };
         // (row tiles per warp, warps, stages, blocks per SM)
-        variant("f16 rt1 w16 s2 x1", 1, 256, [&](const qmh_args & a, int P) { shared_any<1, 16, 2, 1>(a, P, st); });
-        variant("f16 rt1 w16 s2 x2", 2, 256, [&](const qmh_args & a, int P) { shared_any<1, 16, 2, 2>(a, P, st); });
-        variant("f16 rt1 w8 s2 x3", 3, 128, [&](const qmh_args & a, int P) { shared_any<1, 8, 2, 3>(a, P, st); });
+        variant("f16 rt1 w16 s2 x1", 1, 256, [&](const qmh_args & a, int P) { shared_any<type, 1, 16, 2, 1>(a, P, st); });
+        variant("f16 rt1 w8 s3 x1", 1, 128, [&](const qmh_args & a, int P) { shared_any<type, 1, 8, 3, 1>(a, P, st); });
         fflush(stdout);
         CK(cudaFree(hx));
         CK(cudaFree(sx.yqh));
@@ -586,6 +611,7 @@ int main(int argc, char ** argv) {
         if (!cols.empty() && getenv("QMM_LAB_SHARED") != nullptr) {
             switch (sh.type) {
                 case GGML_TYPE_Q4_K: run_shared<GGML_TYPE_Q4_K>(sh, cols, prop.multiProcessorCount, st); break;
+                case GGML_TYPE_Q6_K: run_shared<GGML_TYPE_Q6_K>(sh, cols, prop.multiProcessorCount, st); break;
                 default: break;
             }
             continue;

@@ -448,7 +448,8 @@ static void qmm_prepare_x(ggml_backend_cuda_context & ctx, const ggml_tensor * x
                             up ? (int64_t) (up->nb[1] / sizeof(float)) : 0, layout);
 }
 
-// Q4_K through the f16 kernel (qmatmul_shared.cuh): K a multiple of 256, Hopper
+// Q4_K or Q6_K through the f16 kernel (qmatmul_shared.cuh): K a multiple of 256, Hopper
+template <ggml_type type>
 static void qmatmul_half(ggml_backend_cuda_context & ctx, const ggml_tensor * w, const ggml_tensor * x, ggml_tensor * dst) {
     const int K = (int) w->ne[0], M = (int) w->ne[1], N = (int) x->ne[1];
     const int nt = (N + 7) / 8, npad = 8 * nt;
@@ -461,7 +462,7 @@ static void qmatmul_half(ggml_backend_cuda_context & ctx, const ggml_tensor * w,
     const qmh_args p = {(const char *) w->data, (const half *) xh.get(), (float *) dst->data, (int) (K / QK_K), K, M,
                         N, npad, (int) (dst->nb[1] / sizeof(float)), add ? (const float *) add->data : nullptr,
                         add ? (int) (add->nb[1] / sizeof(float)) : 0, ws.get()};
-    qmh_run(p, ctx.device, P, ctx.stream());
+    qmh_run<type>(p, ctx.device, P, ctx.stream());
 }
 
 template <ggml_type type>
@@ -475,9 +476,11 @@ static void qmatmul_mma(ggml_backend_cuda_context & ctx, const ggml_tensor * w, 
     int forced = dst->op_params[0];   // row_tiles (ggml_qmatmul): 0 = choose here, < 0 the staged kernel
     const bool hopper = ggml_ext_cuda_qmatmul_streams(ctx.device);
     if (forced == GGML_EXT_QMATMUL_F16) {
-        if (type == GGML_TYPE_Q4_K && hopper && K % QMM_UNIT == 0) {
-            qmatmul_half(ctx, w, x, dst);
-            return;
+        if constexpr (type == GGML_TYPE_Q4_K || type == GGML_TYPE_Q6_K) {
+            if (hopper && K % QMM_UNIT == 0) {
+                qmatmul_half<type>(ctx, w, x, dst);
+                return;
+            }
         }
         forced = 0;   // no f16 kernel here: the kernel's own choice
     }

@@ -1,11 +1,12 @@
-// ggml_qmatmul's f16 arithmetic (Q4_K; the shared-stage kernel of qmatmul_shared.cuh with HALF): the weights of a
+// ggml_qmatmul's f16 arithmetic (Q4_K, Q6_K; the shared-stage kernel of qmatmul_shared.cuh): the weights of a
 // K unit dequantised to f16 once for all columns, f16 activations, f16 MMAs (m16n8k16) accumulating in f32 across
 // the whole of K. What it saves against the int8 path of qmatmul_mma.cuh: there every 32-value group ends in float
 // work per output (scale, convert, accumulate: ~16 float instructions per MMA, so the cost grows with the column
 // count); here the per-column work is the MMA alone, and the weight work (a few half2 instructions per value pair)
 // is paid once whatever the column count.
 //
-// Numbers: a weight is round_f16(round_f16(d * sc) * q) (Q4_K's dmin * m term likewise, as round_f16(dmin * m)),
+// Numbers: a weight is round_f16(round_f16(d * sc) * q) (Q4_K's dmin * m term likewise, as round_f16(dmin * m);
+// Q6_K's q is its 6-bit value minus 32, its sc the 16-value group's signed 8-bit scale),
 // an activation round_f16(x); the products are exact in the MMA and summed in f32. Q4_K's minimum: sum over a
 // sub-block of -dmin*m * x = -dmin*m * (sum of its x): the 8 sub-block sums of a column (f32 sums of the f16 values,
 // rounded to f16) sit after its 256 values, and one more MMA per unit takes them (k slots 0-7; 8-15 zero).
@@ -64,9 +65,9 @@ template <int NT> struct qmh_cols_half {
     }
 };
 
-// One Q4_K unit (super-block) u of this thread's rows (rows[r][h]: row 16 r + 8 h + g), into acc
+// One Q4_K unit (super-block) of this thread's rows (rows[r][h]: row 16 r + 8 h + g's unit), into acc
 template <int NT, int RT>
-static __device__ __forceinline__ void qmh_unit_q4_k(const char * const (&rows)[RT][2], int u, const qmh_cols_half<NT> & x,
+static __device__ __forceinline__ void qmh_unit_q4_k(const char * const (&rows)[RT][2], const qmh_cols_half<NT> & x,
                                                      int t4, float (&acc)[RT][NT][4]) {
     uint32_t dsc[RT][2][4];   // d * sc of sub-blocks (0, 1), (2, 3), (4, 5), (6, 7) as half2
     uint32_t amin[RT][2];     // -dmin * m of sub-blocks 2 t4, 2 t4 + 1: the minimum MMA's A
@@ -74,7 +75,7 @@ static __device__ __forceinline__ void qmh_unit_q4_k(const char * const (&rows)[
     for (int r = 0; r < RT; ++r) {
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-            const uint4 hd = *(const uint4 *) (rows[r][h] + (size_t) u * sizeof(block_q4_K));
+            const uint4 hd = *(const uint4 *) rows[r][h];
             const qmm_k4_scales k4 = qmm_k4_unpack(hd);   // (its float d, dmin unused: the f16 ones are hd.x)
             const half2 dm = qmh_u2h(hd.x);
             const half2 d2 = __low2half2(dm), nmin2 = __hneg2(__high2half2(dm));
@@ -93,7 +94,7 @@ static __device__ __forceinline__ void qmh_unit_q4_k(const char * const (&rows)[
         for (int r = 0; r < RT; ++r) {
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
-                qs[r][h] = *(const uint2 *) (rows[r][h] + (size_t) u * sizeof(block_q4_K) + 16 + 32 * j + 8 * t4);
+                qs[r][h] = *(const uint2 *) (rows[r][h] + 16 + 32 * j + 8 * t4);
             }
         }
 #pragma unroll
@@ -141,6 +142,108 @@ static __device__ __forceinline__ void qmh_unit_q4_k(const char * const (&rows)[
         for (int r = 0; r < RT; ++r) {
             const uint32_t a[4] = {amin[r][0], amin[r][1], 0u, 0u};
             mma_f16_k16(acc[r][t], a, bm, 0u);
+        }
+    }
+}
+
+// One Q6_K unit of this thread's rows (rows[r][h]: row 16 r + 8 h + g's unit, at an even shared-memory address), into
+// acc. The unit is ql[128] (low nibbles), qh[64] (2 high bits), scales[16] (int8, one per 16 values), d (f16); the
+// 32 values 128 hh + 32 c + l (l < 32) are (ql[64 hh + 32 (c % 2) + l] >> 4 (c / 2)) & 15, plus qh[32 hh + l]'s bits
+// 2c, 2c + 1 as 16, 32, minus 32, scaled by scales[8 hh + 2 c + l / 16]. Thread t4 of a quad holds l = 8 t4 .. + 7 of
+// each such run, as in the Q4_K unit (one scale for all 8).
+template <int NT, int RT>
+static __device__ __forceinline__ void qmh_unit_q6_k(const char * const (&rows)[RT][2], const qmh_cols_half<NT> & x,
+                                                     int t4, float (&acc)[RT][NT][4]) {
+    static_assert(sizeof(block_q6_K) == 210, "unexpected Q6_K block layout");   // ql[128], qh[64], scales[16], d
+    // a unit's aligned words, and the byte permute that realigns a word pair starting 2 bytes in (units start at
+    // even bytes: every field read below is at a multiple of 4 from the unit's start)
+    const uint32_t * base[RT][2];
+    uint32_t sel[RT][2];
+#pragma unroll
+    for (int r = 0; r < RT; ++r) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int mis = (int) ((uintptr_t) rows[r][h] & 3);
+            base[r][h] = (const uint32_t *) (rows[r][h] - mis);
+            sel[r][h]  = mis ? 0x5432 : 0x3210;
+        }
+    }
+    auto word = [&](int r, int h, int byte) {   // the unit's 4 bytes at `byte` (a multiple of 4)
+        const uint32_t * w = base[r][h] + byte / 4;
+        return __byte_perm(w[0], w[1], sel[r][h]);
+    };
+    auto words = [&](int r, int h, int byte) {   // 8 bytes
+        const uint32_t * w = base[r][h] + byte / 4;
+        const uint32_t w1 = w[1];
+        return make_uint2(__byte_perm(w[0], w1, sel[r][h]), __byte_perm(w1, w[2], sel[r][h]));
+    };
+    // d * sc of groups 8 hh + 2 c + t4 / 2 as half2 pairs: dsc[.][.][2 hh + c / 2] holds c = 2 (c / 2) and the next;
+    // an int8 scale is exact in f16 as (1024 + 128 + sc) - 1152
+    uint32_t dsc[RT][2][4];
+    const uint32_t pick = 0x4040u | (t4 / 2) | ((2 + t4 / 2) << 8);   // bytes t4 / 2 and 2 + t4 / 2, then 0x64
+    const half2 k1152 = __float2half2_rn(1152.0f);
+#pragma unroll
+    for (int r = 0; r < RT; ++r) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const half2 d2 = __low2half2(qmh_u2h(word(r, h, 208)));
+#pragma unroll
+            for (int q = 0; q < 4; ++q) {
+                const uint32_t sc = __byte_perm(word(r, h, 192 + 4 * q) ^ 0x80808080u, 0x64, pick);
+                dsc[r][h][q] = qmh_h2u(__hmul2(__hsub2(qmh_u2h(sc), k1152), d2));
+            }
+        }
+    }
+    const half2 k1056 = __float2half2_rn(1056.0f);
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+        uint2 ql[RT][2][2], qh[RT][2];   // ql bytes 64 hh + 32 i + 8 t4 .. + 7, qh bytes 32 hh + 8 t4 .. + 7
+#pragma unroll
+        for (int r = 0; r < RT; ++r) {
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                ql[r][h][0] = words(r, h, 64 * hh + 8 * t4);
+                ql[r][h][1] = words(r, h, 64 * hh + 32 + 8 * t4);
+                qh[r][h]    = words(r, h, 128 + 32 * hh + 8 * t4);
+            }
+        }
+#pragma unroll
+        for (int c = 0; c < 4; ++c) {   // values 128 hh + 32 c + 8 t4 .. + 7: the activations' sub-block 4 hh + c
+            uint4 b[NT];
+#pragma unroll
+            for (int t = 0; t < NT; ++t) {
+                b[t] = x.b16(t, 4 * hh + c);
+            }
+#pragma unroll
+            for (int step = 0; step < 2; ++step) {   // values 8 t4 + 4 step .. + 3
+                uint32_t a[RT][4];
+#pragma unroll
+                for (int r = 0; r < RT; ++r) {
+#pragma unroll
+                    for (int h = 0; h < 2; ++h) {
+                        const uint32_t wl = step ? ql[r][h][c % 2].y : ql[r][h][c % 2].x;
+                        const uint32_t wh = step ? qh[r][h].y : qh[r][h].x;
+                        const uint32_t lo = c < 2 ? wl : wl >> 4;
+                        const uint32_t hi = c == 0 ? wh << 4 : c == 1 ? wh << 2 : c == 2 ? wh : wh >> 2;
+                        const uint32_t v  = (lo & 0x0F0F0F0Fu) | (hi & 0x30303030u);   // four 6-bit values
+                        const half2 sc2 = c % 2 ? __high2half2(qmh_u2h(dsc[r][h][2 * hh + c / 2]))
+                                                : __low2half2(qmh_u2h(dsc[r][h][2 * hh + c / 2]));
+                        // the exact values minus 32: 1024 + v by its bits, minus 1056
+                        const half2 v01 = __hsub2(qmh_u2h(__byte_perm(v, 0x64, 0x4140)), k1056);
+                        const half2 v23 = __hsub2(qmh_u2h(__byte_perm(v, 0x64, 0x4342)), k1056);
+                        a[r][h]     = qmh_h2u(__hmul2(v01, sc2));   // a0/a1: rows g/g+8, k slots 2t4, 2t4+1
+                        a[r][h + 2] = qmh_h2u(__hmul2(v23, sc2));   // a2/a3: k slots 2t4+8, 2t4+9
+                    }
+                }
+#pragma unroll
+                for (int t = 0; t < NT; ++t) {
+                    const uint32_t b0 = step ? b[t].z : b[t].x, b1 = step ? b[t].w : b[t].y;
+#pragma unroll
+                    for (int r = 0; r < RT; ++r) {
+                        mma_f16_k16(acc[r][t], a[r], b0, b1);
+                    }
+                }
+            }
         }
     }
 }

@@ -1,4 +1,4 @@
-// ggml_qmatmul's f16 kernel (Hopper, Q4_K; row_tiles GGML_EXT_QMATMUL_F16): the f16 arithmetic of qmatmul_half.cuh fed from
+// ggml_qmatmul's f16 kernel (Hopper, Q4_K and Q6_K; row_tiles GGML_EXT_QMATMUL_F16): the f16 arithmetic of qmatmul_half.cuh fed from
 // a ring of shared-memory stages that hold both a stage's weights and its activations, shared by all the warps of a
 // CUDA block, the work cut "stream-K" over a fixed set of blocks.
 //
@@ -9,7 +9,7 @@
 // (a CUDA block: NW x 16 rows), each stage of K comes into shared memory once for all of them, and the
 // per-column work is the MMA alone.
 //
-// The work: T row tiles (of a block's rows) times S stages of K (QMH_UPS units each) are T * S items in tile-major
+// The work: T row tiles (of a block's rows) times S stages of K (one 256-value unit each) are T * S items in tile-major
 // order; CUDA block p of P runs items [p T S / P, (p + 1) T S / P), so every block gets the same share (no tail
 // wave: P is the SM count). A block's run of items within one tile is a segment; a tile cut into several segments
 // is finished by the block that completes it last: the partial sums of its segments, from a workspace, added in
@@ -19,19 +19,30 @@
 //
 // Stages: each warp copies its own rows of a stage with cp.async (16 bytes a lane), and starts the next copy into a
 // stage as soon as it is done with it; the activations of a stage (one bulk copy, counted on the stage's mbarrier)
-// are refilled by the last warp to finish with it.
+// are refilled by the last warp to finish with it. A row's unit is copied from the 16-byte boundary at or before
+// its first byte (Q6_K's 210-byte units start at any even byte), so it sits in shared memory at that offset.
 
 #pragma once
 
 #include "qmatmul_stream.cuh"
 #include "qmatmul_half.cuh"
 
-#define QMH_UPS 1   // K units (256 values) per stage
+// A weight type's K unit: its bytes, and the 16-byte chunks a row's unit is copied in (from the boundary at or before
+// its first byte: Q4_K rows and units start at 16-byte boundaries, Q6_K's at even bytes)
+template <ggml_type type> struct qmh_type;
+template <> struct qmh_type<GGML_TYPE_Q4_K> {
+    static constexpr int bytes = sizeof(block_q4_K), chunks = bytes / 16;
+    static constexpr bool aligned = true;
+};
+template <> struct qmh_type<GGML_TYPE_Q6_K> {
+    static constexpr int bytes = sizeof(block_q6_K), chunks = (bytes + 14 + 15) / 16;
+    static constexpr bool aligned = false;
+};
 
-// Shared-memory bytes per Q4_K weight row of a stage, rounded up to a multiple of 16 whose word count is 8 or 24
-// modulo 32 (the 8-byte loads of a warp's 4 row groups then hit distinct banks)
-__host__ __device__ constexpr int qmh_pitch() {
-    int p = QMH_UPS * (int) sizeof(block_q4_K);
+// Shared-memory bytes per weight row of a stage: its chunks, rounded up to a multiple of 16 whose word count is 8 or
+// 24 modulo 32 (the 8-byte loads of a warp's 4 row groups then hit distinct banks)
+template <ggml_type type> __host__ __device__ constexpr int qmh_pitch() {
+    int p = 16 * qmh_type<type>::chunks;
     while ((p / 4) % 32 != 8 && (p / 4) % 32 != 24) {
         p += 16;
     }
@@ -42,6 +53,16 @@ __host__ __device__ constexpr int qmh_pitch() {
 __host__ __device__ constexpr int qmh_act_bytes(int npad) {
     return npad * QMH_HALF_PITCH * (int) sizeof(half);
 }
+
+// QMH_TRACE (tools/qmm_lab.cu only): each CUDA block's global times at entry, first stage in, last item computed
+// and exit, for where a call's time goes
+#ifdef QMH_TRACE
+static __device__ unsigned long long qmh_trace[4 * 1024];
+#define QMH_TRACE_AT(i) do { if (threadIdx.x == 0 && threadIdx.y == 0) { unsigned long long t_; \
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t_)); qmh_trace[4 * blockIdx.x + (i)] = t_; } } while (0)
+#else
+#define QMH_TRACE_AT(i) do { } while (0)
+#endif
 
 struct qmh_args {
     const char * W;
@@ -80,31 +101,30 @@ static __device__ __forceinline__ void qmh_cp16(char * smem, const char * gmem) 
 
 // NW warps of RT 16-row tiles each, a ring of STAGES stages, MINB CUDA blocks per SM (the grid: MINB per SM, at most
 // the item count). K: a multiple of 256.
-template <int NT, int RT, int NW, int STAGES, int MINB>
+template <ggml_type type, int NT, int RT, int NW, int STAGES, int MINB>
 static __global__ void __launch_bounds__(NW * WARP_SIZE, MINB)
 qmm_half_shared(const qmh_args p) {
     using shape = qmh_shape<NT, RT, NW>;
     constexpr int RW      = shape::warp_rows;
-    constexpr int ub      = sizeof(block_q4_K);        // bytes of a K unit in a row
-    constexpr int pitch   = qmh_pitch();
+    constexpr int ub      = qmh_type<type>::bytes;     // bytes of a K unit in a row
+    constexpr int pitch   = qmh_pitch<type>();
     constexpr int w_bytes = shape::rows * pitch;
-    constexpr int CH      = QMH_UPS * ub / 16;         // 16-byte chunks of a row's stage
+    constexpr int CH      = qmh_type<type>::chunks;    // 16-byte chunks of a row's stage
     constexpr int KC      = (RW * CH + WARP_SIZE - 1) / WARP_SIZE;   // chunks per lane
-    static_assert(ub % 16 == 0, "Q4_K rows and units start at 16-byte boundaries");
     extern __shared__ __align__(128) char qmh_smem[];
     __shared__ uint64_t full[STAGES];   // a stage's activations have landed
     __shared__ int done[STAGES];        // warps done with a stage
     __shared__ int last;
+    QMH_TRACE_AT(0);
 
     const int lane = threadIdx.x, warp = threadIdx.y, t4 = lane % 4, g = lane / 4;
-    const int n_units  = p.K / QMM_UNIT;
-    const int n_stages = (n_units + QMH_UPS - 1) / QMH_UPS;   // per row tile
+    const int n_stages = p.K / QMM_UNIT;   // per row tile
     const int n_tiles  = (p.M + shape::rows - 1) / shape::rows;
     const int64_t items = (int64_t) n_tiles * n_stages;
     const int P = gridDim.x;
     const int64_t j0 = qmh_first_item(blockIdx.x, items, P), j1 = qmh_first_item(blockIdx.x + 1, items, P);
-    const int64_t row_bytes = (int64_t) p.nb * ub;
-    const int act_bytes   = QMH_UPS * qmh_act_bytes(p.npad);
+    const int64_t row_bytes = (int64_t) p.nb * ub, total = row_bytes * p.M;
+    const int act_bytes   = qmh_act_bytes(p.npad);
     const int stage_bytes = w_bytes + act_bytes;
 
     if (lane == 0 && warp == 0) {
@@ -116,26 +136,28 @@ qmm_half_shared(const qmh_args p) {
     __syncthreads();
 
     auto stage_of = [&](int64_t j) { return (int) ((j - j0) % STAGES); };
-    // this lane's chunks of its warp's rows: chunk i = lane + 32 k is row i / CH, 16 bytes at 16 (i % CH)
-    int src_off[KC], dst_off[KC], row_of[KC];
-#pragma unroll
-    for (int k = 0; k < KC; ++k) {
-        const int i = lane + WARP_SIZE * k;
-        row_of[k]  = i < RW * CH ? i / CH : RW;
-        src_off[k] = (int) ((i / CH) * row_bytes) + 16 * (i % CH);
-        dst_off[k] = (i / CH) * pitch + 16 * (i % CH);
-    }
-    // this warp's rows of item j (one commit group per item, empty past the block's last item)
+    // where unit u of row `row` starts in W
+    auto unit_at = [&](int row, int u) { return (int64_t) row * row_bytes + (int64_t) u * ub; };
+    // this warp's rows of item j (one commit group per item, empty past the block's last item); chunk i = lane + 32 k
+    // of them is row i / CH's 16 bytes at 16 (i % CH) from its unit's boundary
     auto ask_weights = [&](int64_t j) {
         if (j < j1) {
-            const int tile = (int) (j / n_stages), u0 = (int) (j % n_stages) * QMH_UPS;
+            const int tile = (int) (j / n_stages), u = (int) (j % n_stages);
             const int row0 = tile * shape::rows + warp * RW;
             char * wstage = qmh_smem + stage_of(j) * stage_bytes + warp * RW * pitch;
-            const char * base = p.W + (int64_t) row0 * row_bytes + (int64_t) u0 * ub;
 #pragma unroll
             for (int k = 0; k < KC; ++k) {
-                if (row_of[k] < min(RW, p.M - row0)) {
-                    qmh_cp16(wstage + dst_off[k], base + src_off[k]);
+                const int i = lane + WARP_SIZE * k, r = i / CH, c = i % CH;
+                if (i < RW * CH && r < p.M - row0) {
+                    const int64_t at = (unit_at(row0 + r, u) & ~(int64_t) 15) + 16 * c;
+                    char * to = wstage + r * pitch + 16 * c;
+                    if (qmh_type<type>::aligned || at + 16 <= total) {
+                        qmh_cp16(to, p.W + at);
+                    } else {   // the matrix's last bytes, past its last 16-byte boundary
+                        for (int64_t b = at; b < total; ++b) {
+                            to[b - at] = p.W[b];
+                        }
+                    }
                 }
             }
         }
@@ -143,11 +165,11 @@ qmm_half_shared(const qmh_args p) {
     };
     // the activations of item j (one bulk copy by one thread; they come from the previous kernel)
     auto ask_acts = [&](int64_t j) {
-        const int u0 = (int) (j % n_stages) * QMH_UPS, nu = min(QMH_UPS, n_units - u0);
+        const int u = (int) (j % n_stages);
         uint64_t * bar = &full[stage_of(j)];
-        qms_bar_expect(bar, nu * qmh_act_bytes(p.npad));
-        qms_bulk_copy(qmh_smem + stage_of(j) * stage_bytes + w_bytes,
-                      (const char *) p.x + (size_t) u0 * qmh_act_bytes(p.npad), nu * qmh_act_bytes(p.npad), bar);
+        qms_bar_expect(bar, act_bytes);
+        qms_bulk_copy(qmh_smem + stage_of(j) * stage_bytes + w_bytes, (const char *) p.x + (size_t) u * act_bytes,
+                      act_bytes, bar);
     };
     for (int64_t j = j0; j < j0 + STAGES; ++j) {   // the weights do not depend on the previous kernel
         ask_weights(j);
@@ -162,27 +184,35 @@ qmm_half_shared(const qmh_args p) {
     float acc[RT][NT][4] = {};
     for (int64_t j = j0; j < j1; ++j) {
         const int tile = (int) (j / n_stages), st = (int) (j % n_stages);
-        const int u0 = st * QMH_UPS;
         const int s = stage_of(j);
         const char * stage = qmh_smem + s * stage_bytes;
         asm volatile("cp.async.wait_group %0;" : : "n"(STAGES - 1) : "memory");
         __syncwarp();   // the other lanes' copies of this warp's rows
         qms_bar_wait(&full[s], (int) ((j - j0) / STAGES) & 1);
+        if (j == j0) {
+            QMH_TRACE_AT(1);
+        }
 
-        const char * rows[RT][2];
+        const char * rows[RT][2];   // this thread's rows' units in the stage
 #pragma unroll
         for (int r = 0; r < RT; ++r) {
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
-                rows[r][h] = stage + (warp * RW + QMM_MMA_ROWS * r + 8 * h + g) * pitch;
+                const int lr = warp * RW + QMM_MMA_ROWS * r + 8 * h + g;
+                rows[r][h] = stage + lr * pitch;
+                if (!qmh_type<type>::aligned) {
+                    rows[r][h] += (int) (unit_at(tile * shape::rows + lr, st) & 15);
+                }
             }
         }
-#pragma unroll
-        for (int u = 0; u < QMH_UPS; ++u) {
-            if (u0 + u < n_units) {
-                const qmh_cols_half<NT> x = {(const half *) (stage + w_bytes + u * qmh_act_bytes(p.npad))};
-                qmh_unit_q4_k<NT, RT>(rows, u, x, t4, acc);
-            }
+        const qmh_cols_half<NT> x = {(const half *) (stage + w_bytes)};
+        if constexpr (type == GGML_TYPE_Q4_K) {
+            qmh_unit_q4_k<NT, RT>(rows, x, t4, acc);
+        } else {
+            qmh_unit_q6_k<NT, RT>(rows, x, t4, acc);
+        }
+        if (j == j1 - 1) {
+            QMH_TRACE_AT(2);
         }
         // this warp is done with the stage: its own rows refill at once, the shared activations once every warp is
         // (by the last warp to finish)
@@ -255,22 +285,30 @@ qmm_half_shared(const qmh_args p) {
             continue;
         }
         __threadfence();   // the other segments' sums, written before their blocks counted, are visible
+        // added in segment order, a segment's sums for all of this thread's outputs asked for at once (one L2
+        // round trip per segment: output by output, a 5,120-row matrix cut over ~8 blocks a tile took ~40 us)
+        each_output([&](int r, int t, int i) { acc[r][t][i] = __ldcg(slot(pb0) + at(r, t, i)); });
+        for (int pb = pb0 + 1; pb <= pb1; ++pb) {
+            const float * part = slot(pb);
+            each_output([&](int r, int t, int i) { acc[r][t][i] = __fadd_rn(acc[r][t][i], __ldcg(part + at(r, t, i))); });
+        }
         each_output([&](int r, int t, int i) {
-            float sum = __ldcg(slot(pb0) + at(r, t, i));
-            for (int pb = pb0 + 1; pb <= pb1; ++pb) {
-                sum = __fadd_rn(sum, __ldcg(slot(pb) + at(r, t, i)));
-            }
-            store(r, t, i, sum);
+            store(r, t, i, acc[r][t][i]);
+            acc[r][t][i] = 0.0f;
         });
         if (lane == 0 && warp == 0) {
             qmh_counters[tile] = 0;
         }
     }
+#ifdef QMH_TRACE
+    __syncthreads();
+    QMH_TRACE_AT(3);
+#endif
 }
 
 // Shared memory of a CUDA block
-template <int NT, int RT, int NW, int STAGES> constexpr size_t qmh_smem_bytes() {
-    return (size_t) STAGES * (qmh_shape<NT, RT, NW>::rows * qmh_pitch() + QMH_UPS * qmh_act_bytes(8 * NT));
+template <ggml_type type, int NT, int RT, int NW, int STAGES> constexpr size_t qmh_smem_bytes() {
+    return (size_t) STAGES * (qmh_shape<NT, RT, NW>::rows * qmh_pitch<type>() + qmh_act_bytes(8 * NT));
 }
 
 // The shape ggml_qmatmul runs, from the H100 sweep of tools/qmm_lab.cu (docs/benchmarks.md, "An f16 kernel for
@@ -287,7 +325,7 @@ static int qmh_tiles(int M) {
 // CUDA blocks of its grid: one per SM, no more than there are items (each block must get one). Depends on the
 // shape and the GPU, never on N.
 static int qmh_grid(int M, int K, int n_sm) {
-    return (int) std::min<int64_t>(n_sm, (int64_t) qmh_tiles(M) * (K / QMM_UNIT / QMH_UPS));
+    return (int) std::min<int64_t>(n_sm, (int64_t) qmh_tiles(M) * (K / QMM_UNIT));
 }
 
 // Workspace floats for nt column tiles and a grid of P blocks
@@ -295,9 +333,9 @@ static size_t qmh_ws_floats(int nt, int P) {
     return (size_t) P * 2 * QMH_RUN_WARPS * QMH_RUN_RT * nt * 4 * WARP_SIZE;
 }
 
-template <int NT> static void qmh_launch(const qmh_args & p, int device, int P, cudaStream_t stream) {
-    constexpr auto kernel = qmm_half_shared<NT, QMH_RUN_RT, QMH_RUN_WARPS, QMH_RUN_STAGES, 1>;
-    constexpr size_t smem = qmh_smem_bytes<NT, QMH_RUN_RT, QMH_RUN_WARPS, QMH_RUN_STAGES>();
+template <ggml_type type, int NT> static void qmh_launch(const qmh_args & p, int device, int P, cudaStream_t stream) {
+    constexpr auto kernel = qmm_half_shared<type, NT, QMH_RUN_RT, QMH_RUN_WARPS, QMH_RUN_STAGES, 1>;
+    constexpr size_t smem = qmh_smem_bytes<type, NT, QMH_RUN_RT, QMH_RUN_WARPS, QMH_RUN_STAGES>();
     static bool smem_allowed[GGML_CUDA_MAX_DEVICES] = {};
     if (!smem_allowed[device]) {
         CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int) smem));
@@ -306,16 +344,16 @@ template <int NT> static void qmh_launch(const qmh_args & p, int device, int P, 
     ggml_cuda_kernel_launch(kernel, ggml_cuda_kernel_launch_params(dim3(P), dim3(WARP_SIZE, QMH_RUN_WARPS), smem, stream), p);
 }
 
-// W * X (Q4_K, K a multiple of 256) through the f16 kernel: p.x in qmatmul_half.cuh's layout, p.npad = 8 nt,
+// W * X (Q4_K or Q6_K, K a multiple of 256) through the f16 kernel: p.x in qmatmul_half.cuh's layout, p.npad = 8 nt,
 // p.ws of qmh_ws_floats(nt, P) floats, P = qmh_grid(M, K, SMs)
-static void qmh_run(const qmh_args & p, int device, int P, cudaStream_t stream) {
+template <ggml_type type> static void qmh_run(const qmh_args & p, int device, int P, cudaStream_t stream) {
     switch (p.npad / 8) {
-        case 1: qmh_launch<1>(p, device, P, stream); break;
-        case 2: qmh_launch<2>(p, device, P, stream); break;
-        case 3: qmh_launch<3>(p, device, P, stream); break;
-        case 4: qmh_launch<4>(p, device, P, stream); break;
-        case 5: qmh_launch<5>(p, device, P, stream); break;
-        case 6: qmh_launch<6>(p, device, P, stream); break;
+        case 1: qmh_launch<type, 1>(p, device, P, stream); break;
+        case 2: qmh_launch<type, 2>(p, device, P, stream); break;
+        case 3: qmh_launch<type, 3>(p, device, P, stream); break;
+        case 4: qmh_launch<type, 4>(p, device, P, stream); break;
+        case 5: qmh_launch<type, 5>(p, device, P, stream); break;
+        case 6: qmh_launch<type, 6>(p, device, P, stream); break;
         default: GGML_ABORT("ggml_qmatmul: %d column tiles", p.npad / 8);
     }
 }

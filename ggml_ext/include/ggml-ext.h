@@ -10,7 +10,7 @@ extern "C" {
 #endif
 
 // Bumped whenever an op's signature or semantics change; the Python bindings check it at load.
-#define GGML_EXT_ABI_VERSION 14
+#define GGML_EXT_ABI_VERSION 15
 
 // The number of ops in ggml-ext-ops.def.
 enum {
@@ -207,7 +207,7 @@ GGML_API bool ggml_qmatmul_supported(enum ggml_type type);
 // activation fragment it loads: 0 lets the kernel choose from M, N and the GPU; 1, 2 or 4 forces it; -1 or -2
 // forces it with the activations staged in shared memory (Hopper, Q4_K/Q5_K/Q6_K, N > 8; elsewhere as 1 or 2). A
 // knob for benchmarks: the result's bits do not depend on it.
-// GGML_EXT_QMATMUL_F16 instead takes the f16 kernel (Hopper, Q4_K, K a multiple of 256; elsewhere as 0): weights
+// GGML_EXT_QMATMUL_F16 instead takes the f16 kernel (Hopper, Q4_K/Q6_K, K a multiple of 256; elsewhere as 0): weights
 // dequantised to f16 and f16 activations, f32 sums, faster from ~9 columns on the large matrices. Its column j is
 // bit-identical whatever N is too, but it is not the int8 kernels' result: a caller that needs one token's result to
 // equal the same token's among many (bit-exact verify) passes the same row_tiles for both.

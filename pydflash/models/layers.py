@@ -123,12 +123,14 @@ def _takes_qmatmul(w: ggml.Tensor, x: ggml.Tensor) -> bool:
             and x.nb[0] == 4 and _on_device(w))
 
 
-# The f16 kernel (ggml.QMATMUL_F16; ggml_ext/cuda/qmatmul_shared.cuh): on Hopper, for Q4_K matrices of more than
-# QMATMUL_F16_MIN_ROWS rows from QMATMUL_F16_MIN_COLS columns on (H100, docs/benchmarks.md "An f16 kernel for
-# verify": the 27B FFN gate/up, 34,816 rows, at 9-48 columns 0.71-0.87x the int8 kernels' time; the 16,480- and
-# 13,312-row GDN and attention input products 1.02-1.25x, a 5,120-row matrix 2.5x: with fewer rows per SM its
-# pipeline's fill and the fix-up of tiles cut over several blocks weigh more). On the 27B that is the FFN gate/up.
-QMATMUL_F16_MIN_ROWS = 24576
+# The f16 kernel (ggml.QMATMUL_F16; ggml_ext/cuda/qmatmul_shared.cuh): on Hopper, for Q4_K and Q6_K matrices of at
+# least QMATMUL_F16_MIN_ITEMS (256-row tile, 256-value K unit) pairs, from QMATMUL_F16_MIN_COLS columns on (H100,
+# docs/benchmarks.md "The f16 kernel's fix-up, and Q6_K": at 23 columns 0.57-0.90x the int8 kernels' time on the
+# 27B's FFN gate/up (2,720 items), FFN down (Q6_K, 1,360), GDN input (1,300), attention Q/K (1,040) and LM head
+# (19,400); 0.97-0.98x at 9-16 columns on the two smallest; the GDN/attention output, 480 items, 1.15x: its
+# blocks each get under 4 items, too few to hide the pipeline's fill).
+QMATMUL_F16_TYPES = (ggml.Type.Q4_K, ggml.Type.Q6_K)
+QMATMUL_F16_MIN_ITEMS = 1000
 QMATMUL_F16_MIN_COLS = 9
 
 
@@ -143,8 +145,9 @@ def qmatmul_f16_enabled() -> bool:
 def qmatmul_row_tiles(w: ggml.Tensor, n_cols: int) -> int:
     """ggml.qmatmul's row_tiles for w times n_cols columns: the f16 kernel (ggml.QMATMUL_F16) where it is faster,
     else 0 (the int8 kernels' own choice)."""
-    if (qmatmul_f16_enabled() and w.type == ggml.Type.Q4_K and w.ne[0] % 256 == 0
-            and w.ne[1] > QMATMUL_F16_MIN_ROWS and n_cols >= QMATMUL_F16_MIN_COLS and _streams(w)):
+    items = -(-w.ne[1] // 256) * (w.ne[0] // 256)
+    if (qmatmul_f16_enabled() and w.type in QMATMUL_F16_TYPES and w.ne[0] % 256 == 0
+            and items >= QMATMUL_F16_MIN_ITEMS and n_cols >= QMATMUL_F16_MIN_COLS and _streams(w)):
         return ggml.QMATMUL_F16
     return 0
 
