@@ -536,7 +536,8 @@ template <ggml_type type> static void run_shared(const shape & sh, const std::ve
             printf("        shared %-9s %7.1f us %5.0f GB/s  %.2fx best  col0 %s  max |diff| / max |mma| %.1e\n", name, us,
                    gb / us, us / best, same ? "same bits" : "DIFFERS", maxrel);
             if (v == 0) {   // one call traced, after another on a different weight copy (as in the timed graph)
-                std::vector<unsigned long long> tr(4 * 1024, 0);
+                constexpr int E = QMH_TRACE_EVENTS;
+                std::vector<unsigned long long> tr(E * 1024, 0);
                 CK(cudaMemcpyToSymbol(qmh_trace, tr.data(), tr.size() * 8));
                 qmh_args b = a;
                 b.W = Ws[copies - 1];
@@ -546,14 +547,14 @@ template <ggml_type type> static void run_shared(const shape & sh, const std::ve
                 CK(cudaStreamSynchronize(st));
                 CK(cudaMemcpyFromSymbol(tr.data(), qmh_trace, tr.size() * 8));
                 unsigned long long t0 = ~0ull;
-                for (int i = 0; i < P; ++i) t0 = std::min(t0, tr[4 * i]);
+                for (int i = 0; i < P; ++i) t0 = std::min(t0, tr[E * i]);
+                static const char * names[E] = {"start", "asked", "weights in", "acts in", "items done", "exit"};
                 printf("          trace (us from the first start; median / latest):");
-                for (int e = 0; e < 4; ++e) {
+                for (int e = 0; e < E; ++e) {
                     std::vector<double> ev(P);
-                    for (int i = 0; i < P; ++i) ev[i] = (tr[4 * i + e] - t0) / 1e3;
+                    for (int i = 0; i < P; ++i) ev[i] = (tr[E * i + e] - t0) / 1e3;
                     std::sort(ev.begin(), ev.end());
-                    printf("  %s %.1f / %.1f", e == 0 ? "start" : e == 1 ? "first stage" : e == 2 ? "items done" : "exit",
-                           ev[P / 2], ev[P - 1]);
+                    printf("  %s %.1f / %.1f", names[e], ev[P / 2], ev[P - 1]);
                 }
                 printf("\n");
             }

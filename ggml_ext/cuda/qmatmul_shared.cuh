@@ -54,12 +54,13 @@ __host__ __device__ constexpr int qmh_act_bytes(int npad) {
     return npad * QMH_HALF_PITCH * (int) sizeof(half);
 }
 
-// QMH_TRACE (tools/qmm_lab.cu only): each CUDA block's global times at entry, first stage in, last item computed
-// and exit, for where a call's time goes
+// QMH_TRACE (tools/qmm_lab.cu only): each CUDA block's global times (QMH_TRACE_EVENTS: entry, first copies asked,
+// first stage's weights in, its activations in, last item computed, exit), for where a call's time goes
 #ifdef QMH_TRACE
-static __device__ unsigned long long qmh_trace[4 * 1024];
+#define QMH_TRACE_EVENTS 6
+static __device__ unsigned long long qmh_trace[QMH_TRACE_EVENTS * 1024];
 #define QMH_TRACE_AT(i) do { if (threadIdx.x == 0 && threadIdx.y == 0) { unsigned long long t_; \
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t_)); qmh_trace[4 * blockIdx.x + (i)] = t_; } } while (0)
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t_)); qmh_trace[QMH_TRACE_EVENTS * blockIdx.x + (i)] = t_; } } while (0)
 #else
 #define QMH_TRACE_AT(i) do { } while (0)
 #endif
@@ -171,14 +172,19 @@ qmm_half_shared(const qmh_args p) {
         qms_bulk_copy(qmh_smem + stage_of(j) * stage_bytes + w_bytes, (const char *) p.x + (size_t) u * act_bytes,
                       act_bytes, bar);
     };
-    for (int64_t j = j0; j < j0 + STAGES; ++j) {   // the weights do not depend on the previous kernel
-        ask_weights(j);
-    }
+    // the first stage's weights (they do not depend on the previous kernel), then its activations and the next
+    // stages': the copies a warp asks for are accepted at about the DRAM's pace, and the activations asked for
+    // after every stage's weights landed ~1 us after the first stage's weights (H100 trace, qmm_lab)
+    ask_weights(j0);
+    QMH_TRACE_AT(1);
     ggml_cuda_pdl_sync();
     if (lane == 0 && warp == 0) {
         for (int64_t j = j0; j < min(j0 + STAGES, j1); ++j) {
             ask_acts(j);
         }
+    }
+    for (int64_t j = j0 + 1; j < j0 + STAGES; ++j) {
+        ask_weights(j);
     }
 
     float acc[RT][NT][4] = {};
@@ -188,9 +194,12 @@ qmm_half_shared(const qmh_args p) {
         const char * stage = qmh_smem + s * stage_bytes;
         asm volatile("cp.async.wait_group %0;" : : "n"(STAGES - 1) : "memory");
         __syncwarp();   // the other lanes' copies of this warp's rows
+        if (j == j0) {
+            QMH_TRACE_AT(2);
+        }
         qms_bar_wait(&full[s], (int) ((j - j0) / STAGES) & 1);
         if (j == j0) {
-            QMH_TRACE_AT(1);
+            QMH_TRACE_AT(3);
         }
 
         const char * rows[RT][2];   // this thread's rows' units in the stage
@@ -212,7 +221,7 @@ qmm_half_shared(const qmh_args p) {
             qmh_unit_q6_k<NT, RT>(rows, x, t4, acc);
         }
         if (j == j1 - 1) {
-            QMH_TRACE_AT(2);
+            QMH_TRACE_AT(4);
         }
         // this warp is done with the stage: its own rows refill at once, the shared activations once every warp is
         // (by the last warp to finish)
@@ -288,6 +297,7 @@ qmm_half_shared(const qmh_args p) {
         // added in segment order, a segment's sums for all of this thread's outputs asked for at once (one L2
         // round trip per segment: output by output, a 5,120-row matrix cut over ~8 blocks a tile took ~40 us)
         each_output([&](int r, int t, int i) { acc[r][t][i] = __ldcg(slot(pb0) + at(r, t, i)); });
+#pragma unroll 4
         for (int pb = pb0 + 1; pb <= pb1; ++pb) {
             const float * part = slot(pb);
             each_output([&](int r, int t, int i) { acc[r][t][i] = __fadd_rn(acc[r][t][i], __ldcg(part + at(r, t, i))); });
@@ -302,7 +312,7 @@ qmm_half_shared(const qmh_args p) {
     }
 #ifdef QMH_TRACE
     __syncthreads();
-    QMH_TRACE_AT(3);
+    QMH_TRACE_AT(5);
 #endif
 }
 
