@@ -415,6 +415,67 @@ def test_qmatmul_f16_kernel_matches_its_rounding_and_keeps_columns_apart(rng, wt
                                   op.run_gated(x[:n], u, row_tiles=F16, separate=True)), f"N={n}: not ggml's swiglu"
 
 
+def bf16_case(backend, rng, K, M):
+    """A BF16 weight [M, K] (ggml's conversion) and its values in float64."""
+    w = rng.standard_normal((M, K)).astype(np.float32)
+    w_data = ggml.quantize(ggml.Type.BF16, w)
+    w_ref = dequantize(w_data, GGMLQuantizationType.BF16).astype(np.float64)
+    return QMatmul(backend, ggml.Type.BF16, w_data, K, M), w_ref
+
+
+def as_bf16(x: np.ndarray) -> np.ndarray:
+    """x rounded to bf16 (to nearest even), in float64."""
+    bits = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32).astype(np.uint64)
+    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16 << 16
+    return bits.astype(np.uint32).view(np.float32).astype(np.float64)
+
+
+def test_qmatmul_bf16_on_the_cpu_is_the_float_product(rng):
+    """BF16 weights (a DFlash draft's) on the CPU: its reference kernel (rows converted to f32, float sums) within
+    1e-5 of float64, x as given."""
+    op, w_ref = bf16_case(ggml.Backend("cpu"), rng, 800, 45)
+    for n in (1, 16, 48):
+        x = rng.standard_normal((n, op.K)).astype(np.float32)
+        err = rel_err(op.run(x), x.astype(np.float64) @ w_ref.T)
+        assert err < 1e-5, f"N={n}: relative error {err:.2e}"
+
+
+@pytest.mark.cuda
+def test_qmatmul_bf16_kernel_matches_its_rounding_and_keeps_columns_apart(rng):
+    """BF16 weights on CUDA: on Hopper with K a multiple of 256 the f16 kernel's bf16 form, whatever row_tiles says
+    (x rounded to bf16, exact products, f32 sums): within 2e-5 of float64 on x so rounded and 5x further from the
+    unrounded product; column j alone == among N; normed columns near the float64 normed product, gated and added
+    ones the bits of ggml's own swiglu before and add after.
+    Elsewhere (K = 800 here) the plain kernel: within 1e-5 of the unrounded product."""
+    backend = ggml.Backend("cuda")
+    f16_kernel_or_skip(backend)
+    for K, M in F16_SHAPES:
+        op, w_ref = bf16_case(backend, rng, K, M)
+        x = rng.standard_normal((48, K)).astype(np.float32)
+        full = op.run(x)
+        assert np.array_equal(op.run(x, row_tiles=ggml.QMATMUL_F16), full), "row_tiles changed a bit"
+        for n in COLS:
+            got = op.run(x[:n])
+            assert np.array_equal(got, full[:n]), f"K={K} M={M}: the first {n} of 48 columns differ when N={n}"
+            err = rel_err(got, as_bf16(x[:n]) @ w_ref.T)
+            assert err < 2e-5, f"K={K} M={M} N={n}: relative error {err:.2e} against the bf16-rounded product"
+            assert rel_err(got, x[:n].astype(np.float64) @ w_ref.T) > 5 * err, f"N={n}: x was not rounded to bf16"
+        norm = rng.uniform(0.5, 1.5, K).astype(np.float32)
+        normed = op.run(x[:23], norm=norm)
+        assert np.array_equal(op.run(x[:1], norm=norm)[0], normed[0]), "normed column 0 alone"
+        err = rel_err(normed, rms_normed(x[:23], norm) @ w_ref.T)   # (bf16's rounding of the normed x: ~1e-3)
+        assert err < 4e-3, f"K={K} M={M}: normed, relative error {err:.2e}"
+        for n in (1, 23, 48):
+            r = (rng.standard_normal((n, M)) * 300.0).astype(np.float32)
+            assert np.array_equal(op.run_add(x[:n], r, pad=5), op.run_add(x[:n], r, separate=True)), f"N={n}: add"
+            u = rng.standard_normal((n, K)).astype(np.float32)
+            assert np.array_equal(op.run_gated(x[:n], u), op.run_gated(x[:n], u, separate=True)), f"N={n}: swiglu"
+    op, w_ref = bf16_case(backend, rng, 800, 45)
+    x = rng.standard_normal((23, 800)).astype(np.float32)
+    err = rel_err(op.run(x), x.astype(np.float64) @ w_ref.T)
+    assert err < 1e-5, f"plain kernel: relative error {err:.2e}"
+
+
 @pytest.mark.cuda
 def test_qmatmul_f16_request_falls_back_where_there_is_none(rng):
     """Q5_K has no f16 kernel: asked for it, ggml_qmatmul gives the int8 kernels' own choice, bit for bit."""
@@ -470,8 +531,8 @@ def test_qmatmul_rejects_bad_input():
                      norm=ctx.new_tensor(np.float32, (96,)))
 
 
-def test_f16_kernel_taken_for_large_q4_k_and_q6_k_matrices_from_9_columns_outside_bit_exact_mode(monkeypatch):
-    """layers.qmatmul_row_tiles: the f16 kernel for a Q4_K or Q6_K weight of at least QMATMUL_F16_MIN_ITEMS
+def test_f16_kernel_taken_for_large_q4_k_q6_k_bf16_matrices_from_9_columns_outside_bit_exact_mode(monkeypatch):
+    """layers.qmatmul_row_tiles: the f16 kernel for a Q4_K, Q6_K or BF16 weight of at least QMATMUL_F16_MIN_ITEMS
     (256-row tile, 256-value unit) pairs from QMATMUL_F16_MIN_COLS columns on a GPU that has it; not for Q5_K,
     small matrices, few columns, other GPUs, with PYDFLASH_QMATMUL_F16=0, PYDFLASH_QMATMUL=1 or in bit-exact mode
     (which keep every column's bits whatever N)."""
@@ -491,6 +552,8 @@ def test_f16_kernel_taken_for_large_q4_k_and_q6_k_matrices_from_9_columns_outsid
                            (ggml.Type.Q4_K, (5120, 12544), False),   # 49 x 20
                            (ggml.Type.Q4_K, (6144, 5120), False),    # GDN output: 20 x 24
                            (ggml.Type.Q6_K, (5120, 1024), False),    # attention V
+                           (ggml.Type.BF16, (5120, 17408), True),    # a DFlash draft's FFN gate / up
+                           (ggml.Type.BF16, (5120, 1024), False),    # its K / V projections
                            (ggml.Type.Q5_K, (5120, 34816), False)):
         assert (layers.qmatmul_row_tiles(ctx.new_tensor(wtype, ne), 23) == ggml.QMATMUL_F16) == f16, (wtype, ne)
     monkeypatch.setenv("PYDFLASH_QMATMUL_F16", "0")

@@ -181,6 +181,7 @@ enum qmm_x_layout {
     QMM_X_INT8,     // int8 [npad][K], scales [K / 32][npad] (qmatmul_mma.cuh, "Activations")
     QMM_X_HALVES,   // int8 by half unit [K / 128][npad][128], blocks swizzled (qmatmul_staged.cuh); scales as above
     QMM_X_F16,      // f16 by unit [K / 256][npad][QMH_HALF_PITCH]: values, then sub-block sums (qmatmul_half.cuh)
+    QMM_X_BF16,     // the same in bf16, without the sums (the BF16 weights' unit)
 };
 
 // One 32-value block of a column as the kernels read it: lane `lane` of a warp holds value v of block kb. Int8:
@@ -189,6 +190,11 @@ enum qmm_x_layout {
 static __device__ __forceinline__ void qmm_quantize_block(float v, int lane, int col, int kb, int K, int npad,
                                                           qmm_x_layout layout, int8_t * __restrict__ yq,
                                                           float2 * __restrict__ yds) {
+    if (layout == QMM_X_BF16) {
+        nv_bfloat16 * col_unit = (nv_bfloat16 *) yq + ((size_t) (kb / 8) * npad + col) * QMH_HALF_PITCH;
+        col_unit[QK8_1 * (kb % 8) + lane] = __float2bfloat16_rn(v);
+        return;
+    }
     if (layout == QMM_X_F16) {
         const half h = __float2half_rn(v);
         float sum = __half2float(h);
@@ -448,21 +454,46 @@ static void qmm_prepare_x(ggml_backend_cuda_context & ctx, const ggml_tensor * x
                             up ? (int64_t) (up->nb[1] / sizeof(float)) : 0, layout);
 }
 
-// Q4_K or Q6_K through the f16 kernel (qmatmul_shared.cuh): K a multiple of 256, Hopper
+// Q4_K, Q6_K or BF16 through the f16 kernel (qmatmul_shared.cuh): K a multiple of 256, Hopper
 template <ggml_type type>
 static void qmatmul_half(ggml_backend_cuda_context & ctx, const ggml_tensor * w, const ggml_tensor * x, ggml_tensor * dst) {
     const int K = (int) w->ne[0], M = (int) w->ne[1], N = (int) x->ne[1];
     const int nt = (N + 7) / 8, npad = 8 * nt;
-    GGML_ASSERT(qmh_tiles(M) <= QMH_MAX_TILES);
-    const int P = qmh_grid(M, K, ggml_cuda_info().devices[ctx.device].nsm);
+    GGML_ASSERT(qmh_tiles<type>(M) <= QMH_MAX_TILES);
+    const int P = qmh_grid<type>(M, K, ggml_cuda_info().devices[ctx.device].nsm);
     ggml_cuda_pool_alloc<char> xh(ctx.pool(), (size_t) (K / QMM_UNIT) * qmh_act_bytes(npad));
-    ggml_cuda_pool_alloc<float> ws(ctx.pool(), qmh_ws_floats(nt, P));
-    qmm_prepare_x(ctx, x, dst, K, N, npad, QMM_X_F16, (int8_t *) xh.get(), nullptr);
+    ggml_cuda_pool_alloc<float> ws(ctx.pool(), qmh_ws_floats<type>(nt, P));
+    qmm_prepare_x(ctx, x, dst, K, N, npad, type == GGML_TYPE_BF16 ? QMM_X_BF16 : QMM_X_F16, (int8_t *) xh.get(), nullptr);
     const ggml_tensor * add = dst->src[3];   // ggml_qmatmul_fused: added as the outputs are stored
-    const qmh_args p = {(const char *) w->data, (const half *) xh.get(), (float *) dst->data, (int) (K / QK_K), K, M,
-                        N, npad, (int) (dst->nb[1] / sizeof(float)), add ? (const float *) add->data : nullptr,
+    const qmh_args p = {(const char *) w->data, (const half *) xh.get(), (float *) dst->data,
+                        K / QMM_UNIT, K, M, N, npad,
+                        (int) (dst->nb[1] / sizeof(float)), add ? (const float *) add->data : nullptr,
                         add ? (int) (add->nb[1] / sizeof(float)) : 0, ws.get()};
     qmh_run<type>(p, ctx.device, P, ctx.stream());
+}
+
+// BF16 where its f16-kernel form does not run (before Hopper, or K not a multiple of 256): one warp per output, the
+// row in f32 against the (normed / gated) column, lanes' sums added by a butterfly. Slow; for completeness.
+static __global__ void qmm_bf16_rows(const nv_bfloat16 * __restrict__ w, const float * __restrict__ x,
+                                     const float * __restrict__ add, float * __restrict__ dst, int K, int M,
+                                     int64_t stride_col_x, int stride_col_add, int stride_col_dst) {
+    const int row = blockIdx.x * (blockDim.x / WARP_SIZE) + threadIdx.x / WARP_SIZE, col = blockIdx.y;
+    const int lane = threadIdx.x % WARP_SIZE;
+    ggml_cuda_pdl_sync();
+    if (row >= M) {
+        return;
+    }
+    float sum = 0.0f;
+    for (int k = lane; k < K; k += WARP_SIZE) {
+        sum += __bfloat162float(w[(size_t) row * K + k]) * x[col * stride_col_x + k];
+    }
+#pragma unroll
+    for (int offset = WARP_SIZE / 2; offset > 0; offset >>= 1) {
+        sum += __shfl_xor_sync(0xffffffff, sum, offset, WARP_SIZE);
+    }
+    if (lane == 0) {
+        dst[(size_t) col * stride_col_dst + row] = add ? __fadd_rn(sum, add[(size_t) col * stride_col_add + row]) : sum;
+    }
 }
 
 template <ggml_type type>
@@ -526,7 +557,11 @@ void ggml_ext_cuda_qmatmul(ggml_backend_cuda_context & ctx, ggml_tensor * dst) {
     const int64_t N = x->ne[1];
     GGML_ASSERT(ggml_qmatmul_supported(w->type) && N >= 1 && N <= GGML_EXT_QMATMUL_MAX_COLS);
     GGML_ASSERT(M * (K / ggml_blck_size(w->type)) <= INT_MAX);
-    if (ggml_cuda_info().devices[ctx.device].cc >= GGML_CUDA_CC_AMPERE) {   // int8 mma.sync
+    if (w->type == GGML_TYPE_BF16 && ggml_ext_cuda_qmatmul_streams(ctx.device) && K % QMM_UNIT == 0) {
+        qmatmul_half<GGML_TYPE_BF16>(ctx, w, x, dst);
+        return;
+    }
+    if (ggml_cuda_info().devices[ctx.device].cc >= GGML_CUDA_CC_AMPERE && w->type != GGML_TYPE_BF16) {   // int8 mma.sync
         switch (w->type) {
             case GGML_TYPE_Q4_K: qmatmul_mma<GGML_TYPE_Q4_K>(ctx, w, x, dst); return;
             case GGML_TYPE_Q5_K: qmatmul_mma<GGML_TYPE_Q5_K>(ctx, w, x, dst); return;
@@ -554,6 +589,14 @@ void ggml_ext_cuda_qmatmul(ggml_backend_cuda_context & ctx, ggml_tensor * dst) {
                                 stride_col_x, (int64_t) (up->nb[1] / sizeof(float)));
         xf = normed.get();
         stride_col_x = K;
+    }
+    if (w->type == GGML_TYPE_BF16) {
+        const ggml_tensor * add = dst->src[3];
+        ggml_cuda_kernel_launch(qmm_bf16_rows, ggml_cuda_kernel_launch_params(dim3((M + 7) / 8, N), dim3(8 * WARP_SIZE), 0, stream),
+                                (const nv_bfloat16 *) w->data, xf, add ? (const float *) add->data : nullptr, (float *) dst->data,
+                                (int) K, (int) M, stride_col_x, add ? (int) (add->nb[1] / sizeof(float)) : 0,
+                                (int) (dst->nb[1] / sizeof(float)));
+        return;
     }
     const int64_t K_padded = GGML_PAD(K, MATRIX_ROW_PADDING);
     ggml_cuda_pool_alloc<char> y(ctx.pool(), N * K_padded * sizeof(block_q8_1) / QK8_1);

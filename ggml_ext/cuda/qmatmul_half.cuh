@@ -1,4 +1,4 @@
-// ggml_qmatmul's f16 arithmetic (Q4_K, Q6_K; the shared-stage kernel of qmatmul_shared.cuh): the weights of a
+// ggml_qmatmul's f16 arithmetic (Q4_K, Q6_K; BF16 alike in bf16; the shared-stage kernel of qmatmul_shared.cuh): the weights of a
 // K unit dequantised to f16 once for all columns, f16 activations, f16 MMAs (m16n8k16) accumulating in f32 across
 // the whole of K. What it saves against the int8 path of qmatmul_mma.cuh: there every 32-value group ends in float
 // work per output (scale, convert, accumulate: ~16 float instructions per MMA, so the cost grows with the column
@@ -25,6 +25,18 @@
 static __device__ __forceinline__ void mma_f16_k16(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
 #if __CUDA_ARCH__ >= 800
     asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+                 "{%0, %1, %2, %3};"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+#else
+    GGML_UNUSED_VARS(c, a, b0, b1);
+    NO_DEVICE_CODE;
+#endif
+}
+
+static __device__ __forceinline__ void mma_bf16_k16(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+#if __CUDA_ARCH__ >= 800
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
                  "{%0, %1, %2, %3};"
                  : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
@@ -242,6 +254,42 @@ static __device__ __forceinline__ void qmh_unit_q6_k(const char * const (&rows)[
                     for (int r = 0; r < RT; ++r) {
                         mma_f16_k16(acc[r][t], a[r], b0, b1);
                     }
+                }
+            }
+        }
+    }
+}
+
+// 256 BF16 weights of this thread's rows (rows[r][h]: row 16 r + 8 h + g's 512 bytes), into acc: nothing to decode,
+// each 16-byte load of a row holds the A values of both k16 steps of a sub-block (as in the Q4_K unit: thread t4
+// of a quad takes values 8 t4 .. + 7 of each 32); the activations are bf16 in the same layout (QMM_X_BF16).
+template <int NT, int RT>
+static __device__ __forceinline__ void qmh_unit_bf16(const char * const (&rows)[RT][2], const qmh_cols_half<NT> & x,
+                                                     int t4, float (&acc)[RT][NT][4]) {
+#pragma unroll
+    for (int s = 0; s < 8; ++s) {
+        uint4 w[RT][2];
+#pragma unroll
+        for (int r = 0; r < RT; ++r) {
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                w[r][h] = *(const uint4 *) (rows[r][h] + 64 * s + 16 * t4);
+            }
+        }
+        uint4 b[NT];
+#pragma unroll
+        for (int t = 0; t < NT; ++t) {
+            b[t] = x.b16(t, s);
+        }
+#pragma unroll
+        for (int step = 0; step < 2; ++step) {
+#pragma unroll
+            for (int r = 0; r < RT; ++r) {
+                const uint32_t a[4] = {step ? w[r][0].z : w[r][0].x, step ? w[r][1].z : w[r][1].x,
+                                       step ? w[r][0].w : w[r][0].y, step ? w[r][1].w : w[r][1].y};
+#pragma unroll
+                for (int t = 0; t < NT; ++t) {
+                    mma_bf16_k16(acc[r][t], a, step ? b[t].z : b[t].x, step ? b[t].w : b[t].y);
                 }
             }
         }

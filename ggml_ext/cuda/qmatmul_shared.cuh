@@ -1,4 +1,4 @@
-// ggml_qmatmul's f16 kernel (Hopper, Q4_K and Q6_K; row_tiles GGML_EXT_QMATMUL_F16): the f16 arithmetic of qmatmul_half.cuh fed from
+// ggml_qmatmul's f16 kernel (Hopper, Q4_K and Q6_K, and BF16 in bf16; row_tiles GGML_EXT_QMATMUL_F16): the f16 arithmetic of qmatmul_half.cuh fed from
 // a ring of shared-memory stages that hold both a stage's weights and its activations, shared by all the warps of a
 // CUDA block, the work cut "stream-K" over a fixed set of blocks.
 //
@@ -37,6 +37,10 @@ template <> struct qmh_type<GGML_TYPE_Q4_K> {
 template <> struct qmh_type<GGML_TYPE_Q6_K> {
     static constexpr int bytes = sizeof(block_q6_K), chunks = (bytes + 14 + 15) / 16;
     static constexpr bool aligned = false;
+};
+template <> struct qmh_type<GGML_TYPE_BF16> {   // 256 values of a row (K a multiple of 256: rows 16-byte aligned)
+    static constexpr int bytes = QMM_UNIT * 2, chunks = bytes / 16;
+    static constexpr bool aligned = true;
 };
 
 // Shared-memory bytes per weight row of a stage: its chunks, rounded up to a multiple of 16 whose word count is 8 or
@@ -217,8 +221,10 @@ qmm_half_shared(const qmh_args p) {
         const qmh_cols_half<NT> x = {(const half *) (stage + w_bytes)};
         if constexpr (type == GGML_TYPE_Q4_K) {
             qmh_unit_q4_k<NT, RT>(rows, x, t4, acc);
-        } else {
+        } else if constexpr (type == GGML_TYPE_Q6_K) {
             qmh_unit_q6_k<NT, RT>(rows, x, t4, acc);
+        } else {
+            qmh_unit_bf16<NT, RT>(rows, x, t4, acc);
         }
         if (j == j1 - 1) {
             QMH_TRACE_AT(4);
@@ -322,40 +328,45 @@ template <ggml_type type, int NT, int RT, int NW, int STAGES> constexpr size_t q
 }
 
 // The shape ggml_qmatmul runs, from the H100 sweep of tools/qmm_lab.cu (docs/benchmarks.md, "An f16 kernel for
-// verify"): 16 warps a block, one block per SM, 2 stages
+// verify"): 16 warps a block (BF16: 8, its 512-byte row units would not fit two stages of 256 rows), one block per
+// SM, 2 stages
 #define QMH_RUN_RT     1
-#define QMH_RUN_WARPS  16
 #define QMH_RUN_STAGES 2
+template <ggml_type type> constexpr int qmh_run_warps() {
+    return type == GGML_TYPE_BF16 ? 8 : 16;
+}
 
 // Row tiles of the f16 kernel for M rows (at most QMH_MAX_TILES)
-static int qmh_tiles(int M) {
-    return (M + qmh_shape<1, QMH_RUN_RT, QMH_RUN_WARPS>::rows - 1) / qmh_shape<1, QMH_RUN_RT, QMH_RUN_WARPS>::rows;
+template <ggml_type type> static int qmh_tiles(int M) {
+    constexpr int rows = qmh_shape<1, QMH_RUN_RT, qmh_run_warps<type>()>::rows;
+    return (M + rows - 1) / rows;
 }
 
 // CUDA blocks of its grid: one per SM, no more than there are items (each block must get one). Depends on the
 // shape and the GPU, never on N.
-static int qmh_grid(int M, int K, int n_sm) {
-    return (int) std::min<int64_t>(n_sm, (int64_t) qmh_tiles(M) * (K / QMM_UNIT));
+template <ggml_type type> static int qmh_grid(int M, int K, int n_sm) {
+    return (int) std::min<int64_t>(n_sm, (int64_t) qmh_tiles<type>(M) * (K / QMM_UNIT));
 }
 
 // Workspace floats for nt column tiles and a grid of P blocks
-static size_t qmh_ws_floats(int nt, int P) {
-    return (size_t) P * 2 * QMH_RUN_WARPS * QMH_RUN_RT * nt * 4 * WARP_SIZE;
+template <ggml_type type> static size_t qmh_ws_floats(int nt, int P) {
+    return (size_t) P * 2 * qmh_run_warps<type>() * QMH_RUN_RT * nt * 4 * WARP_SIZE;
 }
 
 template <ggml_type type, int NT> static void qmh_launch(const qmh_args & p, int device, int P, cudaStream_t stream) {
-    constexpr auto kernel = qmm_half_shared<type, NT, QMH_RUN_RT, QMH_RUN_WARPS, QMH_RUN_STAGES, 1>;
-    constexpr size_t smem = qmh_smem_bytes<type, NT, QMH_RUN_RT, QMH_RUN_WARPS, QMH_RUN_STAGES>();
+    constexpr int NW = qmh_run_warps<type>();
+    constexpr auto kernel = qmm_half_shared<type, NT, QMH_RUN_RT, NW, QMH_RUN_STAGES, 1>;
+    constexpr size_t smem = qmh_smem_bytes<type, NT, QMH_RUN_RT, NW, QMH_RUN_STAGES>();
     static bool smem_allowed[GGML_CUDA_MAX_DEVICES] = {};
     if (!smem_allowed[device]) {
         CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int) smem));
         smem_allowed[device] = true;
     }
-    ggml_cuda_kernel_launch(kernel, ggml_cuda_kernel_launch_params(dim3(P), dim3(WARP_SIZE, QMH_RUN_WARPS), smem, stream), p);
+    ggml_cuda_kernel_launch(kernel, ggml_cuda_kernel_launch_params(dim3(P), dim3(WARP_SIZE, NW), smem, stream), p);
 }
 
-// W * X (Q4_K or Q6_K, K a multiple of 256) through the f16 kernel: p.x in qmatmul_half.cuh's layout, p.npad = 8 nt,
-// p.ws of qmh_ws_floats(nt, P) floats, P = qmh_grid(M, K, SMs)
+// W * X (Q4_K, Q6_K or BF16, K a multiple of 256) through the f16 kernel: p.x in qmatmul_half.cuh's layout (bf16 for
+// BF16), p.npad = 8 nt, p.ws of qmh_ws_floats<type>(nt, P) floats, P = qmh_grid<type>(M, K, SMs)
 template <ggml_type type> static void qmh_run(const qmh_args & p, int device, int P, cudaStream_t stream) {
     switch (p.npad / 8) {
         case 1: qmh_launch<type, 1>(p, device, P, stream); break;

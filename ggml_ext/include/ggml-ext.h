@@ -193,7 +193,8 @@ GGML_API struct ggml_tensor * ggml_gated_delta_net_path(
         struct ggml_tensor  * delta);
 
 // W * X for a quantised weight matrix and a few activation columns (the target's decode and verify).
-//   w  Q4_K, Q5_K, Q6_K or Q8_0 [K, M], contiguous (a GGUF weight as stored)
+//   w  Q4_K, Q5_K, Q6_K, Q8_0 or BF16 [K, M], contiguous (a GGUF weight as stored; BF16: a DFlash draft's matrices,
+//      on CUDA through the f16 kernel's family only, below)
 //   x  f32 [K, N], 1 <= N <= GGML_EXT_QMATMUL_MAX_COLS, rows contiguous
 // Returns f32 [M, N], the same product as ggml_mul_mat(w, x). On CUDA the columns of x are quantised to
 // 8 bits per 32 values (as ggml's own vector kernel does) and every output is reduced in one fixed order that
@@ -210,7 +211,9 @@ GGML_API bool ggml_qmatmul_supported(enum ggml_type type);
 // GGML_EXT_QMATMUL_F16 instead takes the f16 kernel (Hopper, Q4_K/Q6_K, K a multiple of 256; elsewhere as 0): weights
 // dequantised to f16 and f16 activations, f32 sums, faster from ~9 columns on the large matrices. Its column j is
 // bit-identical whatever N is too, but it is not the int8 kernels' result: a caller that needs one token's result to
-// equal the same token's among many (bit-exact verify) passes the same row_tiles for both.
+// equal the same token's among many (bit-exact verify) passes the same row_tiles for both. BF16 weights take its
+// bf16 form on Hopper where K is a multiple of 256 (bf16 activations, f32 sums), whatever row_tiles says; elsewhere
+// a plain f32 dot-product kernel (slow, for completeness: pydflash sends BF16 here only where the bf16 form runs).
 #define GGML_EXT_QMATMUL_F16 16
 GGML_API struct ggml_tensor * ggml_qmatmul(
         struct ggml_context * ctx,

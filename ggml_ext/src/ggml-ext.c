@@ -221,7 +221,8 @@ struct ggml_tensor * ggml_gated_delta_net_path(
 }
 
 bool ggml_qmatmul_supported(enum ggml_type type) {
-    return type == GGML_TYPE_Q4_K || type == GGML_TYPE_Q5_K || type == GGML_TYPE_Q6_K || type == GGML_TYPE_Q8_0;
+    return type == GGML_TYPE_Q4_K || type == GGML_TYPE_Q5_K || type == GGML_TYPE_Q6_K || type == GGML_TYPE_Q8_0 ||
+           type == GGML_TYPE_BF16;
 }
 
 struct ggml_tensor * ggml_qmatmul(

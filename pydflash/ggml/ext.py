@@ -200,8 +200,11 @@ def gated_delta_net_tree_persist(ctx: Context, q: Tensor, k: Tensor, v: Tensor, 
                                                         state._ptr, parent._ptr, inter._ptr), ctx)
 
 
-# Weight types ggml_qmatmul takes, and its column limit (ggml-ext.h: GGML_EXT_QMATMUL_MAX_COLS).
+# Weight types ggml_qmatmul takes (its int8 kernels'), and its column limit (ggml-ext.h: GGML_EXT_QMATMUL_MAX_COLS).
 QMATMUL_TYPES = (Type.Q4_K, Type.Q5_K, Type.Q6_K, Type.Q8_0)
+# Weight types it takes as well, on CUDA through the f16 kernel's family only (ggml-ext.h: BF16, in bf16 on Hopper
+# where K is a multiple of 256; elsewhere a slow plain kernel, which pydflash does not route to).
+QMATMUL_F16_FAMILY_TYPES = (Type.BF16,)
 QMATMUL_MAX_COLS = 48
 # Values of qmatmul's row_tiles (ggml-ext.h): 0 = the kernel chooses; negative: activations staged in shared memory;
 # QMATMUL_F16: the f16 kernel (GGML_EXT_QMATMUL_F16).
@@ -227,15 +230,16 @@ def qmatmul_streams(device) -> bool:
 
 def qmatmul(ctx: Context, w: Tensor, x: Tensor, row_tiles: int = 0, norm: Tensor | None = None,
             eps: float = 0.0, add: Tensor | None = None, up: Tensor | None = None) -> Tensor:
-    """W * X for a quantised weight w [K, M] (Q4_K, Q5_K, Q6_K or Q8_0, contiguous) and f32 x [K, N] with
+    """W * X for a quantised weight w [K, M] (Q4_K, Q5_K, Q6_K, Q8_0, or BF16, contiguous) and f32 x [K, N] with
     1 <= N <= 48 columns -> f32 [M, N], the product `ctx.mul_mat(w, x)` computes. On CUDA column j of the result
     is bit-identical whatever N is (ggml-ext.h says how); the CPU kernel is a float reference.
 
     row_tiles: on CUDA, how many 16-row tiles of w each warp multiplies with each activation fragment it loads
     (0: the kernel chooses; 1, 2, 4 force it, for benchmarks; -1, -2 force it with the activations staged in
     shared memory: Hopper, K-quants, N > 8). It changes the speed, never the result. QMATMUL_F16 takes the f16
-    kernel instead (Hopper, Q4_K, K a multiple of 256; elsewhere as 0): f16 weights and activations, f32 sums, a
-    result of its own (column j still bit-identical whatever N is), faster from ~9 columns on large matrices.
+    kernel instead (Hopper, Q4_K/Q6_K, K a multiple of 256; elsewhere as 0): f16 weights and activations, f32 sums,
+    a result of its own (column j still bit-identical whatever N is), faster from ~9 columns on large matrices.
+    BF16 weights always take its bf16 form (bf16 activations) on Hopper where K is a multiple of 256.
     norm (f32 [K]): multiply the RMS-normed columns instead, W * (rms_norm(x, eps) * norm)
     (ggml_qmatmul_rms_norm: on CUDA the norm is computed as the columns are quantised).
     add (f32 [M, N], rows contiguous; a residual): return W * X + add, added as each output is stored
@@ -246,8 +250,9 @@ def qmatmul(ctx: Context, w: Tensor, x: Tensor, row_tiles: int = 0, norm: Tensor
     * norm), a per-head norm (on the CPU the bits of ggml's rms_norm and mul on [G, K/G, N])."""
     if row_tiles not in QMATMUL_ROW_TILES:
         raise ValueError(f"qmatmul row_tiles must be one of {QMATMUL_ROW_TILES}, got {row_tiles}")
-    if w.type not in QMATMUL_TYPES:
-        raise TypeError(f"qmatmul weight must be {'/'.join(t.name for t in QMATMUL_TYPES)}, got {w.type.name}")
+    if w.type not in QMATMUL_TYPES + QMATMUL_F16_FAMILY_TYPES:
+        names = '/'.join(t.name for t in QMATMUL_TYPES + QMATMUL_F16_FAMILY_TYPES)
+        raise TypeError(f"qmatmul weight must be {names}, got {w.type.name}")
     K, M = w.ne[0], w.ne[1]
     if w.ne[2:] != (1, 1):
         raise ValueError(f"qmatmul weight must be a matrix [K, M], got ne {w.ne}")

@@ -116,20 +116,22 @@ def _streams(w: ggml.Tensor) -> bool:
 
 
 def _takes_qmatmul(w: ggml.Tensor, x: ggml.Tensor) -> bool:
-    """A quantised matrix in a GPU buffer times 1..48 f32 columns with contiguous rows: what ggml_qmatmul takes.
-    The CPU keeps mul_mat (its SIMD kernels are faster than our float reference)."""
-    return (w.type in ggml.QMATMUL_TYPES and w.ne[2:] == (1, 1) and w.is_contiguous
+    """A quantised (or BF16) matrix in a GPU buffer times 1..48 f32 columns with contiguous rows: what ggml_qmatmul
+    takes. The CPU keeps mul_mat (its SIMD kernels are faster than our float reference)."""
+    return (w.type in ggml.QMATMUL_TYPES + ggml.QMATMUL_F16_FAMILY_TYPES and w.ne[2:] == (1, 1) and w.is_contiguous
             and x.type == ggml.Type.F32 and x.ne[2:] == (1, 1) and 1 <= x.ne[1] <= ggml.QMATMUL_MAX_COLS
             and x.nb[0] == 4 and _on_device(w))
 
 
 # The f16 kernel (ggml.QMATMUL_F16; ggml_ext/cuda/qmatmul_shared.cuh): on Hopper, for Q4_K and Q6_K matrices of at
 # least QMATMUL_F16_MIN_ITEMS (256-row tile, 256-value K unit) pairs, from QMATMUL_F16_MIN_COLS columns on (H100,
-# docs/benchmarks.md "The f16 kernel's fix-up, and Q6_K": at 23 columns 0.57-0.90x the int8 kernels' time on the
-# 27B's FFN gate/up (2,720 items), FFN down (Q6_K, 1,360), GDN input (1,300), attention Q/K (1,040) and LM head
-# (19,400); 0.97-0.98x at 9-16 columns on the two smallest; the GDN/attention output, 480 items, 1.15x: its
-# blocks each get under 4 items, too few to hide the pipeline's fill).
-QMATMUL_F16_TYPES = (ggml.Type.Q4_K, ggml.Type.Q6_K)
+# docs/benchmarks.md "The f16 kernel's fix-up, its start, and Q6_K": at 23 columns 0.56-0.87x the int8 kernels'
+# time on the 27B's FFN gate/up (2,720 items), FFN down (Q6_K, 1,360), GDN input (1,300), attention Q/K (1,040) and
+# LM head (19,400); 0.97-0.98x at 9-16 columns on the two smallest; the GDN/attention output, 480 items, 1.10x: its
+# blocks each get under 4 items, too few to hide the pipeline's start and the tile fix-up).
+# BF16 (a DFlash draft's matrices) by the same rule, in the kernel's bf16 form (8 warps a block); ggml_qmatmul takes
+# BF16 nowhere else.
+QMATMUL_F16_TYPES = (ggml.Type.Q4_K, ggml.Type.Q6_K, ggml.Type.BF16)
 QMATMUL_F16_MIN_ITEMS = 1000
 QMATMUL_F16_MIN_COLS = 9
 
@@ -272,6 +274,8 @@ class Gated(_Deferred):
 def uses_qmatmul(w: ggml.Tensor, x: ggml.Tensor) -> bool:
     """Whether linear(ctx, w, x) takes ggml_qmatmul (else ggml's mul_mat) in the current qmatmul_mode."""
     mode = qmatmul_mode()
+    if w.type in ggml.QMATMUL_F16_FAMILY_TYPES:   # (only through the f16 kernel's family)
+        return mode != "0" and _takes_qmatmul(w, x) and qmatmul_row_tiles(w, x.ne[1]) == ggml.QMATMUL_F16
     return mode != "0" and _takes_qmatmul(w, x) and (
         mode == "1" or qmatmul_faster(w.type, w.ne[1], x.ne[1], x.ne[1] == 1 and _streams(w))
         or qmatmul_row_tiles(w, x.ne[1]) == ggml.QMATMUL_F16)
