@@ -22,24 +22,21 @@
 
 #define QMH_HALF_PITCH 288   // halves per column and K unit: 256 values, 8 sums, 24 padding
 
+// c += A B over one m16n8k16 tile, f32 sums; A and B f16 pairs (BF16: bf16 pairs)
+#define QMH_MMA_K16(AB)                                                                                            \
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32." AB "." AB ".f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "  \
+                 "{%8, %9}, {%0, %1, %2, %3};"                                                                     \
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])                                                  \
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1))
+
+template <bool BF16 = false>
 static __device__ __forceinline__ void mma_f16_k16(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
 #if __CUDA_ARCH__ >= 800
-    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-                 "{%0, %1, %2, %3};"
-                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-#else
-    GGML_UNUSED_VARS(c, a, b0, b1);
-    NO_DEVICE_CODE;
-#endif
-}
-
-static __device__ __forceinline__ void mma_bf16_k16(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-#if __CUDA_ARCH__ >= 800
-    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-                 "{%0, %1, %2, %3};"
-                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+    if constexpr (BF16) {
+        QMH_MMA_K16("bf16");
+    } else {
+        QMH_MMA_K16("f16");
+    }
 #else
     GGML_UNUSED_VARS(c, a, b0, b1);
     NO_DEVICE_CODE;
@@ -289,7 +286,7 @@ static __device__ __forceinline__ void qmh_unit_bf16(const char * const (&rows)[
                                        step ? w[r][0].w : w[r][0].y, step ? w[r][1].w : w[r][1].y};
 #pragma unroll
                 for (int t = 0; t < NT; ++t) {
-                    mma_bf16_k16(acc[r][t], a, step ? b[t].z : b[t].x, step ? b[t].w : b[t].y);
+                    mma_f16_k16<true>(acc[r][t], a, step ? b[t].z : b[t].x, step ? b[t].w : b[t].y);
                 }
             }
         }
