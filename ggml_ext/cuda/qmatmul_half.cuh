@@ -1,13 +1,14 @@
-// ggml_qmatmul's f16 arithmetic (Q4_K, Q6_K; BF16 alike in bf16; the shared-stage kernel of qmatmul_shared.cuh): the weights of a
-// K unit dequantised to f16 once for all columns, f16 activations, f16 MMAs (m16n8k16) accumulating in f32 across
-// the whole of K. What it saves against the int8 path of qmatmul_mma.cuh: there every 32-value group ends in float
+// ggml_qmatmul's f16 arithmetic (Q4_K, Q6_K; BF16 alike in bf16; the shared-stage kernel of qmatmul_shared.cuh):
+// the weights of a K unit dequantised to f16 once for all columns, f16 activations, f16 MMAs (m16n8k16)
+// accumulating in f32 across the whole of K. What it saves against the int8 path of qmatmul_mma.cuh: there every 32-value group ends in float
 // work per output (scale, convert, accumulate: ~16 float instructions per MMA, so the cost grows with the column
 // count); here the per-column work is the MMA alone, and the weight work (a few half2 instructions per value pair)
 // is paid once whatever the column count.
 //
 // Numbers: a weight is round_f16(round_f16(d * sc) * q) (Q4_K's dmin * m term likewise, as round_f16(dmin * m);
-// Q6_K's q is its 6-bit value minus 32, its sc the 16-value group's signed 8-bit scale),
-// an activation round_f16(x); the products are exact in the MMA and summed in f32. Q4_K's minimum: sum over a
+// Q6_K's q is its 6-bit value minus 32, its sc the 16-value group's signed 8-bit scale), an activation
+// round_f16(x) (BF16: the weight as stored, an activation round_bf16(x)); the products are exact in the MMA and
+// summed in f32. Q4_K's minimum: sum over a
 // sub-block of -dmin*m * x = -dmin*m * (sum of its x): the 8 sub-block sums of a column (f32 sums of the f16 values,
 // rounded to f16) sit after its 256 values, and one more MMA per unit takes them (k slots 0-7; 8-15 zero).
 //

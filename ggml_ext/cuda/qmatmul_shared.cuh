@@ -1,6 +1,6 @@
-// ggml_qmatmul's f16 kernel (Hopper, Q4_K and Q6_K, and BF16 in bf16; row_tiles GGML_EXT_QMATMUL_F16): the f16 arithmetic of qmatmul_half.cuh fed from
-// a ring of shared-memory stages that hold both a stage's weights and its activations, shared by all the warps of a
-// CUDA block, the work cut "stream-K" over a fixed set of blocks.
+// ggml_qmatmul's f16 kernel (Hopper, Q4_K and Q6_K, and BF16 in bf16; row_tiles GGML_EXT_QMATMUL_F16): the f16
+// arithmetic of qmatmul_half.cuh fed from a ring of shared-memory stages that hold both a stage's weights and its
+// activations, shared by all the warps of a CUDA block, the work cut "stream-K" over a fixed set of blocks.
 //
 // Why (docs/benchmarks.md, "An f16 kernel for verify"): in qmm_mma and its staged form the 8 warps of a CUDA block
 // split K, so every warp reads its units' activations for itself and every CUDA block (16 RT rows) all of K's: at
