@@ -75,6 +75,21 @@ template <int NT> struct qmh_cols_half {
     }
 };
 
+// One k16 step of a sub-block: each row tile's A against every column tile's B (step 0: values 8 t4 .. + 3 of the
+// sub-block, b.x/b.y; step 1: the next four, b.z/b.w)
+template <bool BF16 = false, int NT, int RT>
+static __device__ __forceinline__ void qmh_mma_step(float (&acc)[RT][NT][4], const uint32_t (&a)[RT][4],
+                                                    const uint4 (&b)[NT], int step) {
+#pragma unroll
+    for (int t = 0; t < NT; ++t) {
+        const uint32_t b0 = step ? b[t].z : b[t].x, b1 = step ? b[t].w : b[t].y;
+#pragma unroll
+        for (int r = 0; r < RT; ++r) {
+            mma_f16_k16<BF16>(acc[r][t], a[r], b0, b1);
+        }
+    }
+}
+
 // One Q4_K unit (super-block) of this thread's rows (rows[r][h]: row 16 r + 8 h + g's unit), into acc
 template <int NT, int RT>
 static __device__ __forceinline__ void qmh_unit_q4_k(const char * const (&rows)[RT][2], const qmh_cols_half<NT> & x,
@@ -133,14 +148,7 @@ static __device__ __forceinline__ void qmh_unit_q4_k(const char * const (&rows)[
                         a[r][h + 2] = qmh_h2u(__hmul2(v23, sc2));   // a2/a3: k slots 2t4+8, 2t4+9
                     }
                 }
-#pragma unroll
-                for (int t = 0; t < NT; ++t) {
-                    const uint32_t b0 = step ? b[t].z : b[t].x, b1 = step ? b[t].w : b[t].y;
-#pragma unroll
-                    for (int r = 0; r < RT; ++r) {
-                        mma_f16_k16(acc[r][t], a[r], b0, b1);
-                    }
-                }
+                qmh_mma_step(acc, a, b, step);
             }
         }
     }
@@ -245,14 +253,7 @@ static __device__ __forceinline__ void qmh_unit_q6_k(const char * const (&rows)[
                         a[r][h + 2] = qmh_h2u(__hmul2(v23, sc2));   // a2/a3: k slots 2t4+8, 2t4+9
                     }
                 }
-#pragma unroll
-                for (int t = 0; t < NT; ++t) {
-                    const uint32_t b0 = step ? b[t].z : b[t].x, b1 = step ? b[t].w : b[t].y;
-#pragma unroll
-                    for (int r = 0; r < RT; ++r) {
-                        mma_f16_k16(acc[r][t], a[r], b0, b1);
-                    }
-                }
+                qmh_mma_step(acc, a, b, step);
             }
         }
     }
@@ -281,15 +282,15 @@ static __device__ __forceinline__ void qmh_unit_bf16(const char * const (&rows)[
         }
 #pragma unroll
         for (int step = 0; step < 2; ++step) {
+            uint32_t a[RT][4];
 #pragma unroll
             for (int r = 0; r < RT; ++r) {
-                const uint32_t a[4] = {step ? w[r][0].z : w[r][0].x, step ? w[r][1].z : w[r][1].x,
-                                       step ? w[r][0].w : w[r][0].y, step ? w[r][1].w : w[r][1].y};
-#pragma unroll
-                for (int t = 0; t < NT; ++t) {
-                    mma_f16_k16<true>(acc[r][t], a, step ? b[t].z : b[t].x, step ? b[t].w : b[t].y);
-                }
+                a[r][0] = step ? w[r][0].z : w[r][0].x;   // rows g/g+8, k slots 2t4, 2t4+1
+                a[r][1] = step ? w[r][1].z : w[r][1].x;
+                a[r][2] = step ? w[r][0].w : w[r][0].y;   // k slots 2t4+8, 2t4+9
+                a[r][3] = step ? w[r][1].w : w[r][1].y;
             }
+            qmh_mma_step<true>(acc, a, b, step);
         }
     }
 }
