@@ -274,11 +274,12 @@ class Gated(_Deferred):
 def uses_qmatmul(w: ggml.Tensor, x: ggml.Tensor) -> bool:
     """Whether linear(ctx, w, x) takes ggml_qmatmul (else ggml's mul_mat) in the current qmatmul_mode."""
     mode = qmatmul_mode()
+    if mode == "0" or not _takes_qmatmul(w, x):
+        return False
+    f16 = qmatmul_row_tiles(w, x.ne[1]) == ggml.QMATMUL_F16
     if w.type in ggml.QMATMUL_F16_FAMILY_TYPES:   # (only through the f16 kernel's family)
-        return mode != "0" and _takes_qmatmul(w, x) and qmatmul_row_tiles(w, x.ne[1]) == ggml.QMATMUL_F16
-    return mode != "0" and _takes_qmatmul(w, x) and (
-        mode == "1" or qmatmul_faster(w.type, w.ne[1], x.ne[1], x.ne[1] == 1 and _streams(w))
-        or qmatmul_row_tiles(w, x.ne[1]) == ggml.QMATMUL_F16)
+        return f16
+    return mode == "1" or f16 or qmatmul_faster(w.type, w.ne[1], x.ne[1], x.ne[1] == 1 and _streams(w))
 
 
 def linear(ctx: ggml.Context, w: ggml.Tensor, x: ggml.Tensor | Normed | Gated, add: ggml.Tensor | None = None,
