@@ -134,9 +134,11 @@ class QMatmul:
         return graph.outputs[0].numpy().reshape(x.shape[0], self.M)  # numpy() drops a trailing 1
 
 
-def make(backend, rng, wtype, shapes=SHAPES):
+def make(backend, rng, wtype, shapes=SHAPES, row_scale=None):
     K, M = shapes[wtype]
     w = rng.standard_normal((M, K)).astype(np.float32)
+    if row_scale is not None:
+        w *= row_scale[:, None]
     w_data = ggml.quantize(wtype, w)  # ggml's quantiser; the reference decodes with gguf-py's own code
     w_ref = dequantize(w_data, GGMLQuantizationType(int(wtype))).astype(np.float64)
     assert w_ref.shape == (M, K)
@@ -415,6 +417,30 @@ def test_qmatmul_f16_kernel_matches_its_rounding_and_keeps_columns_apart(rng, wt
                                   op.run_gated(x[:n], u, row_tiles=F16, separate=True)), f"N={n}: not ggml's swiglu"
 
 
+@pytest.mark.cuda
+def test_qmatmul_f16_kernel_q4_k_scales_of_one_and_more(rng):
+    """Q4_K in the f16 kernel: a weight is one FMA, (M + q) * s - M * s with M = 1024 (low nibbles), exact only while
+    1024 * s is finite; warps whose units have a scale d >= 1 take the two-instruction path. Rows scaled by 4,000 in
+    whole warps (16 rows), alone among small ones, and none: the same match to the f16 roundings, the same columns."""
+    backend = ggml.Backend("cuda")
+    f16_kernel_or_skip(backend)
+    K, M = 1280, 301
+    row_scale = np.where((np.arange(M) // 16) % 3 == 0, 4000.0, 1.0).astype(np.float32)
+    row_scale[16 * 4 + 5] = 4000.0
+    op, w_ref = make(backend, rng, ggml.Type.Q4_K, {ggml.Type.Q4_K: (K, M)}, row_scale=row_scale)
+    w16, dm = q4_k_f16_parts(op.w_data, K, M)
+    d = np.frombuffer(op.w_data.tobytes(), np.uint8).reshape(-1, 144)[:, :2].copy().view(np.float16)
+    assert (np.abs(d.astype(np.float32)) >= 1.0).any() and (np.abs(d.astype(np.float32)) < 1.0).any()
+    x = rng.standard_normal((48, K)).astype(np.float32)
+    full = op.run(x, row_tiles=ggml.QMATMUL_F16)
+    assert np.isfinite(full).all()
+    for n in (1, 23, 48):
+        got = op.run(x[:n], row_tiles=ggml.QMATMUL_F16)
+        assert np.array_equal(got, full[:n]), f"the first {n} of 48 columns differ when N={n}"
+        err = rel_err(got, f16_reference(x[:n], w16, dm))
+        assert err < 2e-5, f"N={n}: relative error {err:.2e} against the f16-rounded product"
+
+
 def bf16_case(backend, rng, K, M):
     """A BF16 weight [M, K] (ggml's conversion) and its values in float64."""
     w = rng.standard_normal((M, K)).astype(np.float32)
@@ -549,8 +575,10 @@ def test_f16_kernel_taken_for_large_q4_k_q6_k_bf16_matrices_from_9_columns_outsi
                            (ggml.Type.Q4_K, (17408, 5120), True),
                            (ggml.Type.Q6_K, (5120, 248320), True),   # LM head
                            (ggml.Type.Q4_K, (5120, 13312), True),    # attention Q/K: 52 x 20 = 1,040
-                           (ggml.Type.Q4_K, (5120, 12544), False),   # 49 x 20
-                           (ggml.Type.Q4_K, (6144, 5120), False),    # GDN output: 20 x 24
+                           (ggml.Type.Q4_K, (6144, 5120), True),     # GDN output: 20 x 24 = 480
+                           (ggml.Type.Q4_K, (5120, 5120), True),     # 20 x 20 = 400
+                           (ggml.Type.Q4_K, (5120, 4864), False),    # 19 x 20
+                           (ggml.Type.BF16, (5120, 4096), False),    # a DFlash draft's Q projection: 16 x 20
                            (ggml.Type.Q6_K, (5120, 1024), False),    # attention V
                            (ggml.Type.BF16, (5120, 17408), True),    # a DFlash draft's FFN gate / up
                            (ggml.Type.BF16, (5120, 1024), False),    # its K / V projections

@@ -423,25 +423,29 @@ template <ggml_type type> static void run_cols(const shape & sh, const std::vect
 
 // --- Several columns: the f16 kernel of qmatmul_shared.cuh against the best of the others -------------------
 
-template <ggml_type type, int NT, int RT, int NW, int S, int MB>
+template <ggml_type type, int NT, int RT, int NW, int S, int U, int MB>
 static void shared_launch(const qmh_args & a, int P, cudaStream_t st) {
-    constexpr size_t smem = qmh_smem_bytes<type, NT, RT, NW, S>();
+    constexpr size_t smem = qmh_smem_bytes<type, NT, RT, NW, S, U>();
+    if (smem > 227 * 1024) {
+        printf("(%zu bytes of shared memory: not run) ", smem);
+        return;
+    }
     static bool set = false;
     if (!set) {
-        CK(cudaFuncSetAttribute(qmm_half_shared<type, NT, RT, NW, S, MB>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int) smem));
+        CK(cudaFuncSetAttribute(qmm_half_shared<type, NT, RT, NW, S, U, MB>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int) smem));
         set = true;
     }
-    qmm_half_shared<type, NT, RT, NW, S, MB><<<P, dim3(WARP_SIZE, NW), smem, st>>>(a);
+    qmm_half_shared<type, NT, RT, NW, S, U, MB><<<P, dim3(WARP_SIZE, NW), smem, st>>>(a);
 }
 
-template <ggml_type type, int RT, int NW, int S, int MB> static void shared_any(const qmh_args & a, int P, cudaStream_t st) {
+template <ggml_type type, int RT, int NW, int S, int U, int MB> static void shared_any(const qmh_args & a, int P, cudaStream_t st) {
     switch (a.npad / 8) {
-        case 1: shared_launch<type, 1, RT, NW, S, MB>(a, P, st); break;
-        case 2: shared_launch<type, 2, RT, NW, S, MB>(a, P, st); break;
-        case 3: shared_launch<type, 3, RT, NW, S, MB>(a, P, st); break;
-        case 4: shared_launch<type, 4, RT, NW, S, MB>(a, P, st); break;
-        case 5: shared_launch<type, 5, RT, NW, S, MB>(a, P, st); break;
-        default: shared_launch<type, 6, RT, NW, S, MB>(a, P, st); break;
+        case 1: shared_launch<type, 1, RT, NW, S, U, MB>(a, P, st); break;
+        case 2: shared_launch<type, 2, RT, NW, S, U, MB>(a, P, st); break;
+        case 3: shared_launch<type, 3, RT, NW, S, U, MB>(a, P, st); break;
+        case 4: shared_launch<type, 4, RT, NW, S, U, MB>(a, P, st); break;
+        case 5: shared_launch<type, 5, RT, NW, S, U, MB>(a, P, st); break;
+        default: shared_launch<type, 6, RT, NW, S, U, MB>(a, P, st); break;
     }
 }
 
@@ -518,10 +522,10 @@ template <ggml_type type> static void run_shared(const shape & sh, const std::ve
         printf("  N=%2d  best other %-10s %7.1f us %5.0f GB/s\n", N, best_name, best, gb / best);
         int v = 0;
         half * hx = half_layout(yq, yds, sh.K, npad, nt);
-        auto variant = [&](const char * name, int per_sm, int block_rows, auto launch) {
+        auto variant = [&](const char * name, int per_sm, int block_rows, int U, auto launch) {
             qmh_args a = {Ws[0], hx, dst, nb, sh.K, sh.M, N, 8 * nt, sh.M, nullptr, 0, ws};
             const int P = (int) std::min<int64_t>((int64_t) n_sm * per_sm,
-                                                  (int64_t) (sh.M + block_rows - 1) / block_rows * (sh.K / QK_K));
+                                                  (int64_t) (sh.M + block_rows - 1) / block_rows * (sh.K / QK_K / U));
             const std::vector<float> got = lc.output(N, [&] { launch(a, P); });
             if (N == cols[0]) col0[v] = std::vector<float>(got.begin(), got.begin() + sh.M);
             const bool same = memcmp(got.data(), col0[v].data(), (size_t) sh.M * 4) == 0;
@@ -561,8 +565,13 @@ template <ggml_type type> static void run_shared(const shape & sh, const std::ve
             ++v;
         };
         // (row tiles per warp, warps, stages, blocks per SM)
-        variant("f16 rt1 w16 s2 x1", 1, 256, [&](const qmh_args & a, int P) { shared_any<type, 1, 16, 2, 1>(a, P, st); });
-        variant("f16 rt1 w8 s3 x1", 1, 128, [&](const qmh_args & a, int P) { shared_any<type, 1, 8, 3, 1>(a, P, st); });
+        constexpr int RW = qmh_run_warps<type>(), RU = qmh_run_units<type>();
+        char run_name[32];
+        snprintf(run_name, sizeof run_name, "run w%d s%d u%d", RW, QMH_RUN_STAGES, RU);
+        variant(run_name, 1, 16 * RW, RU, [&](const qmh_args & a, int P) { shared_any<type, 1, RW, QMH_RUN_STAGES, RU, 1>(a, P, st); });
+        variant("f16 w16 s2 u1", 1, 256, 1, [&](const qmh_args & a, int P) { shared_any<type, 1, 16, 2, 1, 1>(a, P, st); });
+        variant("f16 w8 s2 u1", 1, 128, 1, [&](const qmh_args & a, int P) { shared_any<type, 1, 8, 2, 1, 1>(a, P, st); });
+        variant("f16 w8 s2 u2", 1, 128, 2, [&](const qmh_args & a, int P) { shared_any<type, 1, 8, 2, 2, 1>(a, P, st); });
         fflush(stdout);
         CK(cudaFree(hx));
         CK(cudaFree(sx.yqh));

@@ -256,7 +256,10 @@ static __device__ __forceinline__ float qmm_group_normed(const float * __restric
 static __global__ void qmm_quantize_x(const float * __restrict__ x, const float * __restrict__ up,
                                       const float * __restrict__ norm, int G, float eps, int8_t * __restrict__ yq,
                                       float2 * __restrict__ yds, int K, int N, int npad, int64_t stride_col_x,
-                                      int64_t stride_col_up, qmm_x_layout layout) {
+                                      int64_t stride_col_up, qmm_x_layout layout, bool early_launch) {
+    if (early_launch) {
+        ggml_cuda_pdl_lc();   // the product after it may start (its blocks wait for us before reading yq)
+    }
     const int warp = blockIdx.x * (blockDim.x / WARP_SIZE) + threadIdx.x / WARP_SIZE;
     const int lane = threadIdx.x % WARP_SIZE;
     const int blocks_per_col = K / QK8_1;
@@ -328,7 +331,11 @@ static __device__ __forceinline__ float qmm_rms_scale(const float * __restrict__
 
 static __global__ void qmm_quantize_x_rms(const float * __restrict__ x, const float * __restrict__ norm, float eps,
                                           int8_t * __restrict__ yq, float2 * __restrict__ yds,
-                                          int K, int N, int npad, int64_t stride_col_x, qmm_x_layout layout) {
+                                          int K, int N, int npad, int64_t stride_col_x, qmm_x_layout layout,
+                                          bool early_launch) {
+    if (early_launch) {
+        ggml_cuda_pdl_lc();   // as in qmm_quantize_x
+    }
     const int col  = blockIdx.y;
     const int lane = threadIdx.x % WARP_SIZE;
     const int kb   = blockIdx.x * QMM_RMS_QUANT_WARPS + threadIdx.x / WARP_SIZE;
@@ -431,6 +438,17 @@ static int qmm_auto_staged(ggml_type type, int nt, int M) {
     }
 }
 
+// Whether the preparation kernels and the f16 kernel let the kernel after them launch early (programmatic dependent
+// launch: its blocks take their place and ask for what does not depend on us, then wait for our end).
+// PYDFLASH_EARLY_LAUNCH=0 turns it off (for an A/B; read once).
+static bool qmm_early_launch() {
+    static const bool on = [] {
+        const char * e = getenv("PYDFLASH_EARLY_LAUNCH");
+        return e == nullptr || atoi(e) != 0;
+    }();
+    return on;
+}
+
 // The activations quantised (or rounded to f16) into yq/yds in `layout`: gated with up, normed with norm, as
 // ggml_qmatmul_fused asks (qmm_quantize_x, qmm_quantize_x_rms)
 static void qmm_prepare_x(ggml_backend_cuda_context & ctx, const ggml_tensor * x, const ggml_tensor * dst, int K, int N,
@@ -442,7 +460,7 @@ static void qmm_prepare_x(ggml_backend_cuda_context & ctx, const ggml_tensor * x
         const dim3 grid((K / QK8_1 + QMM_RMS_QUANT_WARPS - 1) / QMM_RMS_QUANT_WARPS, npad);
         ggml_cuda_kernel_launch(qmm_quantize_x_rms, ggml_cuda_kernel_launch_params(grid, dim3(QMM_RMS_QUANT_WARPS * WARP_SIZE), 0, stream),
                                 (const float *) x->data, (const float *) norm->data, qmm_norm_eps(dst), yq, yds, K, N,
-                                npad, stride_col_x, layout);
+                                npad, stride_col_x, layout, qmm_early_launch());
         return;
     }
     const ggml_tensor * unorm = qmm_up_norm(dst);
@@ -451,7 +469,7 @@ static void qmm_prepare_x(ggml_backend_cuda_context & ctx, const ggml_tensor * x
                             (const float *) x->data, up ? (const float *) up->data : nullptr,
                             unorm ? (const float *) unorm->data : nullptr, unorm ? (int) ggml_nelements(unorm) : 0,
                             qmm_norm_eps(dst), yq, yds, K, N, npad, stride_col_x,
-                            up ? (int64_t) (up->nb[1] / sizeof(float)) : 0, layout);
+                            up ? (int64_t) (up->nb[1] / sizeof(float)) : 0, layout, qmm_early_launch());
 }
 
 // Q4_K, Q6_K or BF16 through the f16 kernel (qmatmul_shared.cuh): K a multiple of 256, Hopper
@@ -468,7 +486,7 @@ static void qmatmul_half(ggml_backend_cuda_context & ctx, const ggml_tensor * w,
     const qmh_args p = {(const char *) w->data, (const half *) xh.get(), (float *) dst->data,
                         K / QMM_UNIT, K, M, N, npad,
                         (int) (dst->nb[1] / sizeof(float)), add ? (const float *) add->data : nullptr,
-                        add ? (int) (add->nb[1] / sizeof(float)) : 0, ws.get()};
+                        add ? (int) (add->nb[1] / sizeof(float)) : 0, ws.get(), qmm_early_launch()};
     qmh_run<type>(p, ctx.device, P, ctx.stream());
 }
 

@@ -9,13 +9,14 @@
 // (a CUDA block: NW x 16 rows), each stage of K comes into shared memory once for all of them, and the
 // per-column work is the MMA alone.
 //
-// The work: T row tiles (of a block's rows) times S stages of K (one 256-value unit each) are T * S items in tile-major
-// order; CUDA block p of P runs items [p T S / P, (p + 1) T S / P), so every block gets the same share (no tail
-// wave: P is the SM count). A block's run of items within one tile is a segment; a tile cut into several segments
-// is finished by the block that completes it last: the partial sums of its segments, from a workspace, added in
-// segment (K) order. Every output is thus an f32 MMA chain over K units in order within each segment, then the
-// segments' sums in order: the cut depends on M, K and P only, so a column's bits do not depend on N. (They are not
-// the int8 kernels' bits: decode and verify agree only if both take this kernel.)
+// The work: T row tiles (of a block's rows) times S stages of K (U 256-value units each, the last what is left) are
+// T * S items in tile-major order; CUDA block p of P runs items [p T S / P, (p + 1) T S / P), so every block gets
+// the same share (no tail wave: P is the SM count). A block's run of items within one tile is a segment; a tile cut
+// into several segments is finished by the block that completes it last: the partial sums of its segments, from a
+// workspace, added in segment (K) order. Every output is thus an f32 MMA chain over K units in order within each
+// segment, then the segments' sums in order: the cut depends on M, K, P and the type's block shape only, so a
+// column's bits do not depend on N. (They are not the int8 kernels' bits: decode and verify agree only if both take
+// this kernel.)
 //
 // Stages: each warp copies its own rows of a stage with cp.async (16 bytes a lane), and starts the next copy into a
 // stage as soon as it is done with it; the activations of a stage (one bulk copy, counted on the stage's mbarrier)
@@ -27,26 +28,30 @@
 #include "qmatmul_stream.cuh"
 #include "qmatmul_half.cuh"
 
-// A weight type's K unit: its bytes, and the 16-byte chunks a row's unit is copied in (from the boundary at or before
-// its first byte: Q4_K rows and units start at 16-byte boundaries, Q6_K's at even bytes)
+// A weight type's K unit: its bytes; and the 16-byte chunks a row's U units are copied in (from the boundary at or
+// before their first byte: Q4_K rows and units start at 16-byte boundaries, Q6_K's at even bytes)
 template <ggml_type type> struct qmh_type;
 template <> struct qmh_type<GGML_TYPE_Q4_K> {
-    static constexpr int bytes = sizeof(block_q4_K), chunks = bytes / 16;
+    static constexpr int bytes = sizeof(block_q4_K);
     static constexpr bool aligned = true;
 };
 template <> struct qmh_type<GGML_TYPE_Q6_K> {
-    static constexpr int bytes = sizeof(block_q6_K), chunks = (bytes + 14 + 15) / 16;
+    static constexpr int bytes = sizeof(block_q6_K);
     static constexpr bool aligned = false;
 };
 template <> struct qmh_type<GGML_TYPE_BF16> {   // 256 values of a row (K a multiple of 256: rows 16-byte aligned)
-    static constexpr int bytes = QMM_UNIT * 2, chunks = bytes / 16;
+    static constexpr int bytes = QMM_UNIT * 2;
     static constexpr bool aligned = true;
 };
 
-// Shared-memory bytes per weight row of a stage: its chunks, rounded up to a multiple of 16 whose word count is 8 or
-// 24 modulo 32 (the 8-byte loads of a warp's 4 row groups then hit distinct banks)
-template <ggml_type type> __host__ __device__ constexpr int qmh_pitch() {
-    int p = 16 * qmh_type<type>::chunks;
+template <ggml_type type> __host__ __device__ constexpr int qmh_chunks(int U) {
+    return (U * qmh_type<type>::bytes + (qmh_type<type>::aligned ? 0 : 14) + 15) / 16;
+}
+
+// Shared-memory bytes per weight row of a stage (U units): its chunks, rounded up to a multiple of 16 whose word
+// count is 8 or 24 modulo 32 (the 8-byte loads of a warp's 4 row groups then hit distinct banks)
+template <ggml_type type> __host__ __device__ constexpr int qmh_pitch(int U) {
+    int p = 16 * qmh_chunks<type>(U);
     while ((p / 4) % 32 != 8 && (p / 4) % 32 != 24) {
         p += 16;
     }
@@ -77,11 +82,13 @@ struct qmh_args {
     const float * add;      // ggml_qmatmul_fused's added tensor, or null
     int stride_col_add;
     float * ws;             // partial sums: qmh_ws_floats
+    bool early_launch;      // let the next kernel launch once every block has computed its items
 };
 
 // Segments counted per row tile: zero between calls (each tile's finisher puts its count back). One array per
-// device and translation unit; calls of this kernel on one device must not overlap (ggml runs a graph's nodes in
-// order on one stream, and the kernel does not let the next one start early).
+// device and translation unit; calls of this kernel on one device must not overlap: ggml runs a graph's nodes in
+// order on one stream, and a call launched early (programmatic dependent launch) touches the counters only after
+// ggml_cuda_pdl_sync, when the kernel before it, and so every earlier one, has ended.
 #define QMH_MAX_TILES 8192
 static __device__ int qmh_counters[QMH_MAX_TILES];
 
@@ -91,8 +98,11 @@ template <int NT, int RT, int NW> struct qmh_shape {
     static constexpr int frag      = NW * RT * NT * 4 * WARP_SIZE;// floats of a block's partial sums
 };
 
-// The item range of CUDA block p, and which block holds item j
+// The item range of CUDA block p, and which block holds item j (in 32 bits where they fit: a block's first steps)
 static __device__ __forceinline__ int64_t qmh_first_item(int64_t p, int64_t items, int P) {
+    if ((uint64_t) p * (uint64_t) items < (1ull << 32)) {
+        return (uint32_t) p * (uint32_t) items / (uint32_t) P;
+    }
     return p * items / P;
 }
 
@@ -104,17 +114,17 @@ static __device__ __forceinline__ void qmh_cp16(char * smem, const char * gmem) 
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" : : "r"(qms_smem_addr(smem)), "l"(gmem) : "memory");
 }
 
-// NW warps of RT 16-row tiles each, a ring of STAGES stages, MINB CUDA blocks per SM (the grid: MINB per SM, at most
-// the item count). K: a multiple of 256.
-template <ggml_type type, int NT, int RT, int NW, int STAGES, int MINB>
+// NW warps of RT 16-row tiles each, a ring of STAGES stages of U K units (a row tile's last stage: what is left of
+// K), MINB CUDA blocks per SM (the grid: MINB per SM, at most the item count). K: a multiple of 256.
+template <ggml_type type, int NT, int RT, int NW, int STAGES, int U, int MINB>
 static __global__ void __launch_bounds__(NW * WARP_SIZE, MINB)
 qmm_half_shared(const qmh_args p) {
     using shape = qmh_shape<NT, RT, NW>;
     constexpr int RW      = shape::warp_rows;
     constexpr int ub      = qmh_type<type>::bytes;     // bytes of a K unit in a row
-    constexpr int pitch   = qmh_pitch<type>();
+    constexpr int pitch   = qmh_pitch<type>(U);
     constexpr int w_bytes = shape::rows * pitch;
-    constexpr int CH      = qmh_type<type>::chunks;    // 16-byte chunks of a row's stage
+    constexpr int CH      = qmh_chunks<type>(U);       // 16-byte chunks of a row's stage
     constexpr int KC      = (RW * CH + WARP_SIZE - 1) / WARP_SIZE;   // chunks per lane
     extern __shared__ __align__(128) char qmh_smem[];
     __shared__ uint64_t full[STAGES];   // a stage's activations have landed
@@ -123,38 +133,34 @@ qmm_half_shared(const qmh_args p) {
     QMH_TRACE_AT(0);
 
     const int lane = threadIdx.x, warp = threadIdx.y, t4 = lane % 4, g = lane / 4;
-    const int n_stages = p.K / QMM_UNIT;   // per row tile
+    const int units    = p.K / QMM_UNIT;               // per row
+    const int n_stages = (units + U - 1) / U;          // per row tile
+    auto stage_units = [&](int st) { return min(U, units - U * st); };
     const int n_tiles  = (p.M + shape::rows - 1) / shape::rows;
-    const int64_t items = (int64_t) n_tiles * n_stages;
+    const int items = n_tiles * n_stages;        // (< 2^31: at most QMH_MAX_TILES tiles)
     const int P = gridDim.x;
-    const int64_t j0 = qmh_first_item(blockIdx.x, items, P), j1 = qmh_first_item(blockIdx.x + 1, items, P);
+    const int j0 = (int) qmh_first_item(blockIdx.x, items, P), j1 = (int) qmh_first_item(blockIdx.x + 1, items, P);
     const int64_t row_bytes = (int64_t) p.nb * ub, total = row_bytes * p.M;
-    const int act_bytes   = qmh_act_bytes(p.npad);
-    const int stage_bytes = w_bytes + act_bytes;
+    const int unit_act_bytes = qmh_act_bytes(p.npad);
+    const int stage_bytes    = w_bytes + U * unit_act_bytes;
 
-    if (lane == 0 && warp == 0) {
-        for (int s = 0; s < STAGES; ++s) {
-            qms_bar_init(&full[s]);
-            done[s] = 0;
-        }
-    }
-    __syncthreads();
-
-    auto stage_of = [&](int64_t j) { return (int) ((j - j0) % STAGES); };
+    auto stage_of = [&](int j) { return (j - j0) % STAGES; };
     // where unit u of row `row` starts in W
     auto unit_at = [&](int row, int u) { return (int64_t) row * row_bytes + (int64_t) u * ub; };
-    // this warp's rows of item j (one commit group per item, empty past the block's last item); chunk i = lane + 32 k
-    // of them is row i / CH's 16 bytes at 16 (i % CH) from its unit's boundary
-    auto ask_weights = [&](int64_t j) {
-        if (j < j1) {
-            const int tile = (int) (j / n_stages), u = (int) (j % n_stages);
-            const int row0 = tile * shape::rows + warp * RW;
-            char * wstage = qmh_smem + stage_of(j) * stage_bytes + warp * RW * pitch;
+    // this warp's rows of the next item it has not asked for (one commit group per item, empty past the block's last
+    // item; items are asked for in order, so a cursor, not a division, says which tile and stage); chunk i = lane +
+    // 32 k of them is row i / CH's 16 bytes at 16 (i % CH) from its units' boundary
+    int ask_j = j0, ask_tile = j0 / n_stages, ask_st = j0 % n_stages;
+    auto ask_weights = [&]() {
+        if (ask_j < j1) {
+            const int row0 = ask_tile * shape::rows + warp * RW;
+            const int ch   = stage_units(ask_st) == U ? CH : qmh_chunks<type>(stage_units(ask_st));
+            char * wstage = qmh_smem + stage_of(ask_j) * stage_bytes + warp * RW * pitch;
 #pragma unroll
             for (int k = 0; k < KC; ++k) {
                 const int i = lane + WARP_SIZE * k, r = i / CH, c = i % CH;
-                if (i < RW * CH && r < p.M - row0) {
-                    const int64_t at = (unit_at(row0 + r, u) & ~(int64_t) 15) + 16 * c;
+                if (i < RW * CH && r < p.M - row0 && c < ch) {
+                    const int64_t at = (unit_at(row0 + r, U * ask_st) & ~(int64_t) 15) + 16 * c;
                     char * to = wstage + r * pitch + 16 * c;
                     if (qmh_type<type>::aligned || at + 16 <= total) {
                         qmh_cp16(to, p.W + at);
@@ -167,33 +173,46 @@ qmm_half_shared(const qmh_args p) {
             }
         }
         asm volatile("cp.async.commit_group;" : : : "memory");
+        ++ask_j;
+        if (++ask_st == n_stages) {
+            ask_st = 0;
+            ++ask_tile;
+        }
     };
-    // the activations of item j (one bulk copy by one thread; they come from the previous kernel)
-    auto ask_acts = [&](int64_t j) {
-        const int u = (int) (j % n_stages);
+    // the activations of item j, stage st of its tile (one bulk copy by one thread; they come from the previous kernel)
+    auto ask_acts = [&](int j, int st) {
         uint64_t * bar = &full[stage_of(j)];
-        qms_bar_expect(bar, act_bytes);
-        qms_bulk_copy(qmh_smem + stage_of(j) * stage_bytes + w_bytes, (const char *) p.x + (size_t) u * act_bytes,
-                      act_bytes, bar);
+        const int bytes = stage_units(st) * unit_act_bytes;
+        qms_bar_expect(bar, bytes);
+        qms_bulk_copy(qmh_smem + stage_of(j) * stage_bytes + w_bytes,
+                      (const char *) p.x + (size_t) U * st * unit_act_bytes, bytes, bar);
     };
-    // the first stage's weights (they do not depend on the previous kernel), then its activations and the next
-    // stages': the copies a warp asks for are accepted at about the DRAM's pace, and the activations asked for
-    // after every stage's weights landed ~1 us after the first stage's weights (H100 trace, qmm_lab)
-    ask_weights(j0);
+    // the first stage's weights at once (they do not depend on the previous kernel, nor on the barriers), then its
+    // activations and the next stages': the copies a warp asks for are accepted at about the DRAM's pace, and the
+    // activations asked for after every stage's weights landed ~1 us after the first stage's weights (H100 trace,
+    // qmm_lab)
+    ask_weights();
     QMH_TRACE_AT(1);
-    ggml_cuda_pdl_sync();
     if (lane == 0 && warp == 0) {
-        for (int64_t j = j0; j < min(j0 + STAGES, j1); ++j) {
-            ask_acts(j);
+        for (int s = 0; s < STAGES; ++s) {
+            qms_bar_init(&full[s]);
+            done[s] = 0;
         }
     }
-    for (int64_t j = j0 + 1; j < j0 + STAGES; ++j) {
-        ask_weights(j);
+    __syncthreads();
+    ggml_cuda_pdl_sync();
+    int tile = j0 / n_stages, st = j0 % n_stages;   // the item computed next
+    if (lane == 0 && warp == 0) {
+        for (int j = j0, t = st; j < min(j0 + STAGES, j1); ++j, t = t + 1 == n_stages ? 0 : t + 1) {
+            ask_acts(j, t);
+        }
+    }
+    for (int s = 1; s < STAGES; ++s) {
+        ask_weights();
     }
 
     float acc[RT][NT][4] = {};
-    for (int64_t j = j0; j < j1; ++j) {
-        const int tile = (int) (j / n_stages), st = (int) (j % n_stages);
+    for (int j = j0; j < j1; ++j, st = st + 1 == n_stages ? 0 : st + 1, tile += st == 0) {
         const int s = stage_of(j);
         const char * stage = qmh_smem + s * stage_bytes;
         asm volatile("cp.async.wait_group %0;" : : "n"(STAGES - 1) : "memory");
@@ -214,32 +233,49 @@ qmm_half_shared(const qmh_args p) {
                 const int lr = warp * RW + QMM_MMA_ROWS * r + 8 * h + g;
                 rows[r][h] = stage + lr * pitch;
                 if (!qmh_type<type>::aligned) {
-                    rows[r][h] += (int) (unit_at(tile * shape::rows + lr, st) & 15);
+                    rows[r][h] += (int) (unit_at(tile * shape::rows + lr, U * st) & 15);
                 }
             }
         }
-        const qmh_cols_half<NT> x = {(const half *) (stage + w_bytes)};
-        if constexpr (type == GGML_TYPE_Q4_K) {
-            qmh_unit_q4_k<NT, RT>(rows, x, t4, acc);
-        } else if constexpr (type == GGML_TYPE_Q6_K) {
-            qmh_unit_q6_k<NT, RT>(rows, x, t4, acc);
-        } else {
-            qmh_unit_bf16<NT, RT>(rows, x, t4, acc);
+#pragma unroll 1
+        for (int uu = 0; uu < stage_units(st); ++uu) {
+            const qmh_cols_half<NT> x = {(const half *) (stage + w_bytes + uu * unit_act_bytes)};
+            if constexpr (type == GGML_TYPE_Q4_K) {
+                qmh_unit_q4_k<NT, RT>(rows, x, t4, acc);
+            } else if constexpr (type == GGML_TYPE_Q6_K) {
+                qmh_unit_q6_k<NT, RT>(rows, x, t4, acc);
+            } else {
+                qmh_unit_bf16<NT, RT>(rows, x, t4, acc);
+            }
+#pragma unroll
+            for (int r = 0; r < RT; ++r) {
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    rows[r][h] += ub;
+                }
+            }
         }
         if (j == j1 - 1) {
             QMH_TRACE_AT(4);
+            if (p.early_launch) {
+                ggml_cuda_pdl_lc();   // the next kernel's blocks may take their places (they wait for our end)
+            }
         }
         // this warp is done with the stage: its own rows refill at once, the shared activations once every warp is
         // (by the last warp to finish)
         __syncwarp();
-        ask_weights(j + STAGES);
+        ask_weights();   // item j + STAGES
         if (lane == 0) {
             __threadfence_block();
             if (atomicAdd(&done[s], 1) == NW - 1) {
                 done[s] = 0;
                 if (j + STAGES < j1) {
                     asm volatile("fence.proxy.async.shared::cta;" : : : "memory");   // our reads before the TMA's writes
-                    ask_acts(j + STAGES);
+                    int st_next = st + STAGES;
+                    while (st_next >= n_stages) {
+                        st_next -= n_stages;
+                    }
+                    ask_acts(j + STAGES, st_next);
                 }
             }
         }
@@ -248,7 +284,7 @@ qmm_half_shared(const qmh_args p) {
             continue;
         }
         // the segment [first item of this tile in this block, j] is done
-        const int64_t t0 = (int64_t) tile * n_stages, t1 = t0 + n_stages;
+        const int t0 = tile * n_stages, t1 = t0 + n_stages;
         const int pb0 = qmh_block_of(t0, items, P), pb1 = qmh_block_of(t1 - 1, items, P);
         const int r0 = tile * shape::rows + warp * RW;
         auto store = [&](int r, int t, int i, float v) {
@@ -323,17 +359,21 @@ qmm_half_shared(const qmh_args p) {
 }
 
 // Shared memory of a CUDA block
-template <ggml_type type, int NT, int RT, int NW, int STAGES> constexpr size_t qmh_smem_bytes() {
-    return (size_t) STAGES * (qmh_shape<NT, RT, NW>::rows * qmh_pitch<type>() + qmh_act_bytes(8 * NT));
+template <ggml_type type, int NT, int RT, int NW, int STAGES, int U> constexpr size_t qmh_smem_bytes() {
+    return (size_t) STAGES * (qmh_shape<NT, RT, NW>::rows * qmh_pitch<type>(U) + U * qmh_act_bytes(8 * NT));
 }
 
-// The shape ggml_qmatmul runs, from the H100 sweep of tools/qmm_lab.cu (docs/benchmarks.md, "An f16 kernel for
-// verify"): 16 warps a block (BF16: 8, its 512-byte row units would not fit two stages of 256 rows), one block per
-// SM, 2 stages
+// The shape ggml_qmatmul runs, from the H100 sweeps of tools/qmm_lab.cu (docs/benchmarks.md, "An f16 kernel for
+// verify" and later): one block per SM, 2 stages; Q4_K 8 warps (128-row tiles) and 2 K units a stage (a row's
+// stage one 288-byte read; 16 warps of one unit were 2-14% slower); Q6_K 16 warps, one unit (its 8 warps of two
+// units were 12-18% slower); BF16 8 warps, one unit (two stages of 256 rows of 512-byte units would not fit)
 #define QMH_RUN_RT     1
 #define QMH_RUN_STAGES 2
 template <ggml_type type> constexpr int qmh_run_warps() {
-    return type == GGML_TYPE_BF16 ? 8 : 16;
+    return type == GGML_TYPE_Q6_K ? 16 : 8;
+}
+template <ggml_type type> constexpr int qmh_run_units() {
+    return type == GGML_TYPE_Q4_K ? 2 : 1;
 }
 
 // Row tiles of the f16 kernel for M rows (at most QMH_MAX_TILES)
@@ -345,7 +385,8 @@ template <ggml_type type> static int qmh_tiles(int M) {
 // CUDA blocks of its grid: one per SM, no more than there are items (each block must get one). Depends on the
 // shape and the GPU, never on N.
 template <ggml_type type> static int qmh_grid(int M, int K, int n_sm) {
-    return (int) std::min<int64_t>(n_sm, (int64_t) qmh_tiles<type>(M) * (K / QMM_UNIT));
+    constexpr int U = qmh_run_units<type>();
+    return (int) std::min<int64_t>(n_sm, (int64_t) qmh_tiles<type>(M) * ((K / QMM_UNIT + U - 1) / U));
 }
 
 // Workspace floats for nt column tiles and a grid of P blocks
@@ -355,8 +396,9 @@ template <ggml_type type> static size_t qmh_ws_floats(int nt, int P) {
 
 template <ggml_type type, int NT> static void qmh_launch(const qmh_args & p, int device, int P, cudaStream_t stream) {
     constexpr int NW = qmh_run_warps<type>();
-    constexpr auto kernel = qmm_half_shared<type, NT, QMH_RUN_RT, NW, QMH_RUN_STAGES, 1>;
-    constexpr size_t smem = qmh_smem_bytes<type, NT, QMH_RUN_RT, NW, QMH_RUN_STAGES>();
+    constexpr int U  = qmh_run_units<type>();
+    constexpr auto kernel = qmm_half_shared<type, NT, QMH_RUN_RT, NW, QMH_RUN_STAGES, U, 1>;
+    constexpr size_t smem = qmh_smem_bytes<type, NT, QMH_RUN_RT, NW, QMH_RUN_STAGES, U>();
     static bool smem_allowed[GGML_CUDA_MAX_DEVICES] = {};
     if (!smem_allowed[device]) {
         CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int) smem));

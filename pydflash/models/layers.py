@@ -125,14 +125,14 @@ def _takes_qmatmul(w: ggml.Tensor, x: ggml.Tensor) -> bool:
 
 # The f16 kernel (ggml.QMATMUL_F16; ggml_ext/cuda/qmatmul_shared.cuh): on Hopper, for Q4_K and Q6_K matrices of at
 # least QMATMUL_F16_MIN_ITEMS (256-row tile, 256-value K unit) pairs, from QMATMUL_F16_MIN_COLS columns on (H100,
-# docs/benchmarks.md "The f16 kernel's fix-up, its start, and Q6_K": at 23 columns 0.56-0.87x the int8 kernels'
-# time on the 27B's FFN gate/up (2,720 items), FFN down (Q6_K, 1,360), GDN input (1,300), attention Q/K (1,040) and
-# LM head (19,400); 0.97-0.98x at 9-16 columns on the two smallest; the GDN/attention output, 480 items, 1.10x: its
-# blocks each get under 4 items, too few to hide the pipeline's start and the tile fix-up).
-# BF16 (a DFlash draft's matrices) by the same rule, in the kernel's bf16 form (8 warps a block); ggml_qmatmul takes
-# BF16 nowhere else.
+# docs/benchmarks.md "Fewer instructions around the f16 kernel's items": at 23 columns 0.55-0.91x the int8 kernels'
+# time on the 27B's FFN gate/up (2,720 items), FFN down (Q6_K, 1,360), GDN input (1,300), attention Q/K (1,040), the
+# GDN/attention output (480) and the LM head (19,400); 1.01x at 9-16 columns on the output). Smaller matrices keep
+# the int8 kernels: the pipeline's start and the tile fix-up weigh more there.
+# BF16 (a DFlash draft's matrices) by the same rule, in the kernel's bf16 form (8 warps a block): its attention
+# products, 80-320 items, measured slower there; ggml_qmatmul takes BF16 nowhere else.
 QMATMUL_F16_TYPES = (ggml.Type.Q4_K, ggml.Type.Q6_K, ggml.Type.BF16)
-QMATMUL_F16_MIN_ITEMS = 1000
+QMATMUL_F16_MIN_ITEMS = 400
 QMATMUL_F16_MIN_COLS = 9
 
 
