@@ -9,7 +9,7 @@
 //   /tmp/qmm_lab [shape ...]        (shapes: the names in SHAPES below; default all)
 //
 // QMM_LAB_SHARED=1 with QMM_LAB_COLS: the f16 kernel of qmatmul_shared.cuh (Q4_K and Q6_K shapes) at each column
-// count and several (warps, stages, blocks per SM), beside the best of qmm_mma / its staged form (and the streaming
+// count, in the shape ggml_qmatmul runs and one other (warps, stages, K units a stage, blocks per SM), beside the best of qmm_mma / its staged form (and the streaming
 // kernel at one column), on the same activation values rounded to f16; checking that its column 0 has the same bits
 // at every N and how far it is from qmm_mma's result (the f16 roundings of the weights and activations); and where
 // one call's time goes (QMH_TRACE: the CUDA blocks' start, first stage in, last item done, exit, us from the
@@ -569,9 +569,12 @@ template <ggml_type type> static void run_shared(const shape & sh, const std::ve
         char run_name[32];
         snprintf(run_name, sizeof run_name, "run w%d s%d u%d", RW, QMH_RUN_STAGES, RU);
         variant(run_name, 1, 16 * RW, RU, [&](const qmh_args & a, int P) { shared_any<type, 1, RW, QMH_RUN_STAGES, RU, 1>(a, P, st); });
-        variant("f16 w16 s2 u1", 1, 256, 1, [&](const qmh_args & a, int P) { shared_any<type, 1, 16, 2, 1, 1>(a, P, st); });
-        variant("f16 w8 s2 u1", 1, 128, 1, [&](const qmh_args & a, int P) { shared_any<type, 1, 8, 2, 1, 1>(a, P, st); });
-        variant("f16 w8 s2 u2", 1, 128, 2, [&](const qmh_args & a, int P) { shared_any<type, 1, 8, 2, 2, 1>(a, P, st); });
+        // beside it, the runner-up of the last sweep (docs/benchmarks.md, seventeenth session)
+        if constexpr (type == GGML_TYPE_Q6_K) {
+            variant("f16 w8 s2 u1 x2", 2, 128, 1, [&](const qmh_args & a, int P) { shared_any<type, 1, 8, 2, 1, 2>(a, P, st); });
+        } else {
+            variant("f16 w16 s2 u1", 1, 256, 1, [&](const qmh_args & a, int P) { shared_any<type, 1, 16, 2, 1, 1>(a, P, st); });
+        }
         fflush(stdout);
         CK(cudaFree(hx));
         CK(cudaFree(sx.yqh));
