@@ -364,9 +364,10 @@ template <ggml_type type, int NT, int RT, int NW, int STAGES, int U> constexpr s
 }
 
 // The shape ggml_qmatmul runs, from the H100 sweeps of tools/qmm_lab.cu (docs/benchmarks.md, "An f16 kernel for
-// verify" and later): one block per SM, 2 stages; Q4_K 8 warps (128-row tiles) and 2 K units a stage (a row's
-// stage one 288-byte read; 16 warps of one unit were 2-14% slower); Q6_K 16 warps, one unit (its 8 warps of two
-// units were 12-18% slower); BF16 8 warps, one unit (two stages of 256 rows of 512-byte units would not fit)
+// verify" and "Fewer instructions around the f16 kernel's items"): one block per SM, 2 stages; Q4_K 8 warps
+// (128-row tiles) and 2 K units a stage (a row's stage one 288-byte read; 16 warps of one unit were 1-18% slower);
+// Q6_K 16 warps, one unit (its 8 warps of two units were 12-29% slower); BF16 8 warps, one unit (two stages of 256
+// rows of 512-byte units would not fit)
 #define QMH_RUN_RT     1
 #define QMH_RUN_STAGES 2
 template <ggml_type type> constexpr int qmh_run_warps() {
