@@ -52,9 +52,16 @@ static __device__ __forceinline__ half2 qmh_u2h(uint32_t u) {
     return *(const half2 *) &u;
 }
 
+// (a & b) | c in one LOP3 (written out: the compiler makes two of it when b and c are both constants)
+static __device__ __forceinline__ uint32_t qmh_and_or(uint32_t a, uint32_t b, uint32_t c) {
+    uint32_t d;
+    asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+    return d;
+}
+
 // bytes 0, 1 (hi: 2, 3) of w, each below 1024, as the half2 (b0, b1) exactly: 1024 + b by its bits, minus 1024
 static __device__ __forceinline__ half2 qmh_byte_pair(uint32_t w, bool hi) {
-    const uint32_t p = __byte_perm(w, 0, hi ? 0x4342 : 0x4140) | 0x64006400u;
+    const uint32_t p = __byte_perm(w, 0x64646464u, hi ? 0x4342 : 0x4140);   // (the 0x64 bytes from the second word)
     return __hsub2(qmh_u2h(p), __float2half2_rn(1024.0f));
 }
 
@@ -130,8 +137,8 @@ static __device__ __forceinline__ void qmh_q4_k_weights(const char * const (&row
                         const half2 sc2   = e ? __high2half2(qmh_u2h(dsc[r][h][j])) : __low2half2(qmh_u2h(dsc[r][h][j]));
                         const uint32_t mask = e ? 0x00F000F0u : 0x000F000Fu;
                         const uint32_t magic = FOLD && e ? 0x54005400u : 0x64006400u;   // 64 or 1024 by its bits
-                        const uint32_t p01 = (__byte_perm(w, 0, 0x4140) & mask) | magic;
-                        const uint32_t p23 = (__byte_perm(w, 0, 0x4342) & mask) | magic;
+                        const uint32_t p01 = qmh_and_or(__byte_perm(w, 0, 0x4140), mask, magic);
+                        const uint32_t p23 = qmh_and_or(__byte_perm(w, 0, 0x4342), mask, magic);
                         if constexpr (FOLD) {
                             const half2 nms2 = e ? __high2half2(qmh_u2h(nms[r][h])) : __low2half2(qmh_u2h(nms[r][h]));
                             a[r][h]     = qmh_h2u(__hfma2(qmh_u2h(p01), sc2, nms2));
