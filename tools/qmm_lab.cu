@@ -13,7 +13,8 @@
 // kernel at one column), on the same activation values rounded to f16; checking that its column 0 has the same bits
 // at every N and how far it is from qmm_mma's result (the f16 roundings of the weights and activations); and where
 // one call's time goes (QMH_TRACE: the CUDA blocks' start, first stage in, last item done, exit, us from the
-// first start: median and latest).
+// first start: median and latest). With QMM_LAB_ADD=1 the shape ggml_qmatmul runs is also timed with a residual
+// added as its outputs are stored (checked: the sum of the plain result and the residual, bit for bit).
 //
 // QMM_LAB_COLS=1,8,23,48 times the tensor-core kernel instead, at those column counts and each row-tile count,
 // checking that a column's result does not depend on how many columns come with it (and from 9 columns, at 1 and 2
@@ -539,6 +540,23 @@ template <ggml_type type> static void run_shared(const shape & sh, const std::ve
             const double us = profile ? 0.0 : time_graph([&](int c) { qmh_args b = a; b.W = Ws[c]; launch(b, P); }, copies, st);
             printf("        shared %-9s %7.1f us %5.0f GB/s  %.2fx best  col0 %s  max |diff| / max |mma| %.1e\n", name, us,
                    gb / us, us / best, same ? "same bits" : "DIFFERS", maxrel);
+            if (v == 0 && getenv("QMM_LAB_ADD") != nullptr) {   // with a residual added as the outputs are stored
+                std::vector<float> r((size_t) sh.M * N);
+                for (float & e : r) e = (float) (rnd() % 2001) / 1000.0f - 1.0f;
+                float * radd;
+                CK(cudaMalloc(&radd, r.size() * 4));
+                CK(cudaMemcpy(radd, r.data(), r.size() * 4, cudaMemcpyHostToDevice));
+                qmh_args b = a;
+                b.add = radd;
+                b.stride_col_add = sh.M;
+                const std::vector<float> with = lc.output(N, [&] { launch(b, P); });
+                bool exact = true;
+                for (size_t i = 0; i < r.size(); ++i) exact &= with[i] == got[i] + r[i];
+                const double aus = profile ? 0.0 : time_graph([&](int c) { qmh_args e = b; e.W = Ws[c]; launch(e, P); }, copies, st);
+                printf("        shared %-9s %7.1f us with a residual added (%s)\n", name, aus,
+                       exact ? "= the sum, bit for bit" : "DIFFERS from the sum");
+                CK(cudaFree(radd));
+            }
             if (v == 0) {   // one call traced, after another on a different weight copy (as in the timed graph)
                 constexpr int E = QMH_TRACE_EVENTS;
                 std::vector<unsigned long long> tr(E * 1024, 0);

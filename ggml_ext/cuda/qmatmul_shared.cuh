@@ -287,15 +287,6 @@ qmm_half_shared(const qmh_args p) {
         const int t0 = tile * n_stages, t1 = t0 + n_stages;
         const int pb0 = qmh_block_of(t0, items, P), pb1 = qmh_block_of(t1 - 1, items, P);
         const int r0 = tile * shape::rows + warp * RW;
-        auto store = [&](int r, int t, int i, float v) {
-            const int row = r0 + QMM_MMA_ROWS * r + 8 * (i / 2) + g, col = 8 * t + 2 * t4 + i % 2;
-            if (row < p.M && col < p.N) {
-                if (p.add != nullptr) {
-                    v = __fadd_rn(v, p.add[(size_t) col * p.stride_col_add + row]);
-                }
-                p.dst[(size_t) col * p.stride_col_dst + row] = v;
-            }
-        };
         auto each_output = [&](auto && f) {   // f(r, t, i) for each of this thread's accumulators
 #pragma unroll
             for (int r = 0; r < RT; ++r) {
@@ -308,11 +299,33 @@ qmm_half_shared(const qmh_args p) {
                 }
             }
         };
-        if (pb0 == pb1) {   // the whole tile is this block's
+        // acc to dst (plus add's values, all asked for before the first store: the compiler cannot tell add from
+        // dst, so a load after each store was one L2 round trip per output, ~8 us a call on the 27B's residual
+        // products), and acc zeroed
+        auto store_acc = [&]() {
+            float plus[RT][NT][4];
+            auto at_out = [&](int r, int t, int i, int & row, int & col) {
+                row = r0 + QMM_MMA_ROWS * r + 8 * (i / 2) + g;
+                col = 8 * t + 2 * t4 + i % 2;
+                return row < p.M && col < p.N;
+            };
+            if (p.add != nullptr) {
+                each_output([&](int r, int t, int i) {
+                    int row, col;
+                    plus[r][t][i] = at_out(r, t, i, row, col) ? p.add[(size_t) col * p.stride_col_add + row] : 0.0f;
+                });
+            }
             each_output([&](int r, int t, int i) {
-                store(r, t, i, acc[r][t][i]);
+                int row, col;
+                if (at_out(r, t, i, row, col)) {
+                    p.dst[(size_t) col * p.stride_col_dst + row] =
+                        p.add != nullptr ? __fadd_rn(acc[r][t][i], plus[r][t][i]) : acc[r][t][i];
+                }
                 acc[r][t][i] = 0.0f;
             });
+        };
+        if (pb0 == pb1) {   // the whole tile is this block's
+            store_acc();
             continue;
         }
         // a block's partial-sum slot for a tile: 0 for the first tile of its range, 1 for its last
@@ -344,10 +357,7 @@ qmm_half_shared(const qmh_args p) {
             const float * part = slot(pb);
             each_output([&](int r, int t, int i) { acc[r][t][i] = __fadd_rn(acc[r][t][i], __ldcg(part + at(r, t, i))); });
         }
-        each_output([&](int r, int t, int i) {
-            store(r, t, i, acc[r][t][i]);
-            acc[r][t][i] = 0.0f;
-        });
+        store_acc();
         if (lane == 0 && warp == 0) {
             qmh_counters[tile] = 0;
         }
