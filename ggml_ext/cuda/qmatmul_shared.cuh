@@ -299,30 +299,47 @@ qmm_half_shared(const qmh_args p) {
                 }
             }
         };
-        // acc to dst (plus add's values, all asked for before the first store: the compiler cannot tell add from
-        // dst, so a load after each store was one L2 round trip per output, ~8 us a call on the 27B's residual
-        // products), and acc zeroed
+        // acc to dst (plus add's values, asked for before the first store: the compiler cannot tell add from dst,
+        // so a load after each store was one L2 round trip per output, ~8 us a call on the 27B's residual products),
+        // and acc zeroed; at most 16 values held at once (more spilled at 6 column tiles and 128 registers)
         auto store_acc = [&]() {
-            float plus[RT][NT][4];
+            constexpr int TC = RT * NT * 4 <= 16 ? NT : (NT + 1) / 2;   // column tiles a pass
             auto at_out = [&](int r, int t, int i, int & row, int & col) {
                 row = r0 + QMM_MMA_ROWS * r + 8 * (i / 2) + g;
                 col = 8 * t + 2 * t4 + i % 2;
                 return row < p.M && col < p.N;
             };
-            if (p.add != nullptr) {
-                each_output([&](int r, int t, int i) {
+#pragma unroll
+            for (int c0 = 0; c0 < NT; c0 += TC) {
+                auto each_in_pass = [&](auto && f) {
+#pragma unroll
+                    for (int r = 0; r < RT; ++r) {
+#pragma unroll
+                        for (int t = c0; t < c0 + TC && t < NT; ++t) {
+#pragma unroll
+                            for (int i = 0; i < 4; ++i) {
+                                f(r, t, i);
+                            }
+                        }
+                    }
+                };
+                float plus[RT][TC][4];
+                if (p.add != nullptr) {
+                    each_in_pass([&](int r, int t, int i) {
+                        int row, col;
+                        plus[r][t - c0][i] =
+                            at_out(r, t, i, row, col) ? p.add[(size_t) col * p.stride_col_add + row] : 0.0f;
+                    });
+                }
+                each_in_pass([&](int r, int t, int i) {
                     int row, col;
-                    plus[r][t][i] = at_out(r, t, i, row, col) ? p.add[(size_t) col * p.stride_col_add + row] : 0.0f;
+                    if (at_out(r, t, i, row, col)) {
+                        p.dst[(size_t) col * p.stride_col_dst + row] =
+                            p.add != nullptr ? __fadd_rn(acc[r][t][i], plus[r][t - c0][i]) : acc[r][t][i];
+                    }
+                    acc[r][t][i] = 0.0f;
                 });
             }
-            each_output([&](int r, int t, int i) {
-                int row, col;
-                if (at_out(r, t, i, row, col)) {
-                    p.dst[(size_t) col * p.stride_col_dst + row] =
-                        p.add != nullptr ? __fadd_rn(acc[r][t][i], plus[r][t][i]) : acc[r][t][i];
-                }
-                acc[r][t][i] = 0.0f;
-            });
         };
         if (pb0 == pb1) {   // the whole tile is this block's
             store_acc();
