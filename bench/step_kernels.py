@@ -8,7 +8,8 @@ of N slots runs, and for how long.
 Loads the pair, prefills a random prompt and warms the phase up; only the `--reps` repetitions run between
 cudaProfilerStart and cudaProfilerStop, so with `--profile-from-start off` the profiler sees nothing else.
 Phases: `ar` (one single-token target step), `verify` (a forward over --slots tree slots, a random best-first
-tree), `draft` (one draft proposal). Without a profiler it prints the
+tree), `draft` (one draft proposal), `commit` (the target's commit of the tree's deepest path after one verify:
+state, conv window, KV rows moved), `append` (the draft taking that path's features into its context). Without a profiler it prints the
 median wall time of the phase (CUDA graphs on unless disabled).
 """
 from __future__ import annotations
@@ -44,7 +45,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("target")
     p.add_argument("--draft", required=True, help="DFlash draft directory (its target layers are captured)")
-    p.add_argument("--phase", choices=("ar", "verify", "draft"), required=True)
+    p.add_argument("--phase", choices=("ar", "verify", "draft", "commit", "append"), required=True)
     p.add_argument("--slots", type=int, default=23, help="verify slots (budget + 1)")
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--n-prompt", type=int, default=512)
@@ -67,10 +68,18 @@ def main(argv=None) -> int:
     target.enable_verify(args.slots, tree=True, state_type=args.state_type)
     budget = args.slots - 1
     logp = np.log(rng.dirichlet(np.ones(8), size=draft.block_size - 1)).astype(np.float32)
-    ids = rng.integers(1, 30000, size=(draft.block_size - 1, 8))
+    ids = rng.integers(1, min(target.hp.n_vocab, 30000), size=(draft.block_size - 1, 8))
     tree = ddtree.build_tree(np.sort(logp, axis=1)[:, ::-1], ids, budget)
     tokens, parents, depths = ddtree.padded(tree, args.slots)
     tokens[0] = prompt[-1]
+    deepest = int(np.argmax(depths))
+    path = [deepest]
+    while path[-1] != 0:
+        path.append(int(parents[path[-1]]))
+    path = path[::-1]                       # root first; off the chain of slots 0, 1, 2, ..: KV rows move
+    n_past, n_ctx = target.cache.n_past, draft.n_ctx
+    if args.phase in ("commit", "append"):
+        target.verify(tokens, parents, depths)
 
     def run():
         if args.phase == "ar":
@@ -78,6 +87,12 @@ def main(argv=None) -> int:
             target.cache.n_past -= 1          # stay at the same position: every repetition is the same step
         elif args.phase == "verify":
             target.verify(tokens, parents, depths)
+        elif args.phase == "commit":
+            target.cache.n_past = n_past      # the same verify committed again and again
+            target.commit(path)
+        elif args.phase == "append":
+            draft.truncate(n_ctx)
+            draft.append_from_target(path)
         else:
             draft.propose(prompt[-1])
 
@@ -93,7 +108,9 @@ def main(argv=None) -> int:
         times.append(1e3 * (time.perf_counter() - t0))
     if cudart is not None:
         cudart.cudaProfilerStop()
-    print(f"{args.phase}{f' ({args.slots} slots)' if args.phase == 'verify' else ''}: median "
+    what = f" ({args.slots} slots)" if args.phase == "verify" else f" (path of {len(path)} slots)" \
+        if args.phase in ("commit", "append") else ""
+    print(f"{args.phase}{what}: median "
           f"{statistics.median(times):.3f} ms over {args.reps} repetitions", file=sys.stderr)
     return 0
 
