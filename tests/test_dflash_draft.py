@@ -207,6 +207,33 @@ def test_append_from_target_device_path(models, backend, target_cache, rng):
     target.reset()
 
 
+def test_fused_attention_projections_change_nothing(models, backend, target_cache, rng, monkeypatch):
+    """Q, K and V of a layer load as the rows of one matrix (qkv_proj; K and V also as kv_proj), each a tensor on its
+    own rows: the rows hold the file's matrices in that order, and the draft's logits and proposals (step and
+    context appends through the fused products) are the ones of separate matrices (PYDFLASH_FUSED_WEIGHTS=0): bit
+    for bit on the CPU, where a row's product does not depend on its neighbours."""
+    target = _target(models, backend, target_cache)
+    fused = DFlashDraft(models["odd"], target, window=WINDOW, top_k=4)
+    monkeypatch.setenv("PYDFLASH_FUSED_WEIGHTS", "0")
+    apart = DFlashDraft(models["odd"], target, window=WINDOW, top_k=4)
+    w, p = fused.weights, "layers.1.self_attn."
+    assert p + "qkv_proj.weight" in w and p + "qkv_proj.weight" not in apart.weights
+    def rows(t):   # the matrix's rows as raw bytes
+        return t.numpy().reshape(t.ne[1], -1)
+    parts = [rows(apart.weights[p + f"{m}_proj.weight"]) for m in "qkv"]
+    np.testing.assert_array_equal(rows(w[p + "qkv_proj.weight"]), np.concatenate(parts))   # each read into its rows
+    np.testing.assert_array_equal(rows(w[p + "kv_proj.weight"]), np.concatenate(parts[1:]))
+    features = rng.standard_normal((40, len(CAPTURE), 64)).astype(np.float32)
+    for draft in (fused, apart):
+        draft.append_features(features)
+    if backend.name == "CPU":
+        np.testing.assert_array_equal(fused.logits(7), apart.logits(7))
+        for a, b in zip(fused.propose(7), apart.propose(7)):
+            np.testing.assert_array_equal(a, b)
+    else:   # a GPU may pick another kernel for a matrix of other rows (its rounding of the activations)
+        assert _max_rel(fused.logits(7), apart.logits(7)) < LOGIT_TOL / 10
+
+
 def test_propose_top_k_on_device(models, backend, target_cache, rng):
     target = _target(models, backend, target_cache)
     draft = DFlashDraft(models["full"], target, window=WINDOW, top_k=5)

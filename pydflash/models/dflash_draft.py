@@ -31,7 +31,8 @@ import numpy as np
 from .. import ggml
 from ..gguf_io import GGUFError, GGUFFile, regular_file_size
 from ..validate import check_float
-from .layers import Gated, linear
+from .layers import Gated, heads, linear
+from .runtime import fusing_enabled
 
 KV_BUCKET = 256             # attended rows are padded to this (what the GPU flash attention kernels want)
 GRAPH_TENSORS_PER_LAYER = 48
@@ -503,8 +504,7 @@ class DFlashWeights:
                 raise DraftLoadError(f"{path}: tensor {name!r} is {ggml.Type(sources[name][0]).name}; expected "
                                      f"BF16 (or F16/F32)")
         bf16_ok = _supports_bf16_matmul(backend)
-        self._ctx = ggml.Context(n_tensors=len(shapes))
-        self.t, plan = {}, []
+        plan = []
         for name, ne in shapes.items():
             src_type = ggml.Type(sources[name][0])
             if len(ne) == 1:
@@ -515,9 +515,34 @@ class DFlashWeights:
                 dst_type = ggml.Type.F16
             else:
                 dst_type = src_type
-            self.t[name] = self._ctx.new_tensor(dst_type, ne, name=("draft." + name)[:63])
             plan.append((name, src_type, dst_type))
+        types = {name: dst_type for name, _, dst_type in plan}
+        shapes = dict(shapes)
+        # per layer, Q, K and V back to back as the rows of one matrix (one product, one read of the activations:
+        # at the 27B shape its 6,144 rows take the f16 kernel, the three apart did not), K and V also seen as one.
+        # Each is its own tensor placed on its rows (Buffer.alias), as TargetWeights' fused members.
+        placed = {}   # name -> (fused matrix, first row)
+        for il in range(hp.n_layer):
+            p = f"layers.{il}.self_attn."
+            q, k, v = (p + f"{m}_proj.weight" for m in "qkv")
+            if not fusing_enabled() or len({types[q], types[k], types[v]}) != 1:
+                continue
+            q_rows, kv_rows = shapes[q][1], shapes[k][1]
+            shapes[p + "qkv_proj.weight"] = (hp.n_embd, q_rows + 2 * kv_rows)
+            shapes[p + "kv_proj.weight"] = (hp.n_embd, 2 * kv_rows)
+            types[p + "qkv_proj.weight"] = types[p + "kv_proj.weight"] = types[q]
+            placed.update({q: (p + "qkv_proj.weight", 0), k: (p + "qkv_proj.weight", q_rows),
+                           v: (p + "qkv_proj.weight", q_rows + kv_rows),
+                           p + "kv_proj.weight": (p + "qkv_proj.weight", q_rows)})
+        self._ctx = ggml.Context(n_tensors=len(shapes) - len(placed))
+        self._member_ctx = ggml.Context(n_tensors=max(len(placed), 1))
+        self.t = {}
+        for name, ne in shapes.items():
+            ctx = self._member_ctx if name in placed else self._ctx
+            self.t[name] = ctx.new_tensor(types[name], ne, name=("draft." + name)[:63])
         self.buffer = backend.alloc_tensors(self._ctx)
+        for name, (of, row) in placed.items():
+            self.buffer.alias(self.t[name], self.t[of], row * self.t[of].nb[1])
         for name, src_type, dst_type in plan:
             raw = read(name)
             if src_type == dst_type:
@@ -552,6 +577,9 @@ class DFlashWeights:
 
     def __getitem__(self, name: str) -> ggml.Tensor:
         return self.t[name]
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.t
 
 
 def _supports_bf16_matmul(backend: ggml.Backend) -> bool:
@@ -891,6 +919,22 @@ class DFlashDraft:
         # NEOX (rotate_half) pairing over the whole head, as Qwen3's rotary embedding
         return ctx.rope_ext(x, pos, None, hp.head_dim, 2, 0, hp.rope_theta, 1.0, 0.0, 1.0, 0.0, 0.0)
 
+    def _project(self, ctx: ggml.Context, x: ggml.Tensor, prefix: str, parts: tuple[str, ...]) -> list[ggml.Tensor]:
+        """x through the attention projections `parts` ('q', 'k', 'v'; prefix 'layers.N.self_attn.'): one product
+        of the fused matrix that holds them where the weights have one (qkv_proj, kv_proj), each result a row range
+        of its output (a view, contiguous for one column only); else a product each."""
+        w = self.weights
+        fused = prefix + "".join(parts) + "_proj.weight"
+        if fused not in w:
+            return [linear(ctx, w[prefix + f"{part}_proj.weight"], x) for part in parts]
+        y = linear(ctx, w[fused], x)
+        out, offset = [], 0
+        for part in parts:
+            rows = w[prefix + f"{part}_proj.weight"].ne[1]
+            out.append(ctx.view_2d(y, rows, y.ne[1], y.nb[1], offset))
+            offset += rows * y.nb[0]
+        return out
+
     def _build_append(self, m: int, src) -> _Graph:
         """Context rows: c = rmsnorm(fc . features) * hidden_norm; per layer K, V of c into the ring."""
         # the weight products go through `linear` (ggml_qmatmul for quantized CUDA weights where it is faster,
@@ -910,9 +954,9 @@ class DFlashDraft:
         writes = []
         for il in range(hp.n_layer):
             p = f"layers.{il}.self_attn."
-            k = ctx.reshape_3d(linear(ctx, w[p + "k_proj.weight"], c), hp.head_dim, hp.n_head_kv, m)
-            k = self._rope(ctx, self._norm(ctx, k, w[p + "k_norm.weight"], f"draft.l{il}.ctx_k_norm"), pos)
-            v = linear(ctx, w[p + "v_proj.weight"], c)                             # [hd n_kv, m]
+            k, v = self._project(ctx, c, p, ("k", "v"))
+            k = self._rope(ctx, self._norm(ctx, heads(ctx, k, hp.head_dim, hp.n_head_kv, m), w[p + "k_norm.weight"],
+                                           f"draft.l{il}.ctx_k_norm"), pos)
             writes.append(ctx.set_rows(cache.k[il], ctx.reshape_2d(k, hp.head_dim * hp.n_head_kv, m), rows)
                           .named(f"draft.l{il}.ctx_k_write"))
             writes.append(ctx.set_rows(cache.v[il], v, rows).named(f"draft.l{il}.ctx_v_write"))
@@ -939,11 +983,11 @@ class DFlashDraft:
         for il in range(hp.n_layer):
             p = f"layers.{il}."
             x = self._norm(ctx, h, w[p + "input_layernorm.weight"], f"draft.l{il}.attn_norm")
-            q = ctx.reshape_3d(linear(ctx, w[p + "self_attn.q_proj.weight"], x), hd, hp.n_head, B)
-            q = self._rope(ctx, self._norm(ctx, q, w[p + "self_attn.q_norm.weight"], f"draft.l{il}.q_norm"), pos)
-            k = ctx.reshape_3d(linear(ctx, w[p + "self_attn.k_proj.weight"], x), hd, hp.n_head_kv, B)
-            k = self._rope(ctx, self._norm(ctx, k, w[p + "self_attn.k_norm.weight"], f"draft.l{il}.k_norm"), pos)
-            v = linear(ctx, w[p + "self_attn.v_proj.weight"], x)                   # [hd n_kv, B]
+            q, k, v = self._project(ctx, x, p + "self_attn.", ("q", "k", "v"))
+            q = self._rope(ctx, self._norm(ctx, heads(ctx, q, hd, hp.n_head, B), w[p + "self_attn.q_norm.weight"],
+                                           f"draft.l{il}.q_norm"), pos)
+            k = self._rope(ctx, self._norm(ctx, heads(ctx, k, hd, hp.n_head_kv, B), w[p + "self_attn.k_norm.weight"],
+                                           f"draft.l{il}.k_norm"), pos)
             # the block's K/V go to the scratch rows 0..B-1; read the first n_attn rows through the writes
             k_all = ctx.set_rows(cache.k[il], ctx.reshape_2d(k, row, B), block_rows)
             v_all = ctx.set_rows(cache.v[il], v, block_rows)

@@ -134,6 +134,7 @@ def _takes_qmatmul(w: ggml.Tensor, x: ggml.Tensor) -> bool:
 QMATMUL_F16_TYPES = (ggml.Type.Q4_K, ggml.Type.Q6_K, ggml.Type.BF16)
 QMATMUL_F16_MIN_ITEMS = 400
 QMATMUL_F16_MIN_COLS = 9
+QMATMUL_F16_MIN_COLS_BF16 = 1   # BF16 has no int8 kernels: below 9 columns the choice is ggml's mul_mat
 
 
 def qmatmul_f16_enabled() -> bool:
@@ -148,8 +149,9 @@ def qmatmul_row_tiles(w: ggml.Tensor, n_cols: int) -> int:
     """ggml.qmatmul's row_tiles for w times n_cols columns: the f16 kernel (ggml.QMATMUL_F16) where it is faster,
     else 0 (the int8 kernels' own choice)."""
     items = -(-w.ne[1] // 256) * (w.ne[0] // 256)
+    min_cols = QMATMUL_F16_MIN_COLS_BF16 if w.type == ggml.Type.BF16 else QMATMUL_F16_MIN_COLS
     if (qmatmul_f16_enabled() and w.type in QMATMUL_F16_TYPES and w.ne[0] % 256 == 0
-            and items >= QMATMUL_F16_MIN_ITEMS and n_cols >= QMATMUL_F16_MIN_COLS and _streams(w)):
+            and items >= QMATMUL_F16_MIN_ITEMS and n_cols >= min_cols and _streams(w)):
         return ggml.QMATMUL_F16
     return 0
 
