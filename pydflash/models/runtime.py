@@ -890,8 +890,9 @@ class TargetRuntime:
                 size = store.ne[0] * store.ne[1]
                 row = store.nb[2]                                        # bytes of one slot's state
                 states = ctx.view_2d(store, size, n, row, 0)              # [S*S*H, n_slots]
-                state = ctx.get_rows(states, cg.state_slot)               # f32 [S*S*H, 1]
-                outs.append(ctx.cpy(state, ctx.reshape_2d(cache.ssm[il], size, 1)).named(f"l{il}.commit.state"))
+                # f32 [S*S*H, 1], gathered straight into the cache's state (the node placed on its bytes: no copy)
+                state = ctx.get_rows(states, cg.state_slot).named(f"l{il}.commit.state")
+                outs.append(cache.buffer.alias(state, cache.ssm[il]))
             # conv window: columns of (old state ‖ slot inputs), channel-major rows for get_rows
             if inputs_only:
                 seq = self.slot_inputs[il]                                # [conv_dim, n_slots]
