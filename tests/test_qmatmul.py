@@ -558,8 +558,9 @@ def test_qmatmul_rejects_bad_input():
 
 
 def test_f16_kernel_taken_for_large_q4_k_q6_k_bf16_matrices_from_9_columns_outside_bit_exact_mode(monkeypatch):
-    """layers.qmatmul_row_tiles: the f16 kernel for a Q4_K, Q6_K or BF16 weight of at least QMATMUL_F16_MIN_ITEMS
-    (256-row tile, 256-value unit) pairs from QMATMUL_F16_MIN_COLS columns on a GPU that has it; not for Q5_K,
+    """layers.qmatmul_row_tiles: the f16 kernel for a Q4_K or Q6_K weight of at least QMATMUL_F16_MIN_ITEMS
+    (256-row tile, 256-value unit) pairs from QMATMUL_F16_MIN_COLS columns (BF16: _BF16 bounds of its own) on a GPU
+    that has it; not for Q5_K,
     small matrices, few columns, other GPUs, with PYDFLASH_QMATMUL_F16=0, PYDFLASH_QMATMUL=1 or in bit-exact mode
     (which keep every column's bits whatever N)."""
     from pydflash.models import layers
@@ -578,10 +579,12 @@ def test_f16_kernel_taken_for_large_q4_k_q6_k_bf16_matrices_from_9_columns_outsi
                            (ggml.Type.Q4_K, (6144, 5120), True),     # GDN output: 20 x 24 = 480
                            (ggml.Type.Q4_K, (5120, 5120), True),     # 20 x 20 = 400
                            (ggml.Type.Q4_K, (5120, 4864), False),    # 19 x 20
-                           (ggml.Type.BF16, (5120, 4096), False),    # a DFlash draft's Q projection: 16 x 20
                            (ggml.Type.Q6_K, (5120, 1024), False),    # attention V
                            (ggml.Type.BF16, (5120, 17408), True),    # a DFlash draft's FFN gate / up
-                           (ggml.Type.BF16, (5120, 1024), False),    # its K / V projections
+                           (ggml.Type.BF16, (5120, 6144), True),     # its fused Q/K/V: 24 x 20
+                           (ggml.Type.BF16, (4096, 5120), True),     # its attention output: 20 x 16 = 320
+                           (ggml.Type.BF16, (5120, 2048), False),    # its fused K/V (context appends): 8 x 20
+                           (ggml.Type.BF16, (5120, 1024), False),    # K or V alone
                            (ggml.Type.Q5_K, (5120, 34816), False)):
         assert (layers.qmatmul_row_tiles(ctx.new_tensor(wtype, ne), 23) == ggml.QMATMUL_F16) == f16, (wtype, ne)
     monkeypatch.setenv("PYDFLASH_QMATMUL_F16", "0")

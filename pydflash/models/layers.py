@@ -129,12 +129,15 @@ def _takes_qmatmul(w: ggml.Tensor, x: ggml.Tensor) -> bool:
 # time on the 27B's FFN gate/up (2,720 items), FFN down (Q6_K, 1,360), GDN input (1,300), attention Q/K (1,040), the
 # GDN/attention output (480) and the LM head (19,400); 1.01x at 9-16 columns on the output). Smaller matrices keep
 # the int8 kernels: the pipeline's start and the tile fix-up weigh more there.
-# BF16 (a DFlash draft's matrices) by the same rule, in the kernel's bf16 form (8 warps a block): its attention
-# products, 80-320 items, measured slower there; ggml_qmatmul takes BF16 nowhere else.
+# BF16 (a DFlash draft's matrices) in the kernel's bf16 form (8 warps a block), ggml_qmatmul taking BF16 nowhere
+# else: from one column (no int8 kernels to prefer; the 27B draft's 25,600-wide fc at 1-8 columns 2.5x faster than
+# ggml's mul_mat_f) and from 300 items (the draft's fused Q/K/V, 480, and its attention output, 320, faster there;
+# its K/V, 160, slower: docs/benchmarks.md, eighteenth session).
 QMATMUL_F16_TYPES = (ggml.Type.Q4_K, ggml.Type.Q6_K, ggml.Type.BF16)
 QMATMUL_F16_MIN_ITEMS = 400
 QMATMUL_F16_MIN_COLS = 9
-QMATMUL_F16_MIN_COLS_BF16 = 1   # BF16 has no int8 kernels: below 9 columns the choice is ggml's mul_mat
+QMATMUL_F16_MIN_ITEMS_BF16 = 300
+QMATMUL_F16_MIN_COLS_BF16 = 1
 
 
 def qmatmul_f16_enabled() -> bool:
@@ -149,9 +152,11 @@ def qmatmul_row_tiles(w: ggml.Tensor, n_cols: int) -> int:
     """ggml.qmatmul's row_tiles for w times n_cols columns: the f16 kernel (ggml.QMATMUL_F16) where it is faster,
     else 0 (the int8 kernels' own choice)."""
     items = -(-w.ne[1] // 256) * (w.ne[0] // 256)
-    min_cols = QMATMUL_F16_MIN_COLS_BF16 if w.type == ggml.Type.BF16 else QMATMUL_F16_MIN_COLS
+    bf16 = w.type == ggml.Type.BF16
+    min_items = QMATMUL_F16_MIN_ITEMS_BF16 if bf16 else QMATMUL_F16_MIN_ITEMS
+    min_cols = QMATMUL_F16_MIN_COLS_BF16 if bf16 else QMATMUL_F16_MIN_COLS
     if (qmatmul_f16_enabled() and w.type in QMATMUL_F16_TYPES and w.ne[0] % 256 == 0
-            and items >= QMATMUL_F16_MIN_ITEMS and n_cols >= min_cols and _streams(w)):
+            and items >= min_items and n_cols >= min_cols and _streams(w)):
         return ggml.QMATMUL_F16
     return 0
 
