@@ -558,9 +558,9 @@ def test_qmatmul_rejects_bad_input():
 
 
 def test_f16_kernel_taken_for_large_q4_k_q6_k_bf16_matrices_from_9_columns_outside_bit_exact_mode(monkeypatch):
-    """layers.qmatmul_row_tiles: the f16 kernel for a Q4_K or Q6_K weight of at least QMATMUL_F16_MIN_ITEMS
-    (256-row tile, 256-value unit) pairs from QMATMUL_F16_MIN_COLS columns (BF16: _BF16 bounds of its own) on a GPU
-    that has it; not for Q5_K,
+    """layers.qmatmul_row_tiles: the f16 kernel for a Q4_K, Q6_K or BF16 weight of at least QMATMUL_F16_MIN_ITEMS
+    (256-row tile, 256-value unit) pairs from QMATMUL_F16_MIN_COLS columns (BF16: from one) on a GPU that has it;
+    not for Q5_K,
     small matrices, few columns, other GPUs, with PYDFLASH_QMATMUL_F16=0, PYDFLASH_QMATMUL=1 or in bit-exact mode
     (which keep every column's bits whatever N)."""
     from pydflash.models import layers
@@ -582,7 +582,7 @@ def test_f16_kernel_taken_for_large_q4_k_q6_k_bf16_matrices_from_9_columns_outsi
                            (ggml.Type.Q6_K, (5120, 1024), False),    # attention V
                            (ggml.Type.BF16, (5120, 17408), True),    # a DFlash draft's FFN gate / up
                            (ggml.Type.BF16, (5120, 6144), True),     # its fused Q/K/V: 24 x 20
-                           (ggml.Type.BF16, (4096, 5120), True),     # its attention output: 20 x 16 = 320
+                           (ggml.Type.BF16, (4096, 5120), False),    # its attention output: 20 x 16 = 320
                            (ggml.Type.BF16, (5120, 2048), False),    # its fused K/V (context appends): 8 x 20
                            (ggml.Type.BF16, (5120, 1024), False),    # K or V alone
                            (ggml.Type.Q5_K, (5120, 34816), False)):

@@ -130,13 +130,13 @@ def _takes_qmatmul(w: ggml.Tensor, x: ggml.Tensor) -> bool:
 # GDN/attention output (480) and the LM head (19,400); 1.01x at 9-16 columns on the output). Smaller matrices keep
 # the int8 kernels: the pipeline's start and the tile fix-up weigh more there.
 # BF16 (a DFlash draft's matrices) in the kernel's bf16 form (8 warps a block), ggml_qmatmul taking BF16 nowhere
-# else: from one column (no int8 kernels to prefer; the 27B draft's 25,600-wide fc at 1-8 columns 2.5x faster than
-# ggml's mul_mat_f) and from 300 items (the draft's fused Q/K/V, 480, and its attention output, 320, faster there;
-# its K/V, 160, slower: docs/benchmarks.md, eighteenth session).
+# else: the same item bound (the draft's fused Q/K/V, 480 items, in; its attention output, 320, level either way
+# in four A/B pairs; K/V, 80-160, slower there), but from one column: there are no int8 kernels to prefer, and the
+# 27B draft's 25,600-wide fc at 1-8 columns ran 2.5x faster than ggml's mul_mat_f (docs/benchmarks.md, eighteenth
+# session).
 QMATMUL_F16_TYPES = (ggml.Type.Q4_K, ggml.Type.Q6_K, ggml.Type.BF16)
 QMATMUL_F16_MIN_ITEMS = 400
 QMATMUL_F16_MIN_COLS = 9
-QMATMUL_F16_MIN_ITEMS_BF16 = 300
 QMATMUL_F16_MIN_COLS_BF16 = 1
 
 
@@ -152,11 +152,9 @@ def qmatmul_row_tiles(w: ggml.Tensor, n_cols: int) -> int:
     """ggml.qmatmul's row_tiles for w times n_cols columns: the f16 kernel (ggml.QMATMUL_F16) where it is faster,
     else 0 (the int8 kernels' own choice)."""
     items = -(-w.ne[1] // 256) * (w.ne[0] // 256)
-    bf16 = w.type == ggml.Type.BF16
-    min_items = QMATMUL_F16_MIN_ITEMS_BF16 if bf16 else QMATMUL_F16_MIN_ITEMS
-    min_cols = QMATMUL_F16_MIN_COLS_BF16 if bf16 else QMATMUL_F16_MIN_COLS
+    min_cols = QMATMUL_F16_MIN_COLS_BF16 if w.type == ggml.Type.BF16 else QMATMUL_F16_MIN_COLS
     if (qmatmul_f16_enabled() and w.type in QMATMUL_F16_TYPES and w.ne[0] % 256 == 0
-            and items >= min_items and n_cols >= min_cols and _streams(w)):
+            and items >= QMATMUL_F16_MIN_ITEMS and n_cols >= min_cols and _streams(w)):
         return ggml.QMATMUL_F16
     return 0
 
