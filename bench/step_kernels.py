@@ -9,8 +9,8 @@ Loads the pair, prefills a random prompt and warms the phase up; only the `--rep
 cudaProfilerStart and cudaProfilerStop, so with `--profile-from-start off` the profiler sees nothing else.
 Phases: `ar` (one single-token target step), `verify` (a forward over --slots tree slots, a random best-first
 tree), `draft` (one draft proposal), `commit` (the target's commit of the tree's deepest path after one verify:
-state, conv window, KV rows moved), `append` (the draft taking that path's features into its context). Without a profiler it prints the
-median wall time of the phase (CUDA graphs on unless disabled).
+state, conv window, KV rows moved), `append` (the draft taking that path's features into its context). Without a
+profiler it prints the median wall time of the phase (CUDA graphs on unless disabled).
 """
 from __future__ import annotations
 

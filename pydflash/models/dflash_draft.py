@@ -479,7 +479,8 @@ class DFlashWeights:
     or with matrix_type 'q8_0' or 'q4_k' are quantized on the host as they are uploaded (q8_0: 53% of bf16's bytes,
     q4_k: 28%, its matrices with rows that are not whole 256-value blocks in q8_0: draft_matrix_type; the draft's
     proposals change slightly, the verified output does not); the 1-D norm weights are widened to f32 on the host
-    because ggml's elementwise ops want f32 operands.
+    because ggml's elementwise ops want f32 operands. A layer's Q, K and V are also one matrix, qkv_proj (K and V:
+    kv_proj), unless PYDFLASH_FUSED_WEIGHTS=0 or their types differ.
     """
 
     def __init__(self, hp: DFlashHParams, backend: ggml.Backend, sources: dict, read, path: str,
@@ -517,7 +518,6 @@ class DFlashWeights:
                 dst_type = src_type
             plan.append((name, src_type, dst_type))
         types = {name: dst_type for name, _, dst_type in plan}
-        shapes = dict(shapes)
         # per layer, Q, K and V back to back as the rows of one matrix (one product, one read of the activations:
         # at the 27B shape its 6,144 rows take the f16 kernel, the three apart did not), K and V also seen as one.
         # Each is its own tensor placed on its rows (Buffer.alias), as TargetWeights' fused members.
