@@ -287,11 +287,12 @@ qmm_half_shared(const qmh_args p) {
         const int t0 = tile * n_stages, t1 = t0 + n_stages;
         const int pb0 = qmh_block_of(t0, items, P), pb1 = qmh_block_of(t1 - 1, items, P);
         const int r0 = tile * shape::rows + warp * RW;
-        auto each_output = [&](auto && f) {   // f(r, t, i) for each of this thread's accumulators
+        // f(r, t, i) for each of this thread's accumulators (of column tiles c0 .. c1 - 1)
+        auto each_output_in = [&](int c0, int c1, auto && f) {
 #pragma unroll
             for (int r = 0; r < RT; ++r) {
 #pragma unroll
-                for (int t = 0; t < NT; ++t) {
+                for (int t = c0; t < c1; ++t) {
 #pragma unroll
                     for (int i = 0; i < 4; ++i) {
                         f(r, t, i);
@@ -299,6 +300,7 @@ qmm_half_shared(const qmh_args p) {
                 }
             }
         };
+        auto each_output = [&](auto && f) { each_output_in(0, NT, f); };
         // acc to dst (plus add's values, asked for before the first store: the compiler cannot tell add from dst,
         // so a load after each store was one L2 round trip per output, ~8 us a call on the 27B's residual products),
         // and acc zeroed; at most 16 values held at once (more spilled at 6 column tiles and 128 registers)
@@ -311,27 +313,16 @@ qmm_half_shared(const qmh_args p) {
             };
 #pragma unroll
             for (int c0 = 0; c0 < NT; c0 += TC) {
-                auto each_in_pass = [&](auto && f) {
-#pragma unroll
-                    for (int r = 0; r < RT; ++r) {
-#pragma unroll
-                        for (int t = c0; t < c0 + TC && t < NT; ++t) {
-#pragma unroll
-                            for (int i = 0; i < 4; ++i) {
-                                f(r, t, i);
-                            }
-                        }
-                    }
-                };
+                const int c1 = min(c0 + TC, NT);
                 float plus[RT][TC][4];
                 if (p.add != nullptr) {
-                    each_in_pass([&](int r, int t, int i) {
+                    each_output_in(c0, c1, [&](int r, int t, int i) {
                         int row, col;
                         plus[r][t - c0][i] =
                             at_out(r, t, i, row, col) ? p.add[(size_t) col * p.stride_col_add + row] : 0.0f;
                     });
                 }
-                each_in_pass([&](int r, int t, int i) {
+                each_output_in(c0, c1, [&](int r, int t, int i) {
                     int row, col;
                     if (at_out(r, t, i, row, col)) {
                         p.dst[(size_t) col * p.stride_col_dst + row] =
