@@ -31,7 +31,7 @@ import numpy as np
 from .. import ggml
 from ..gguf_io import GGUFError, GGUFFile, regular_file_size
 from ..validate import check_float
-from .layers import Gated, heads, linear
+from .layers import Gated, heads, linear, row_ranges
 from .runtime import fusing_enabled
 
 KV_BUCKET = 256             # attended rows are padded to this (what the GPU flash attention kernels want)
@@ -927,13 +927,7 @@ class DFlashDraft:
         fused = prefix + "".join(parts) + "_proj.weight"
         if fused not in w:
             return [linear(ctx, w[prefix + f"{part}_proj.weight"], x) for part in parts]
-        y = linear(ctx, w[fused], x)
-        out, offset = [], 0
-        for part in parts:
-            rows = w[prefix + f"{part}_proj.weight"].ne[1]
-            out.append(ctx.view_2d(y, rows, y.ne[1], y.nb[1], offset))
-            offset += rows * y.nb[0]
-        return out
+        return row_ranges(ctx, linear(ctx, w[fused], x), [w[prefix + f"{part}_proj.weight"].ne[1] for part in parts])
 
     def _build_append(self, m: int, src) -> _Graph:
         """Context rows: c = rmsnorm(fc . features) * hidden_norm; per layer K, V of c into the ring."""

@@ -321,6 +321,18 @@ def linear(ctx: ggml.Context, w: ggml.Tensor, x: ggml.Tensor | Normed | Gated, a
     return out if add is None else ctx.add(out, add)
 
 
+def row_ranges(ctx: ggml.Context, y: ggml.Tensor, rows: list[int]) -> list[ggml.Tensor]:
+    """A fused product's output [sum(rows), n] as its members' consecutive row ranges, [rows[i], n] each (views,
+    contiguous only for n = 1; y itself for a single member)."""
+    if len(rows) == 1:
+        return [y]
+    out, offset = [], 0
+    for r in rows:
+        out.append(ctx.view_2d(y, r, y.ne[1], y.nb[1], offset))
+        offset += r * y.nb[0]
+    return out
+
+
 def heads(ctx: ggml.Context, y: ggml.Tensor, head_dim: int, n_head: int, n: int) -> ggml.Tensor:
     """[head_dim * n_head, n] (a projection's output, or a row range of a fused one: TargetRuntime.project) seen
     as [head_dim, n_head, n]."""

@@ -396,12 +396,8 @@ class TargetRuntime:
             y = layers.linear(ctx, w[mbase + ".weight"], x)
             if mbase + ".bias" in w:
                 y = ctx.add(y, w[mbase + ".bias"])
-            offset = 0
-            for member in members:
-                rows = w[member].ne[1]
-                out[member[:-len(".weight")]] = y if len(members) == 1 else \
-                    ctx.view_2d(y, rows, y.ne[1], y.nb[1], offset)
-                offset += rows * 4
+            for member, part in zip(members, layers.row_ranges(ctx, y, [w[m].ne[1] for m in members])):
+                out[member[:-len(".weight")]] = part
         return [out[b] for b in bases]
 
     def gated_ffn(self, ctx: ggml.Context, x: ggml.Tensor, prefix: str, glu: str, name: str,
