@@ -53,8 +53,9 @@ def bench(device: str, n_nodes: int, warmup: int, reps: int, copies: int, n_thre
             "c": rng.standard_normal((d_inner, d_conv)).astype(np.float32)}
     gdn = gdn_inputs(rng, S_v, H, n_nodes, 1, H_k=H_k)
 
-    cache_ctx = ggml.Context(n_tensors=2)
+    cache_ctx = ggml.Context(n_tensors=3)
     inter = {dt: cache_ctx.new_tensor(dt, (S_v * S_v, H, n_nodes, 1)) for dt in (np.float32, np.float16)}
+    steps = cache_ctx.new_tensor(np.float32, (S_v * H_k + S_v * H + H, n_nodes + 1))   # a replay verify's store
     cache_buf = backend.alloc_tensors(cache_ctx)
     cache_buf.clear(0)
 
@@ -67,6 +68,14 @@ def bench(device: str, n_nodes: int, warmup: int, reps: int, copies: int, n_thre
          lambda ctx, t, _: ctx.gated_delta_net(*(t[n] for n in gdn_args), 1)),
         ("gated_delta_net_tree", dict(gdn, parent=parent),
          lambda ctx, t, _: ggml.gated_delta_net_tree(ctx, *(t[n] for n in gdn_args), t["parent"])),
+        ("gated_delta_net_tree, o only", dict(gdn, parent=parent),
+         lambda ctx, t, _: ggml.gated_delta_net_tree(ctx, *(t[n] for n in gdn_args), t["parent"], o_only=True)),
+        ("gated_delta_net_tree_steps, exact (the walk)", dict(gdn, parent=parent),
+         lambda ctx, t, st: ggml.gated_delta_net_tree_steps(ctx, *(t[n] for n in gdn_args), t["parent"], st,
+                                                             exact=True), steps),
+        ("gated_delta_net_tree_steps, chunk form", dict(gdn, parent=parent),
+         lambda ctx, t, st: ggml.gated_delta_net_tree_steps(ctx, *(t[n] for n in gdn_args), t["parent"], st,
+                                                             exact=False), steps),
         ("gated_delta_net_tree_persist, f32 inter", dict(gdn, parent=parent),
          lambda ctx, t, inter: ggml.gated_delta_net_tree_persist(ctx, *(t[n] for n in gdn_args), t["parent"], inter),
          inter[np.float32]),

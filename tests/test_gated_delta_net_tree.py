@@ -1,7 +1,7 @@
-"""ggml_gated_delta_net_tree, ggml_gated_delta_net_tree_persist and ggml_gated_delta_net_path: against the float64
-reference on random trees, against upstream ggml_gated_delta_net on chains, rollback from persisted node states, f16
-intermediates, node states rebuilt from the deltas, and the wrappers' checks. Runs on the CPU in CI and on CUDA
-with `-m cuda`."""
+"""ggml_gated_delta_net_tree(_persist, _steps) and ggml_gated_delta_net_path: against the float64 reference on random
+trees, against upstream ggml_gated_delta_net on chains, rollback from persisted node states, f16 intermediates, node
+states rebuilt from the deltas, the replay steps (and their chunk form on CUDA), and the wrappers' checks. Runs on
+the CPU in CI and on CUDA with `-m cuda`."""
 from __future__ import annotations
 
 import numpy as np
@@ -321,6 +321,75 @@ def test_path_against_float64(backend, rng, kda):
     np.testing.assert_array_equal(run_path(backend, padded), got)
 
 
+# --- the replay-steps op (ggml_gated_delta_net_tree_steps) ------------------------------------------------------------
+
+def new_steps(backend, width, n_cols):
+    """A persistent steps tensor [width, n_cols] pre-filled with NaN (unwritten columns show). Returns (tensor,
+    buffer): the buffer must outlive the tensor's use."""
+    ctx = ggml.Context(n_tensors=1)
+    steps = ctx.new_tensor(np.float32, (width, n_cols), name="steps")
+    buf = backend.alloc_tensors(ctx)
+    steps.set(np.full((n_cols, width), np.nan, np.float32))
+    return steps, buf
+
+
+def run_steps(backend, inputs, exact):
+    """The steps op over `inputs` (one sequence) into a fresh steps tensor with one spare column: (o [n_t, H, S_v],
+    steps [n_t + 1, width] as numpy)."""
+    _, n_t, H, S_v = shape_of(inputs)
+    width = S_v * inputs["k"].shape[2] + S_v * H + inputs["g"].shape[3] * H
+    steps, buf = new_steps(backend, width, n_t + 1)
+
+    def build(ctx, t):
+        out = ggml.gated_delta_net_tree_steps(ctx, *(t[n] for n in NAMES), steps, exact=exact)
+        skip_unless_supported(backend, out)
+        return out
+    out = run_graph(backend, build, inputs)
+    assert out.shape == (n_t * (1 + S_v), S_v * H)
+    got = steps.numpy().reshape(n_t + 1, width)
+    del buf
+    return out[:n_t].reshape(n_t, H, S_v), got
+
+
+@pytest.mark.parametrize("exact", [True, False], ids=["exact", "any_order"])
+@pytest.mark.parametrize("kda", [False, True], ids=["scalar_g", "kda"])
+@pytest.mark.parametrize("S_v, n_t", [(128, 23), (64, 32), (128, 40)])
+@pytest.mark.parametrize("kind", ["ddtree", "bushy", "padded", "chain"])
+def test_steps_op(backend, rng, kind, S_v, n_t, kda, exact):
+    """ggml_gated_delta_net_tree_steps writes each node's key, delta and log-decay into its column of `steps` (the
+    spare column untouched) and returns o. Exact, and always on the CPU, o and the deltas are the tree walk's bits.
+    Otherwise, on CUDA with a scalar decay and at most 32 nodes, they come from the chunk form: not the walk's
+    bits, but the float64 reference's within the kernels' tolerance, and a state rebuilt from those steps by
+    ggml_gated_delta_net_path is the reference's state after that node."""
+    H, H_k = 4, 2
+    parents = make_tree(kind, n_t, rng)
+    inputs = with_parents(gdn_inputs(rng, S_v, H, n_t, 1, H_k=H_k, kda=kda), parents)
+    o, steps = run_steps(backend, inputs, exact)
+    key_dim, value_dim = S_v * H_k, S_v * H
+
+    assert np.isnan(steps[n_t]).all()
+    np.testing.assert_array_equal(steps[:n_t, :key_dim].reshape(n_t, H_k, S_v), inputs["k"][0])
+    np.testing.assert_array_equal(steps[:n_t, key_dim + value_dim:].reshape(inputs["g"][0].shape), inputs["g"][0])
+    deltas = steps[:n_t, key_dim:key_dim + value_dim].reshape(n_t, H, S_v)
+
+    def build(ctx, t):
+        return ggml.gated_delta_net_tree(ctx, *(t[n] for n in NAMES), o_only=True)
+    walked = run_graph(backend, build, inputs)
+    chunk_form = backend.name.lower().startswith("cuda") and not exact and not kda and n_t <= 32
+    if not chunk_form:
+        np.testing.assert_array_equal(o, walked[:n_t].reshape(n_t, H, S_v))
+        np.testing.assert_array_equal(deltas, tree_deltas(walked, 1, n_t, H, S_v)[0])
+        return
+    assert not np.array_equal(o, walked[:n_t].reshape(n_t, H, S_v))   # (the chunk form ran, not the walk)
+    o_ref, states_ref = gated_delta_net_tree_ref(**inputs)
+    assert rel_err(o, o_ref[0]) < TOL
+    assert rel_err(deltas, deltas_ref(inputs, states_ref)[0]) < TOL
+    for r in (n_t - 1, n_t // 2, 3):
+        path = path_to(parents, r)
+        rebuilt = run_path(backend, path_inputs(inputs, deltas[None], [path], len(path)))
+        assert rel_err(rebuilt[0], states_ref[0, r]) < TOL
+
+
 # --- the persist op ---------------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("kda", [False, True], ids=["scalar_g", "kda"])
@@ -499,6 +568,22 @@ def test_wrappers_reject_bad_inputs(backend):
         buf = backend.alloc_tensors(cache)
         with pytest.raises(exc, match=match):
             ggml.gated_delta_net_tree_persist(ctx, *args, inter)
+        del buf
+
+    one = dict(good, **{n: ctx.new_tensor(np.float32, ne[:3] + (1,)) for n, ne in shapes.items()})
+    one["parent"] = ctx.new_tensor(np.int32, (n_t, 1))
+    width = S_v * 2 + S_v * H + H
+    with pytest.raises(ValueError, match="allocated in a persistent buffer"):
+        ggml.gated_delta_net_tree_steps(ctx, *(one[n] for n in NAMES), ctx.new_tensor(np.float32, (width, n_t)),
+                                        exact=True)
+    for args, ne, match in [(good, (width, n_t), "one sequence, got n_s=2"),
+                            (one, (width + 1, n_t), "steps must have ne"),
+                            (one, (width, n_t - 1), "steps holds 4 columns, the tree has n_t=5")]:
+        cache = ggml.Context(n_tensors=1)
+        steps = cache.new_tensor(np.float32, ne)
+        buf = backend.alloc_tensors(cache)
+        with pytest.raises(ValueError, match=match):
+            ggml.gated_delta_net_tree_steps(ctx, *(args[n] for n in NAMES), steps, exact=False)
         del buf
 
     L = 3

@@ -383,11 +383,14 @@ def test_replay_commit_equals_f32_store_commit(backend, tmp_path):
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("chunk", ["0", "1"], ids=["walk", "chunk_form"])
 @pytest.mark.parametrize("mode,budget", [("chain", 15), ("ddtree", 22)])
-def test_cuda_replay_lossless_and_state_equals_f32(tmp_path, mode, budget):
-    """On CUDA: replayed states give AR's tokens (up to tests/test_engine.py's CUDA near-tie margin), and exactly
-    the f32-store path's tokens and committed recurrent states (the commit rebuilds the verify's node state bit
-    for bit; a wrong slot or path moves them by O(0.1))."""
+def test_cuda_replay_lossless_and_state_equals_f32(tmp_path, monkeypatch, mode, budget, chunk):
+    """On CUDA: replayed states give AR's tokens (up to tests/test_engine.py's CUDA near-tie margin). With the
+    tree walk (PYDFLASH_GDN_CHUNK=0) exactly the f32-store path's tokens and committed recurrent states (the commit
+    rebuilds the verify's node state bit for bit; a wrong slot or path moves them by O(0.1)); with the chunk form
+    (the default) the same tokens and states within f32 rounding (STATE_TOL)."""
+    monkeypatch.setenv("PYDFLASH_GDN_CHUNK", chunk)
     from pydflash.engine import Decoder
     from test_engine import BLOCK, CUDA_MARGIN, CUDA_SHAPE, ERRORS, N_GEN as ENGINE_N_GEN, ar_reference
     path = tmp_path / "b.gguf"
@@ -410,7 +413,16 @@ def test_cuda_replay_lossless_and_state_equals_f32(tmp_path, mode, budget):
         states[state_type] = (out, {il: t.numpy() for il, t in target.cache.ssm.items()})
     assert states["replay"][0] == states["f32"][0]
     for il, want in states["f32"][1].items():
-        np.testing.assert_array_equal(states["replay"][1][il], want, err_msg=f"layer {il}")
+        if chunk == "0":
+            np.testing.assert_array_equal(states["replay"][1][il], want, err_msg=f"layer {il}")
+        else:
+            err = np.linalg.norm(states["replay"][1][il] - want) / np.linalg.norm(want)
+            assert err < STATE_TOL, f"layer {il}: relative difference {err:.2e}"
+
+
+# The chunk form's states against the walk's after a whole generation: f32 rounding in another order (~1e-7 a
+# step) carried through 64 tokens of a 4-layer model; a wrong delta, decay or ancestor set moves them by O(0.1).
+STATE_TOL = 1e-4
 
 
 def test_replay_with_the_real_draft_is_lossless(pair, reference):

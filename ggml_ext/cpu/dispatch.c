@@ -16,6 +16,7 @@ void ggml_ext_cpu_compute_forward(const struct ggml_compute_params * params, str
         case GGML_OP_TOP_K_LOGP: ggml_ext_cpu_top_k_logp(params, dst); break;
         case GGML_OP_GDN_GATES: ggml_ext_cpu_gdn_gates(params, dst); break;
         case GGML_OP_GATED_DELTA_NET_PATH: ggml_ext_cpu_gated_delta_net_path(params, dst); break;
+        case GGML_OP_GATED_DELTA_NET_TREE_STEPS: ggml_ext_cpu_gated_delta_net_tree_steps(params, dst); break;
         default: GGML_ABORT("ggml_ext: no CPU kernel for %s", ggml_op_name(dst->op));
     }
 }
@@ -29,6 +30,7 @@ size_t ggml_ext_cpu_work_size(const struct ggml_tensor * node, int n_tasks) {
     switch (node->op) {
         case GGML_OP_GATED_DELTA_NET_TREE:
         case GGML_OP_GATED_DELTA_NET_TREE_PERSIST:
+        case GGML_OP_GATED_DELTA_NET_TREE_STEPS:
             return ggml_ext_cpu_gated_delta_net_tree_work_size(node, n_tasks);
         case GGML_OP_GATED_DELTA_NET_PATH:
             return ggml_ext_cpu_gated_delta_net_path_work_size(node, n_tasks);

@@ -1,4 +1,4 @@
-// ggml_gated_delta_net_tree, ggml_gated_delta_net_tree_persist and ggml_gated_delta_net_path on the CPU. Threads
+// ggml_gated_delta_net_tree(_persist, _steps) and ggml_gated_delta_net_path on the CPU. Threads
 // split the (head, sequence) pairs; each pair walks its tree in node order with the state in a per-thread f32
 // scratch matrix, using the same vector primitives in the same order as upstream's ggml_gated_delta_net, so a
 // chain gives its numbers; the path op repeats a node's decay and update with the same primitives.
@@ -49,8 +49,9 @@ static void gdn_update(float * S, int64_t S_v, const float * k_d, const float * 
 }
 
 // inter: NULL for ggml_gated_delta_net_tree (node states go to dst after o), else the persistent tensor.
+// steps: ggml_gated_delta_net_tree_steps' replay steps (the deltas go there; node states to dst after o), or NULL.
 static void gdn_tree(const struct ggml_compute_params * params, struct ggml_tensor * dst,
-                     const struct ggml_tensor * inter) {
+                     const struct ggml_tensor * inter, const struct ggml_tensor * steps) {
     const struct ggml_tensor * q      = dst->src[0];
     const struct ggml_tensor * k      = dst->src[1];
     const struct ggml_tensor * v      = dst->src[2];
@@ -69,8 +70,14 @@ static void gdn_tree(const struct ggml_compute_params * params, struct ggml_tens
     // o: [S_v, H, n_t, n_s] at the start of dst in both ops
     float * o_base = (float *) dst->data;
 
-    // the deltas, [S_v, H, n_t, n_s] after the node states (not kept by the persist op)
-    float * delta_base = inter == NULL ? o_base + S_v * H * n_t * n_s * (1 + S_v) : NULL;
+    // the deltas: [S_v, H, n_t, n_s] after the node states (not kept by the persist op), or the steps' delta rows
+    const int64_t key_dim  = S_v * k->ne[1];
+    float * delta_base     = inter == NULL ? o_base + S_v * H * n_t * n_s * (1 + S_v) : NULL;
+    int64_t delta_t_stride = S_v * H;   // floats from node t's deltas to node t+1's
+    if (steps != NULL) {
+        delta_base     = (float *) steps->data + key_dim;
+        delta_t_stride = steps->nb[1] / sizeof(float);
+    }
 
     // node states, [S_v*S_v, H, n_t, n_s]: byte strides per head, node, sequence
     char * node_base;
@@ -137,7 +144,7 @@ static void gdn_tree(const struct ggml_compute_params * params, struct ggml_tens
             }
             gdn_update(S, S_v, k_d, delta);
             if (delta_base != NULL) {
-                memcpy(delta_base + ((s * n_t + t) * H + h) * S_v, delta, S_v * sizeof(float));
+                memcpy(delta_base + (s * n_t + t) * delta_t_stride + h * S_v, delta, S_v * sizeof(float));
             }
             float * o = o_base + ((s * n_t + t) * H + h) * S_v;
             for (int64_t j = 0; j < S_v; ++j) {
@@ -152,16 +159,28 @@ static void gdn_tree(const struct ggml_compute_params * params, struct ggml_tens
             } else {
                 memcpy(out, S, D * sizeof(float));
             }
+            if (steps != NULL) {   // the rest of node t's replay step: head h's key (one per key head), decay
+                float * step = (float *) ((char *) steps->data + t * steps->nb[1]);
+                if (h < k->ne[1]) {
+                    memcpy(step + h * S_v, k_d, S_v * sizeof(float));
+                }
+                memcpy(step + key_dim + S_v * H + h * g->ne[0], g_d, g->ne[0] * sizeof(float));
+            }
         }
     }
 }
 
 void ggml_ext_cpu_gated_delta_net_tree(const struct ggml_compute_params * params, struct ggml_tensor * dst) {
-    gdn_tree(params, dst, NULL);
+    gdn_tree(params, dst, NULL, NULL);
 }
 
 void ggml_ext_cpu_gated_delta_net_tree_persist(const struct ggml_compute_params * params, struct ggml_tensor * dst) {
-    gdn_tree(params, dst, dst->src[7]);
+    gdn_tree(params, dst, dst->src[7], NULL);
+}
+
+// The CPU always walks the tree (exact or not): the chunk form is for GPUs, where the walk is latency-bound.
+void ggml_ext_cpu_gated_delta_net_tree_steps(const struct ggml_compute_params * params, struct ggml_tensor * dst) {
+    gdn_tree(params, dst, NULL, dst->src[7]);
 }
 
 size_t ggml_ext_cpu_gated_delta_net_path_work_size(const struct ggml_tensor * node, int n_tasks) {
@@ -191,7 +210,8 @@ void ggml_ext_cpu_gated_delta_net_path(const struct ggml_compute_params * params
         const int64_t h = ir % H;
         const int64_t s = ir / H;
         float * S = (float *) ((char *) dst->data + s * dst->nb[3] + h * dst->nb[2]);
-        memcpy(S, (const char *) state->data + s * state->nb[3] + h * state->nb[2], D * sizeof(float));
+        // (memmove: dst may be the state itself, an in-place commit)
+        memmove(S, (const char *) state->data + s * state->nb[3] + h * state->nb[2], D * sizeof(float));
         for (int64_t l = 0; l < L; ++l) {
             const float * k_d = (const float *) ((const char *) k->data + (s / rk3) * k->nb[3] + l * k->nb[2] + (h % k->ne[1]) * k->nb[1]);
             const float * g_d = (const float *) ((const char *) g->data + s * g->nb[3] + l * g->nb[2] + h * g->nb[1]);

@@ -26,6 +26,7 @@ static inline void ggml_ext_thread_rows(int64_t n, int ith, int nth, int64_t * r
 void ggml_ext_cpu_ssm_conv_tree(const struct ggml_compute_params * params, struct ggml_tensor * dst);
 void ggml_ext_cpu_gated_delta_net_tree(const struct ggml_compute_params * params, struct ggml_tensor * dst);
 void ggml_ext_cpu_gated_delta_net_tree_persist(const struct ggml_compute_params * params, struct ggml_tensor * dst);
+void ggml_ext_cpu_gated_delta_net_tree_steps(const struct ggml_compute_params * params, struct ggml_tensor * dst);
 size_t ggml_ext_cpu_gated_delta_net_tree_work_size(const struct ggml_tensor * node, int n_tasks);
 void ggml_ext_cpu_gated_delta_net_path(const struct ggml_compute_params * params, struct ggml_tensor * dst);
 size_t ggml_ext_cpu_gated_delta_net_path_work_size(const struct ggml_tensor * node, int n_tasks);

@@ -15,6 +15,7 @@ void ggml_ext_cuda_compute_forward(ggml_backend_cuda_context & ctx, ggml_tensor 
         case GGML_OP_TOP_K_LOGP: ggml_ext_cuda_top_k_logp(ctx, dst); break;
         case GGML_OP_GDN_GATES: ggml_ext_cuda_gdn_gates(ctx, dst); break;
         case GGML_OP_GATED_DELTA_NET_PATH: ggml_ext_cuda_gated_delta_net_path(ctx, dst); break;
+        case GGML_OP_GATED_DELTA_NET_TREE_STEPS: ggml_ext_cuda_gated_delta_net_tree_steps(ctx, dst); break;
         default: GGML_ABORT("ggml_ext: no CUDA kernel for %s", ggml_op_name(dst->op));
     }
 }
@@ -26,6 +27,7 @@ bool ggml_ext_cuda_supports_op(int device, const ggml_tensor * op) {
             return op->src[1]->ne[0] == 4 && op->src[0]->nb[0] == sizeof(float) && op->src[1]->nb[0] == sizeof(float);
         case GGML_OP_GATED_DELTA_NET_TREE:
         case GGML_OP_GATED_DELTA_NET_TREE_PERSIST:
+        case GGML_OP_GATED_DELTA_NET_TREE_STEPS:
             return ggml_ext_cuda_gated_delta_net_tree_supported(op);
         case GGML_OP_QMATMUL:
             return ggml_ext_cuda_qmatmul_supported(op);

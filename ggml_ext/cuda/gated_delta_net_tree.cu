@@ -44,7 +44,11 @@ struct gdn_tree_args {
     const float * state;   // contiguous [S_v, S_v, H, n_s]
     const int   * parent;  // [n_t, n_s]
     float       * o;       // [S_v, H, n_t, n_s]
-    float       * deltas;  // [S_v, H, n_t, n_s], or null (the persist op)
+    float       * deltas;  // [S_v, H, n_t, n_s] (node t's at t * delta_ts), or null (the persist op)
+    int64_t       delta_ts;   // floats from node t's deltas to node t+1's
+    float       * steps;   // ggml_gated_delta_net_tree_steps: node t's key and log-decay also go to its column
+    int64_t       steps_ld;   // floats per column of steps
+    int           g_ne0;   // 1 or S_v (KDA)
     void        * nodes;   // [S_v*S_v, H, n_t(_max), n_s] of float or half
     int H, n_t, H_q, H_k, rq3, rk3;
     int64_t sq1, sq2, sq3, sk1, sk2, sk3, sv1, sv2, sv3;  // in floats
@@ -159,6 +163,26 @@ static __device__ __forceinline__ float column_sum(float x) {
     return x;
 }
 
+// ggml_gated_delta_net_tree_steps: the key (head h < H_k) and the log-decay of head h of every node, copied into
+// the nodes' step columns by the first block of head h (the deltas are written where they are computed).
+static __device__ void write_key_and_decay_steps(const gdn_tree_args & a, int S_v, int h, int tid, int nthreads) {
+    if (a.steps == nullptr || blockIdx.z != 0) {
+        return;
+    }
+    const int64_t key_dim = (int64_t) S_v * a.H_k;
+    if (h < a.H_k) {
+        for (int i = tid; i < a.n_t * S_v; i += nthreads) {
+            const int t = i / S_v, r = i % S_v;
+            a.steps[t * a.steps_ld + h * S_v + r] = a.k[t * a.sk2 + h * a.sk1 + r];
+        }
+    }
+    for (int i = tid; i < a.n_t * a.g_ne0; i += nthreads) {
+        const int t = i / a.g_ne0, r = i % a.g_ne0;
+        a.steps[t * a.steps_ld + key_dim + (int64_t) S_v * a.H + h * a.g_ne0 + r] =
+            a.g[((int64_t) t * a.H + h) * a.g_ne0 + r];
+    }
+}
+
 template <int S_v, bool KDA, typename node_t, bool VEC, int W, int RPL>
 __global__ void __launch_bounds__(WARP_SIZE * W)
 gdn_tree_kernel(const gdn_tree_args a) {
@@ -200,7 +224,8 @@ gdn_tree_kernel(const gdn_tree_args a) {
     const float * committed = a.state + (((int64_t) s * a.H + h) * S_v + col) * S_v + seg * CH;
     node_t      * nodes     = (node_t *) a.nodes + s * a.node_s3 + h * a.node_s1 + col * S_v + seg * CH;
     float       * o         = a.o + gb * S_v + col;
-    float       * deltas    = a.deltas != nullptr ? a.deltas + gb * S_v + col : nullptr;
+    float       * deltas    = a.deltas == nullptr ? nullptr : a.deltas + (int64_t) s * a.n_t * a.delta_ts + h * S_v + col;
+    write_key_and_decay_steps(a, S_v, h, tid, NT);
 
     for (int t = tid; t < min(a.n_t, GDN_TREE_PARENTS); t += NT) {
         sp[t] = ggml_ext_parent(par, t);
@@ -319,7 +344,7 @@ gdn_tree_kernel(const gdn_tree_args a) {
             if (seg == 0) {
                 o[(int64_t) t * a.H * S_v] = oq * a.scale;
                 if (deltas != nullptr) {
-                    deltas[(int64_t) t * a.H * S_v] = delta;
+                    deltas[(int64_t) t * a.delta_ts] = delta;
                 }
             }
             if (store_all || (reloaded[t / 32] >> (t % 32)) & 1) {
@@ -327,6 +352,172 @@ gdn_tree_kernel(const gdn_tree_args a) {
             }
         }
     }
+}
+
+// ggml_gated_delta_net_tree_steps when not exact (scalar decay, one sequence, at most 32 nodes): every node at once,
+// in the rule's chunk form over the tree (docs/gdn-tree-chunk.md). With G_t the log-decays summed along node t's path
+// and A(t) its strict ancestors,
+//   u_t = beta_t (v_t - e^G_t S0^T k_t) - sum_{j in A(t)} beta_t e^(G_t - G_j) (k_t . k_j) u_j      (the delta)
+//   o_t = (e^G_t S0^T q_t + sum_{j in A(t) + t} e^(G_t - G_j) (q_t . k_j) u_j) / sqrt(S_v)
+// The walk's latency (a dependent dot product per node and a state reload per branch) becomes a few small dense
+// products and a 32-node forward substitution. A block takes 32 value columns of one head (grid H x S_v/32):
+// lane = value column (or node j in the node-by-node products), warp w the nodes w, w+8, w+16, w+24.
+#define GDN_CHUNK_NODES 32
+#define GDN_CHUNK_WARPS 8
+
+template <int S_v> struct gdn_chunk_smem {
+    float k[GDN_CHUNK_NODES][S_v + 4];   // (+4: lane j reading row j's float4s meets no bank conflict)
+    float q[GDN_CHUNK_NODES][S_v];       // (read by whole warps at once)
+    float s0[32][S_v + 4];               // the block's columns of the committed state, one per row
+    float v[GDN_CHUNK_NODES][32];
+    float rhs[GDN_CHUNK_NODES][32];      // beta_t (v_t - e^G_t S0^T k_t)
+    float qs[GDN_CHUNK_NODES][32];       // e^G_t S0^T q_t
+    float a[GDN_CHUNK_NODES][GDN_CHUNK_NODES];   // beta_t e^(G_t - G_j) k_t . k_j for j in A(t), else 0
+    float b[GDN_CHUNK_NODES][GDN_CHUNK_NODES];   // e^(G_t - G_j) q_t . k_j for j in A(t) + t, else 0
+    float u[GDN_CHUNK_NODES][32];
+    float G[GDN_CHUNK_NODES];
+    float beta[GDN_CHUNK_NODES];
+    uint32_t anc[GDN_CHUNK_NODES];       // bit j: j is t or an ancestor of t
+};
+
+template <int S_v>
+__global__ void __launch_bounds__(WARP_SIZE * GDN_CHUNK_WARPS)
+gdn_tree_chunk_kernel(const gdn_tree_args a) {
+    extern __shared__ __align__(16) char gdn_chunk_raw[];
+    gdn_chunk_smem<S_v> & sm = *reinterpret_cast<gdn_chunk_smem<S_v> *>(gdn_chunk_raw);
+    constexpr int NT = WARP_SIZE * GDN_CHUNK_WARPS;
+    constexpr int C4 = S_v / 4;
+    const int h    = blockIdx.x;
+    const int col0 = blockIdx.z * 32;
+    const int lane = threadIdx.x;
+    const int warp = threadIdx.y;
+    const int tid  = warp * WARP_SIZE + lane;
+    const int n    = a.n_t;
+
+    ggml_cuda_pdl_sync();
+    write_key_and_decay_steps(a, S_v, h, tid, NT);
+
+    // q and k rows (zero past n: those nodes' products vanish), the block's state columns, v
+    const float * q_h = a.q + (h % a.H_q) * a.sq1;
+    const float * k_h = a.k + (h % a.H_k) * a.sk1;
+    for (int i = tid; i < GDN_CHUNK_NODES * C4; i += NT) {
+        const int t = i / C4, r = 4 * (i % C4);
+        float4 kk = make_float4(0.0f, 0.0f, 0.0f, 0.0f), qq = kk;
+        if (t < n) {
+            kk = *(const float4 *) (k_h + t * a.sk2 + r);
+            qq = *(const float4 *) (q_h + t * a.sq2 + r);
+        }
+        *(float4 *) &sm.k[t][r] = kk;
+        *(float4 *) &sm.q[t][r] = qq;
+    }
+    const float * s0 = a.state + ((int64_t) h * S_v + col0) * S_v;
+    for (int i = tid; i < 32 * C4; i += NT) {
+        const int c = i / C4, r = 4 * (i % C4);
+        *(float4 *) &sm.s0[c][r] = *(const float4 *) (s0 + c * S_v + r);
+    }
+    for (int i = tid; i < GDN_CHUNK_NODES * 32; i += NT) {
+        const int t = i / 32, c = i % 32;
+        sm.v[t][c] = t < n ? a.v[h * a.sv1 + t * a.sv2 + col0 + c] : 0.0f;
+    }
+    if (warp == 0) {
+        // G_t and the ancestor sets by pointer jumping: after round r each node holds the sum over its 2^r nearest
+        // path nodes (itself included) and p is the next node above them, or -1
+        int      p   = lane < n ? ggml_ext_parent(a.parent, lane) : -1;
+        float    G   = lane < n ? a.g[(int64_t) lane * a.H + h] : 0.0f;
+        uint32_t anc = 1u << lane;
+#pragma unroll
+        for (int r = 0; r < 5; ++r) {
+            const int      from = max(p, 0);
+            const float    Gp   = __shfl_sync(0xffffffff, G, from);
+            const uint32_t ap   = __shfl_sync(0xffffffff, anc, from);
+            const int      pp   = __shfl_sync(0xffffffff, p, from);
+            if (p >= 0) {
+                G += Gp; anc |= ap; p = pp;
+            }
+        }
+        sm.G[lane]    = G;
+        sm.beta[lane] = lane < n ? a.beta[(int64_t) lane * a.H + h] : 0.0f;
+        sm.anc[lane]  = anc;
+    }
+    __syncthreads();
+
+    // the dot products over the keys, for the warp's nodes t: with the state column `lane` (S0^T k_t, S0^T q_t)
+    // and with node `lane`'s key (k_t . k_j, q_t . k_j)
+    float kS[4] = {}, qS[4] = {}, kk[4] = {}, qk[4] = {};
+    for (int r = 0; r < S_v; r += 4) {
+        const float4 s4 = *(const float4 *) &sm.s0[lane][r];
+        const float4 kj = *(const float4 *) &sm.k[lane][r];
+#pragma unroll
+        for (int m = 0; m < 4; ++m) {
+            const int t = warp + GDN_CHUNK_WARPS * m;
+            if (t < n) {
+                const float4 kt = *(const float4 *) &sm.k[t][r];
+                const float4 qt = *(const float4 *) &sm.q[t][r];
+                kS[m] = fmaf(kt.w, s4.w, fmaf(kt.z, s4.z, fmaf(kt.y, s4.y, fmaf(kt.x, s4.x, kS[m]))));
+                qS[m] = fmaf(qt.w, s4.w, fmaf(qt.z, s4.z, fmaf(qt.y, s4.y, fmaf(qt.x, s4.x, qS[m]))));
+                kk[m] = fmaf(kt.w, kj.w, fmaf(kt.z, kj.z, fmaf(kt.y, kj.y, fmaf(kt.x, kj.x, kk[m]))));
+                qk[m] = fmaf(qt.w, kj.w, fmaf(qt.z, kj.z, fmaf(qt.y, kj.y, fmaf(qt.x, kj.x, qk[m]))));
+            }
+        }
+    }
+#pragma unroll
+    for (int m = 0; m < 4; ++m) {
+        const int   t    = warp + GDN_CHUNK_WARPS * m;
+        const float Gt   = sm.G[t];
+        const float bt   = sm.beta[t];
+        const bool  seen = t < n && (sm.anc[t] >> lane & 1u);   // node `lane` is t or an ancestor
+        const float dj   = seen ? expf(Gt - sm.G[lane]) : 0.0f;
+        sm.a[t][lane]   = seen && lane != t ? bt * dj * kk[m] : 0.0f;
+        sm.b[t][lane]   = seen ? dj * qk[m] : 0.0f;
+        sm.rhs[t][lane] = t < n ? bt * (sm.v[t][lane] - expf(Gt) * kS[m]) : 0.0f;
+        sm.qs[t][lane]  = t < n ? expf(Gt) * qS[m] : 0.0f;
+    }
+    __syncthreads();
+
+    // forward substitution, node by node (ancestors precede their descendants), the deltas in registers
+    if (warp == 0) {
+        float u[GDN_CHUNK_NODES];
+        float * delta = a.deltas + h * S_v + col0 + lane;
+#pragma unroll
+        for (int t = 0; t < GDN_CHUNK_NODES; ++t) {
+            float acc = sm.rhs[t][lane];
+#pragma unroll
+            for (int j = 0; j < t; ++j) {
+                acc = fmaf(-sm.a[t][j], u[j], acc);
+            }
+            u[t] = acc;
+            sm.u[t][lane] = acc;
+            if (t < n) {
+                delta[t * a.delta_ts] = acc;
+            }
+        }
+    }
+    __syncthreads();
+
+#pragma unroll
+    for (int m = 0; m < 4; ++m) {
+        const int t = warp + GDN_CHUNK_WARPS * m;
+        if (t < n) {
+            float acc = sm.qs[t][lane];
+            for (int j = 0; j <= t; ++j) {
+                acc = fmaf(sm.b[t][j], sm.u[j][lane], acc);
+            }
+            a.o[((int64_t) t * a.H + h) * S_v + col0 + lane] = acc * a.scale;
+        }
+    }
+}
+
+template <int S_v>
+static void launch_chunk(const gdn_tree_args & a, int device, cudaStream_t stream) {
+    constexpr auto   kernel = gdn_tree_chunk_kernel<S_v>;
+    constexpr size_t smem   = sizeof(gdn_chunk_smem<S_v>);
+    static bool smem_allowed[GGML_CUDA_MAX_DEVICES] = {};
+    if (!smem_allowed[device]) {
+        CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int) smem));
+        smem_allowed[device] = true;
+    }
+    ggml_cuda_kernel_launch(kernel, ggml_cuda_kernel_launch_params(dim3(a.H, 1, S_v / 32),
+                                                                   dim3(WARP_SIZE, GDN_CHUNK_WARPS), smem, stream), a);
 }
 
 template <int S_v, bool KDA, typename node_t, bool VEC, int W, int RPL>
@@ -358,7 +549,9 @@ static bool aligned16(const void * p) {
     return ((uintptr_t) p) % 16 == 0;
 }
 
-static void gdn_tree(ggml_backend_cuda_context & ctx, ggml_tensor * dst, const ggml_tensor * inter) {
+// inter: the persist op's node states; steps: ggml_gated_delta_net_tree_steps' replay steps (else null)
+static void gdn_tree(ggml_backend_cuda_context & ctx, ggml_tensor * dst, const ggml_tensor * inter,
+                     const ggml_tensor * steps) {
     const ggml_tensor * q      = dst->src[0];
     const ggml_tensor * k      = dst->src[1];
     const ggml_tensor * v      = dst->src[2];
@@ -392,14 +585,34 @@ static void gdn_tree(ggml_backend_cuda_context & ctx, ggml_tensor * dst, const g
     a.sv1 = v->nb[1] / sizeof(float); a.sv2 = v->nb[2] / sizeof(float); a.sv3 = v->nb[3] / sizeof(float);
     a.par_s1 = parent->nb[1] / sizeof(int);
     a.scale  = 1.0f / sqrtf((float) S_v);
-    a.o_only = inter == nullptr && dst->op_params[0] == 1;
+    a.o_only = (inter == nullptr && dst->op_params[0] == 1) || steps != nullptr;
+    a.g_ne0  = (int) g->ne[0];
+    a.steps  = nullptr;
+    a.steps_ld = 0;
+    a.delta_ts = S_v * H;
 
     const bool kda = g->ne[0] == S_v;
     cudaStream_t stream = ctx.stream();
     a.deltas = nullptr;
+    if (steps != nullptr) {
+        a.steps    = (float *) steps->data;
+        a.steps_ld = steps->nb[1] / sizeof(float);
+        a.deltas   = a.steps + S_v * a.H_k;
+        a.delta_ts = a.steps_ld;
+        const bool exact = dst->op_params[0] == 1;
+        // the chunk kernel moves q, k rows and state columns 16 bytes at a time
+        const bool vec = aligned16(a.q) && aligned16(a.k) && aligned16(a.state) &&
+                         a.sq1 % 4 == 0 && a.sq2 % 4 == 0 && a.sk1 % 4 == 0 && a.sk2 % 4 == 0;
+        if (!exact && !kda && n_t <= GDN_CHUNK_NODES && vec) {
+            S_v == 64 ? launch_chunk<64>(a, ctx.device, stream) : launch_chunk<128>(a, ctx.device, stream);
+            return;
+        }
+    }
     if (inter == nullptr) {
         a.nodes   = (float *) dst->data + S_v * H * n_t * n_s;
-        a.deltas  = (float *) dst->data + S_v * H * n_t * n_s * (1 + S_v);
+        if (steps == nullptr) {
+            a.deltas = (float *) dst->data + S_v * H * n_t * n_s * (1 + S_v);
+        }
         a.node_s1 = S_v * S_v;
         a.node_s2 = a.node_s1 * H;
         a.node_s3 = a.node_s2 * n_t;
@@ -421,13 +634,15 @@ static void gdn_tree(ggml_backend_cuda_context & ctx, ggml_tensor * dst, const g
 
 // ggml_gated_delta_net_path: a thread takes V consecutive keys i of one value column j of one head (a block row of
 // the grid: (S_v*S_v / (V*256), H_v, n_s)) through the path's steps in order, with the tree kernel's roundings
-// (gdn_decay, gdn_update) and its decay expression, expf(g). V = 4 moves the state 16 bytes at a time.
+// (gdn_decay, gdn_update) and its decay expression, expf(g). V = 4 moves the state 16 bytes at a time. A thread
+// reads its values before it writes them, so dst may be the state itself.
 template <bool KDA, int V>
-__global__ void gdn_path_kernel(const float * __restrict__ state, const float * __restrict__ k,
+__global__ void gdn_path_kernel(const float * state, const float * __restrict__ k,
                                 const float * __restrict__ g, const float * __restrict__ delta,
-                                float * __restrict__ dst,
+                                float * dst,
                                 int S_v, int H, int H_k, int L, int rk3,
-                                int64_t sk1, int64_t sk2, int64_t sk3, int64_t sd1, int64_t sd2, int64_t sd3) {
+                                int64_t sk1, int64_t sk2, int64_t sk3, int64_t sg1, int64_t sg2, int64_t sg3,
+                                int64_t sd1, int64_t sd2, int64_t sd3) {
     const int h = blockIdx.y;
     const int s = blockIdx.z;
     const int e = V * (blockIdx.x * blockDim.x + threadIdx.x);   // within the head's S_v*S_v values
@@ -447,10 +662,10 @@ __global__ void gdn_path_kernel(const float * __restrict__ state, const float * 
     }
     const float * kp = k + (s / rk3) * sk3 + (h % H_k) * sk1 + i;
     const float * dp = delta + s * sd3 + h * sd1 + j;
-    const float * gp = g + ((int64_t) s * L * H + h) * (KDA ? S_v : 1) + (KDA ? i : 0);
+    const float * gp = g + s * sg3 + h * sg1 + (KDA ? i : 0);
     for (int l = 0; l < L; ++l) {
         const float d = dp[l * sd2];
-        const float * gl = gp + (int64_t) l * H * (KDA ? S_v : 1);
+        const float * gl = gp + l * sg2;
         const float gs = KDA ? 0.0f : expf(gl[0]);
 #pragma unroll
         for (int v = 0; v < V; ++v) {
@@ -478,6 +693,7 @@ static void gdn_path_launch(ggml_backend_cuda_context & ctx, ggml_tensor * dst) 
                             (const float *) state->data, (const float *) k->data, (const float *) g->data,
                             (const float *) delta->data, (float *) dst->data, (int) S_v, (int) H, (int) k->ne[1],
                             (int) L, (int) (n_s / k->ne[3]), k->nb[1] / f, k->nb[2] / f, k->nb[3] / f,
+                            g->nb[1] / f, g->nb[2] / f, g->nb[3] / f,
                             delta->nb[1] / f, delta->nb[2] / f, delta->nb[3] / f);
 }
 
@@ -504,9 +720,13 @@ bool ggml_ext_cuda_gated_delta_net_tree_supported(const ggml_tensor * op) {
 }
 
 void ggml_ext_cuda_gated_delta_net_tree(ggml_backend_cuda_context & ctx, ggml_tensor * dst) {
-    gdn_tree(ctx, dst, nullptr);
+    gdn_tree(ctx, dst, nullptr, nullptr);
 }
 
 void ggml_ext_cuda_gated_delta_net_tree_persist(ggml_backend_cuda_context & ctx, ggml_tensor * dst) {
-    gdn_tree(ctx, dst, dst->src[7]);
+    gdn_tree(ctx, dst, dst->src[7], nullptr);
+}
+
+void ggml_ext_cuda_gated_delta_net_tree_steps(ggml_backend_cuda_context & ctx, ggml_tensor * dst) {
+    gdn_tree(ctx, dst, nullptr, dst->src[7]);
 }

@@ -30,6 +30,7 @@ void ggml_ext_cuda_fattn_tq3_0(ggml_backend_cuda_context & ctx, ggml_tensor * ds
 
 void ggml_ext_cuda_gated_delta_net_tree(ggml_backend_cuda_context & ctx, ggml_tensor * dst);
 void ggml_ext_cuda_gated_delta_net_tree_persist(ggml_backend_cuda_context & ctx, ggml_tensor * dst);
+void ggml_ext_cuda_gated_delta_net_tree_steps(ggml_backend_cuda_context & ctx, ggml_tensor * dst);
 bool ggml_ext_cuda_gated_delta_net_tree_supported(const ggml_tensor * op);
 void ggml_ext_cuda_gated_delta_net_path(ggml_backend_cuda_context & ctx, ggml_tensor * dst);
 

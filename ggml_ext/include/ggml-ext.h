@@ -10,7 +10,7 @@ extern "C" {
 #endif
 
 // Bumped whenever an op's signature or semantics change; the Python bindings check it at load.
-#define GGML_EXT_ABI_VERSION 15
+#define GGML_EXT_ABI_VERSION 16
 
 // The number of ops in ggml-ext-ops.def.
 enum {
@@ -177,14 +177,35 @@ GGML_API struct ggml_tensor * ggml_gated_delta_net_tree_persist(
         struct ggml_tensor  * parent,
         struct ggml_tensor  * inter);
 
+// ggml_gated_delta_net_tree for a speculative verify whose commit rebuilds the accepted node's state with
+// ggml_gated_delta_net_path: no node state is kept. Returns f32 [S_v*H_v, n_t*(1+S_v)]: o [S_v, H_v, n_t, 1] then
+// scratch; node t's replay step goes to column t of `steps`, f32 [S_v*H_k + S_v*H_v + G*H_v, >= n_t] (G = g->ne[0]),
+// rows contiguous: its key (the H_k heads of k), its delta beta (v - S^T k) (H_v heads) and its log-decay g. One
+// sequence (n_s = 1). `steps` is written as the persist op's `inter` is: allocate it before the graph, read it later.
+// exact: o and the deltas are ggml_gated_delta_net_tree's, bit for bit (what a bit-exact decode reproduces).
+// Otherwise a backend may compute every node at once: on CUDA, for a scalar decay and up to 32 nodes, the rule's
+// chunk form over the tree's ancestor sets (docs/gdn-tree-chunk.md), equal to the walk within f32 rounding.
+GGML_API struct ggml_tensor * ggml_gated_delta_net_tree_steps(
+        struct ggml_context * ctx,
+        struct ggml_tensor  * q,
+        struct ggml_tensor  * k,
+        struct ggml_tensor  * v,
+        struct ggml_tensor  * g,
+        struct ggml_tensor  * beta,
+        struct ggml_tensor  * state,
+        struct ggml_tensor  * parent,
+        struct ggml_tensor  * steps,
+        bool                  exact);
+
 // The state after a path of L nodes of ggml_gated_delta_net_tree from their decays and deltas alone (no dot
 // products left: each step is S <- exp(g) S; S += k delta^T, element by element):
 //   state  f32 [S_v, S_v, H_v, n_s]    the state before the path, contiguous
 //   k      f32 [S_v, H_k, L, n_s_k]    the path's keys (head h reads k head h % H_k), rows contiguous
-//   g      f32 [1 or S_v, H_v, L, n_s] the path's log-decays, contiguous
+//   g      f32 [1 or S_v, H_v, L, n_s] the path's log-decays, rows contiguous
 //   delta  f32 [S_v, H_v, L, n_s]      the path's deltas (ggml_gated_delta_net_tree's last part), rows contiguous
 // Returns f32 [S_v, S_v, H_v, n_s]: the very bits of the tree op's stored state after the path's last node (the
-// same rounding per step on each backend). A step with g = 0 and delta = 0 leaves the state unchanged.
+// same rounding per step on each backend). A step with g = 0 and delta = 0 leaves the state unchanged. Each value
+// is read before it is written: the result may be placed on `state` itself (an in-place commit).
 GGML_API struct ggml_tensor * ggml_gated_delta_net_path(
         struct ggml_context * ctx,
         struct ggml_tensor  * state,

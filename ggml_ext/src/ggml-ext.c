@@ -190,6 +190,35 @@ struct ggml_tensor * ggml_gated_delta_net_tree_persist(
     return result;
 }
 
+struct ggml_tensor * ggml_gated_delta_net_tree_steps(
+        struct ggml_context * ctx,
+        struct ggml_tensor  * q,
+        struct ggml_tensor  * k,
+        struct ggml_tensor  * v,
+        struct ggml_tensor  * g,
+        struct ggml_tensor  * beta,
+        struct ggml_tensor  * state,
+        struct ggml_tensor  * parent,
+        struct ggml_tensor  * steps,
+        bool                  exact) {
+    ggml_ext_check_gdn_tree(q, k, v, g, beta, state, parent);
+
+    const int64_t S_v = v->ne[0];
+    const int64_t H   = v->ne[1];
+    const int64_t n_t = v->ne[2];
+
+    GGML_ASSERT(v->ne[3] == 1);
+    GGML_ASSERT(steps->type == GGML_TYPE_F32 && ggml_is_matrix(steps) && steps->nb[0] == sizeof(float));
+    GGML_ASSERT(steps->ne[0] == S_v * k->ne[1] + S_v * H + g->ne[0] * H && steps->ne[1] >= n_t);
+
+    // o [S_v*H, n_t], then room for the node states a walk reloads (as ggml_gated_delta_net_tree_o)
+    struct ggml_tensor * result = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, S_v * H, n_t * (1 + S_v));
+    ggml_ext_gdn_tree_op(result, GGML_OP_GATED_DELTA_NET_TREE_STEPS, q, k, v, g, beta, state, parent);
+    result->src[7]       = steps;
+    result->op_params[0] = exact ? 1 : 0;
+    return result;
+}
+
 struct ggml_tensor * ggml_gated_delta_net_path(
         struct ggml_context * ctx,
         struct ggml_tensor  * state,
@@ -198,8 +227,8 @@ struct ggml_tensor * ggml_gated_delta_net_path(
         struct ggml_tensor  * delta) {
     GGML_ASSERT(state->type == GGML_TYPE_F32 && k->type == GGML_TYPE_F32);
     GGML_ASSERT(g->type == GGML_TYPE_F32 && delta->type == GGML_TYPE_F32);
-    GGML_ASSERT(ggml_is_contiguous(state) && ggml_is_contiguous(g));
-    GGML_ASSERT(ggml_is_contiguous_rows(k) && ggml_is_contiguous_rows(delta));
+    GGML_ASSERT(ggml_is_contiguous(state));
+    GGML_ASSERT(ggml_is_contiguous_rows(k) && ggml_is_contiguous_rows(g) && ggml_is_contiguous_rows(delta));
 
     const int64_t S_v = state->ne[0];
     const int64_t H   = state->ne[2];

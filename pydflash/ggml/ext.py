@@ -155,12 +155,33 @@ def gated_delta_net_tree(ctx: Context, q: Tensor, k: Tensor, v: Tensor, g: Tenso
     return Tensor(op(ctx._ptr, q._ptr, k._ptr, v._ptr, g._ptr, beta._ptr, state._ptr, parent._ptr), ctx)
 
 
+def gated_delta_net_tree_steps(ctx: Context, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor,
+                               parent: Tensor, steps: Tensor, exact: bool) -> Tensor:
+    """`gated_delta_net_tree` for a verify whose commit replays the accepted path (`gated_delta_net_path`): no node
+    state is kept. One sequence. Returns f32 [S_v*H_v, n_t*(1+S_v)], o [S_v, H_v, n_t] first (then scratch), and
+    writes node t's key (H_k heads), delta (H_v heads) and log-decay into column t of `steps`, f32 [S_v*H_k +
+    S_v*H_v + g.ne[0]*H_v, >= n_t], rows contiguous, in a buffer of its own (as `gated_delta_net_tree_persist`'s
+    inter). exact: `gated_delta_net_tree`'s bits; otherwise CUDA computes all nodes at once (scalar decay, at most
+    32 nodes: the chunk form, docs/gdn-tree-chunk.md), equal within f32 rounding."""
+    S_v, H, n_t, n_s = _check_gdn_tree(q, k, v, g, beta, state, parent)
+    if n_s != 1:
+        raise ValueError(f"gated_delta_net_tree_steps takes one sequence, got n_s={n_s}")
+    width = S_v * k.ne[1] + S_v * H + g.ne[0] * H
+    _expect(steps, "steps", Type.F32, (width, steps.ne[1]))
+    _expect_rows(steps, "steps")
+    if steps.ne[1] < n_t:
+        raise ValueError(f"steps holds {steps.ne[1]} columns, the tree has n_t={n_t}")
+    _expect_persistent(steps, "steps")
+    return Tensor(lib.ggml_gated_delta_net_tree_steps(ctx._ptr, q._ptr, k._ptr, v._ptr, g._ptr, beta._ptr, state._ptr,
+                                                      parent._ptr, steps._ptr, bool(exact)), ctx)
+
+
 def gated_delta_net_path(ctx: Context, state: Tensor, k: Tensor, g: Tensor, delta: Tensor) -> Tensor:
     """The state after a path of L tree nodes, rebuilt from the state before it and the path's keys k [S_v, H_k, L,
-    n_s_k] (rows contiguous), log-decays g [1 or S_v, H_v, L, n_s] (contiguous) and deltas [S_v, H_v, L, n_s]
-    (rows contiguous; `gated_delta_net_tree`'s last part): f32 [S_v, S_v, H_v, n_s], the very bits of the tree
-    op's state after the last node (ggml-ext.h: ggml_gated_delta_net_path). A step with g = 0 and delta = 0 changes
-    nothing."""
+    n_s_k], log-decays g [1 or S_v, H_v, L, n_s] and deltas [S_v, H_v, L, n_s] (each with contiguous rows; deltas:
+    `gated_delta_net_tree`'s last part): f32 [S_v, S_v, H_v, n_s], the very bits of the tree op's state after the
+    last node (ggml-ext.h: ggml_gated_delta_net_path). A step with g = 0 and delta = 0 changes nothing. Each value
+    is read before it is written, so the result may be placed on `state` (Buffer.alias: an in-place commit)."""
     S_v, _, H, n_s = state.ne
     _expect(state, "path state", Type.F32, (S_v, S_v, H, n_s))
     _expect_contiguous(state, "path state")
@@ -174,8 +195,18 @@ def gated_delta_net_path(ctx: Context, state: Tensor, k: Tensor, g: Tensor, delt
     if g.ne[0] not in (1, S_v):
         raise ValueError(f"path g must be [1 or S_v={S_v}, H_v, L, n_s], got ne {g.ne}")
     _expect(g, "path g", Type.F32, (g.ne[0], H, L, n_s))
-    _expect_contiguous(g, "path g")
+    _expect_rows(g, "path g")
     return Tensor(lib.ggml_gated_delta_net_path(ctx._ptr, state._ptr, k._ptr, g._ptr, delta._ptr), ctx)
+
+
+def _expect_persistent(t: Tensor, what: str) -> None:
+    """An op that writes into one of its sources needs it in a buffer of its own, allocated before the graph."""
+    root = t._ptr
+    while root.view_src != ffi.NULL:
+        root = root.view_src
+    if root.buffer == ffi.NULL:
+        raise ValueError(f"{what} must be allocated in a persistent buffer (Backend.alloc_tensors) before the graph "
+                         "is built: the graph allocator would put it in scratch memory and its contents would be lost")
 
 
 def gated_delta_net_tree_persist(ctx: Context, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
@@ -190,12 +221,7 @@ def gated_delta_net_tree_persist(ctx: Context, q: Tensor, k: Tensor, v: Tensor, 
     if inter.ne[2] < n_t:
         raise ValueError(f"inter holds {inter.ne[2]} node states per sequence, the tree has n_t={n_t}")
     _expect_contiguous(inter, "inter")
-    root = inter._ptr
-    while root.view_src != ffi.NULL:
-        root = root.view_src
-    if root.buffer == ffi.NULL:
-        raise ValueError("inter must be allocated in a persistent buffer (Backend.alloc_tensors) before the graph "
-                         "is built: the graph allocator would put it in scratch memory and the states would be lost")
+    _expect_persistent(inter, "inter")
     return Tensor(lib.ggml_gated_delta_net_tree_persist(ctx._ptr, q._ptr, k._ptr, v._ptr, g._ptr, beta._ptr,
                                                         state._ptr, parent._ptr, inter._ptr), ctx)
 

@@ -181,6 +181,14 @@ def conv_split_enabled() -> bool:
     return env_switch("PYDFLASH_CONV_SPLIT", default="1")
 
 
+def gdn_chunk_enabled() -> bool:
+    """A replayed-states verify (state_type 'replay') lets CUDA compute a recurrent layer's tree in the delta rule's
+    chunk form, every node at once (ggml.gated_delta_net_tree_steps, docs/gdn-tree-chunk.md), instead of walking it
+    node by node; equal within f32 rounding, not bit for bit. PYDFLASH_GDN_CHUNK=0 keeps the walk; bit-exact mode
+    always does (a decode's one-node tree walks)."""
+    return env_switch("PYDFLASH_GDN_CHUNK", default="1") and not bitexact_enabled()
+
+
 class _Deferred:
     """An input of linear that ggml_qmatmul may compute itself from its operands (`qmatmul`); any other reader gets
     it as a tensor, built once (`tensor`, from `_build`). It reads like that tensor where linear decides: the shape

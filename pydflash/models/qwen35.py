@@ -256,21 +256,10 @@ class Qwen35Target(TargetRuntime):
             o = ctx.view_4d(res, d_v, h_v, n, 1, d_v * 4, d_v * h_v * 4, d_v * h_v * n * 4, 0)
             new_state = ctx.view_1d(res, d_v * d_v * h_v, d_v * h_v * n * 4)
             side_effects.append(ctx.cpy(new_state, ssm).named(f"l{il}.gdn.state_out"))
-        elif self.replay:   # node states only where the tree walk reloads them; the store keeps what commit replays
-            res = ggml.gated_delta_net_tree(ctx, q, k, v, gk, beta, state, parent, o_only=True)
+        elif self.replay:   # no node state kept: the op writes each slot's key, delta and decay, which commit replays
+            res = ggml.gated_delta_net_tree_steps(ctx, q, k, v, gk, beta, state, parent, self.slot_states[il],
+                                                  exact=not layers.gdn_chunk_enabled())
             o = ctx.view_4d(res, d_v, h_v, n, 1, d_v * 4, d_v * h_v * 4, d_v * h_v * n * 4, 0)
-            # Each source as a [width, n] matrix, the shape of its destination rows: CUDA copies those row by row.
-            # A [1, h_v, n] gate would take ggml-cuda's transposed copy, which ignores the destination's row
-            # stride (ggml-org/ggml#1497) and packed every slot's gate into slot 0's row.
-            store = self.slot_states[il]
-            deltas = ctx.view_2d(res, hp.value_dim, n, hp.value_dim * 4, hp.value_dim * n * (1 + d_v) * 4)
-            sources = (("k", ctx.view_2d(qk, hp.key_dim, n, qk.nb[2], hp.key_dim * 4)), ("delta", deltas),
-                       ("g", ctx.reshape_2d(gk, h_v, n)))
-            offset = 0
-            for name, t in sources:
-                dst = ctx.view_2d(store, t.ne[0], n, store.nb[1], offset)
-                side_effects.append(ctx.cpy(t, dst).named(f"l{il}.gdn.slot_{name}"))
-                offset += t.ne[0] * 4
         elif self.tree_state_op is not None:                          # node states go straight to the store
             o = self.tree_state_op(ctx, q, k, v, gk, beta, state, parent, self.slot_states[il])
         else:

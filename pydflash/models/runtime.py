@@ -860,10 +860,11 @@ class TargetRuntime:
         row = steps.nb[1]
         k = ctx.view_4d(steps, d_k, h_k, n, 1, d_k * 4, row, row * n, 0)
         delta = ctx.view_4d(steps, d_v, h_v, n, 1, d_v * 4, row, row * n, hp.key_dim * 4)
-        g = ctx.cont(ctx.view_4d(steps, 1, h_v, n, 1, 4, row, row * n, (hp.key_dim + hp.value_dim) * 4))
+        g = ctx.view_4d(steps, 1, h_v, n, 1, 4, row, row * n, (hp.key_dim + hp.value_dim) * 4)
         ssm = self.cache.ssm[il]
         state = ggml.gated_delta_net_path(ctx, ctx.reshape_4d(ssm, d_v, d_v, h_v, 1), k, g, delta)
-        return ctx.cpy(state, ssm).named(f"l{il}.commit.state")
+        # rebuilt in place on the cache's state (the op reads each value before writing it): no copy after it
+        return self.cache.buffer.alias(state.named(f"l{il}.commit.state"), ssm)
 
     def _build_commit(self, compact_kv: bool, steps: int | None, inputs_only: bool) -> _CommitGraph:
         """steps: with state_type 'replay', the delta-rule steps the commit runs (replay_steps). inputs_only: the
