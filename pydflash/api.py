@@ -181,8 +181,8 @@ def load(target, draft=None, *, device: str = "auto", kv_type: str = "auto", max
     budget 22); 'replay' stores only every node's key, decay and delta (~80 MiB) and the commit rebuilds the
     accepted node's state from them (the same bits); 'f16' halves the f32 store but rounds the state a
     step commits, so the output may differ from plain decoding where the top two logits are within ~1e-2
-    (docs/benchmarks.md, "Long context"); 'auto' (default): f32, or replay where it fits a longer context (or a
-    finer KV type) in the memory plan.
+    (docs/benchmarks.md, "Long context"); 'auto' (default): replay (the smallest, and on CUDA the fastest: its
+    verify computes each recurrent layer's tree at once, docs/gdn-tree-chunk.md).
     draft_type: the draft's matrices on the device: 'stored' (as in the file, bf16 for z-lab drafts), 'q8_0'
     (quantized at load, ~53% of bf16: the proposals change slightly, the output never), 'q4_k' (~28% of bf16;
     rows that are not whole 256-value blocks take q8_0; the proposals change more than with q8_0, the output

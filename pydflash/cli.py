@@ -112,8 +112,7 @@ def add_memory_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--state-type", default="auto", choices=["auto", "f32", "replay", "f16"],
                         help="verify node states: f32 (every node's state stored), replay (none stored, the commit "
                              "rebuilds the accepted one; ~2%% of the memory), f16 (half of f32; may change the "
-                             "output where the top two logits are close), auto (default): f32 unless replay fits "
-                             "a longer context")
+                             "output where the top two logits are close), auto (default): replay")
     parser.add_argument("--draft-type", default="auto", choices=["auto", "stored", "q8_0", "q4_k"],
                         help="draft matrices on the device: stored (as in the file), q8_0 or q4_k (quantized at "
                              "load; output unchanged, proposals change slightly; q4_k: 28%% of bf16's bytes, rows "

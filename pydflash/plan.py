@@ -388,11 +388,11 @@ def plan_for_load(target, draft=None, *, vram, n_ubatch="auto", budget: int = 22
     return fitted
 
 
-# state_type "auto" tries these, in this order. Never f16 (it may change the output). Replay is exact on the CPU and,
-# since its store copies took their destination's shape (vendor/patches/0003 too), on CUDA: its CUDA tests pass on
-# the H100 (2026-11-23, docs/benchmarks.md); its step takes the time f32's does (docs/benchmarks.md, "Replayed states
-# at the speed of stored ones"), its commit a little more on long accepted paths, so f32 comes first.
-AUTO_STATE_TYPES = ("f32", "replay")
+# state_type "auto" takes these, in this order. Never f16 (it may change the output). Replayed states: the smallest
+# store (so f32, after it, is only taken if a plan for it fits more), and on the H100 the fastest step, whose verify
+# computes each recurrent layer's tree at once (docs/gdn-tree-chunk.md; docs/benchmarks.md, nineteenth session: the
+# 27B's budget-22 step 1.2 ms shorter than with f32 states).
+AUTO_STATE_TYPES = ("replay", "f32")
 # draft_type "auto" tries the draft as stored, then these. Not q4_k: it changes the proposals more than q8_0 and is
 # taken only when asked for (draft_type='q4_k').
 AUTO_DRAFT_TYPES = ("q8_0",)
@@ -400,8 +400,8 @@ AUTO_DRAFT_TYPES = ("q8_0",)
 
 def _best_options(target, draft, vram, n_ubatch, budget, draft_type, state_type, args) -> tuple:
     """(draft_type, state_type) for plan_for_load: each "auto" one chosen among its candidates, in the order of
-    preference f32 states and the draft as stored, replayed states, q8_0 draft, both; the first of the best fits
-    is taken. When nothing fits, the PlanError of the most compact choice (the closest to fitting)."""
+    preference the draft as stored with replayed states, then f32 states, the q8_0 draft with either; the first of
+    the best fits is taken. When nothing fits, the PlanError of the most compact choice (the closest to fitting)."""
     speculative = draft is not None and args.get("mode") != "ar"
     if not speculative:
         return None, "f32" if state_type == "auto" else state_type

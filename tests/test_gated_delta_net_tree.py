@@ -321,6 +321,30 @@ def test_path_against_float64(backend, rng, kda):
     np.testing.assert_array_equal(run_path(backend, padded), got)
 
 
+@pytest.mark.parametrize("kda", [False, True], ids=["scalar_g", "kda"])
+def test_path_picks_its_steps(backend, rng, kda):
+    """ggml_gated_delta_net_path_steps: step l is candidate steps[l] of k, g and delta (views with a row stride, as
+    in a replay store); indices outside the candidates are steps that change nothing. Bit for bit the plain path
+    op over the picked steps, each sequence its own picks."""
+    S_v, H, H_k, n_cand, n_s = 64, 4, 2, 7, 2
+    cand = {"state": (0.3 * rng.standard_normal((n_s, H, S_v, S_v))).astype(np.float32),
+            "k": rng.standard_normal((1, n_cand, H_k, S_v)).astype(np.float32),
+            "g": (-np.abs(rng.standard_normal((n_s, n_cand, H, S_v if kda else 1))) * 0.1).astype(np.float32),
+            "delta": rng.standard_normal((n_s, n_cand, H, S_v)).astype(np.float32)}
+    picks = np.array([[5, 0, 3, -1, 6], [2, n_cand, 2, 4, 1]], np.int32)   # [n_s, L]
+
+    def build(ctx, t):
+        out = ggml.gated_delta_net_path(ctx, t["state"], t["k"], t["g"], t["delta"], steps=t["picks"])
+        skip_unless_supported(backend, out)
+        return out
+    got = run_graph(backend, build, dict(cand, picks=picks)).reshape(n_s, H, S_v, S_v)
+    for s in range(n_s):
+        kept = [int(i) for i in picks[s] if 0 <= i < n_cand]
+        one = {"state": cand["state"][s:s + 1], "k": cand["k"][:, kept], "g": cand["g"][s:s + 1, kept],
+               "delta": cand["delta"][s:s + 1, kept]}
+        np.testing.assert_array_equal(got[s], run_path(backend, one)[0])
+
+
 # --- the replay-steps op (ggml_gated_delta_net_tree_steps) ------------------------------------------------------------
 
 def new_steps(backend, width, n_cols):
@@ -598,3 +622,8 @@ def test_wrappers_reject_bad_inputs(backend):
                                         ("state", (S_v, S_v, H + 1, n_s), np.float32, ValueError, "path delta")]:
         with pytest.raises(exc, match=match):
             ggml.gated_delta_net_path(ctx, **dict(path, **{name: ctx.new_tensor(dtype, ne)}))
+    ggml.gated_delta_net_path(ctx, **path, steps=ctx.new_tensor(np.int32, (4, n_s)))
+    for ne, dtype, exc, match in [((4, 1), np.int32, ValueError, "path steps must have"),
+                                  ((4, n_s), np.float32, TypeError, "path steps must be I32")]:
+        with pytest.raises(exc, match=match):
+            ggml.gated_delta_net_path(ctx, **path, steps=ctx.new_tensor(dtype, ne))

@@ -343,15 +343,18 @@ COMMIT_PATHS = ([0, 1, 2], [0, 3, 4, 8, 9], [0, 1, 2, 5, 7], [0])   # a chain pr
 
 
 @pytest.mark.slow
-def test_replay_commit_equals_f32_store_commit(backend, tmp_path):
+def test_replay_commit_equals_f32_store_commit(backend, tmp_path, monkeypatch):
     """One verify of a branching tree and one commit of a multi-slot path, three times, with replayed and with
-    stored (f32) states on the same backend: the verify's logits of every slot and the committed states and conv
-    windows agree bit for bit (the commit rebuilds the node state with the tree kernel's own roundings). Before
+    stored (f32) states on the same backend, both walking the tree (on CUDA the replay's chunk form is
+    test_cuda_replay_lossless_and_state_equals_f32's): the verify's logits of every slot and the committed states
+    and conv windows agree bit for bit (the commit rebuilds the node state with the tree kernel's own roundings,
+    in place). Before
     the store copies had their destination's shape, CUDA's copy packed every slot's gate into slot 0's row, so the
     replay skipped later slots' steps: the states moved by O(0.1). The replay commits run 4, 8, 8 and 1 steps
     (replay_steps: the path rounded up to a power of two, padded with steps that change nothing), in one commit
     graph per step count."""
     from test_engine import CUDA_SHAPE, cache_state
+    monkeypatch.setenv("PYDFLASH_GDN_CHUNK", "0")
     gguf = tmp_path / "b.gguf"
     testing.write_qwen35_gguf(gguf, **CUDA_SHAPE)
     parents = np.array(TREE_PARENTS, np.int32)
@@ -420,9 +423,12 @@ def test_cuda_replay_lossless_and_state_equals_f32(tmp_path, monkeypatch, mode, 
             assert err < STATE_TOL, f"layer {il}: relative difference {err:.2e}"
 
 
-# The chunk form's states against the walk's after a whole generation: f32 rounding in another order (~1e-7 a
-# step) carried through 64 tokens of a 4-layer model; a wrong delta, decay or ancestor set moves them by O(0.1).
-STATE_TOL = 1e-4
+# The chunk form's committed states against the walk's after a whole generation (64 tokens, ~8 commits, a 4-layer
+# random model that amplifies rounding: its f32 logits of one verify already differ by up to 2e-3): an integration
+# check that the right steps are written and replayed, which a wrong slot, path or decay misses by O(0.1). The
+# chunk form's own accuracy is held to the float64 reference at 5e-6 (test_gated_delta_net_tree.py::test_steps_op).
+# Measured on the H100: 1.5e-4.
+STATE_TOL = 1e-2
 
 
 def test_replay_with_the_real_draft_is_lossless(pair, reference):
@@ -516,9 +522,10 @@ def test_27b_256k_in_24_gib_exact_with_replayed_states(pair_27b):
     assert (p.draft_type, p.state_type, p.n_ctx, p.kv_type) == ("q8_0", "replay", 262144, "tq3_0")
     assert p.parts["verify stores (23 slots, replay)"] == 48 * (23 * 10240 + 24 * (2048 + 6144 + 48)) * 4
     assert p.total <= 24 * GiB
-    # 48 GiB holds the training context in f16 with f32 states and the stored draft: auto keeps them
+    # 48 GiB holds the training context in f16 with the stored draft: auto keeps it (and replayed states, its first
+    # choice whatever the room)
     roomy = plan.plan_for_load(*pair_27b, vram="48GiB", state_type="auto")
-    assert (roomy.draft_type, roomy.state_type, roomy.n_ctx, roomy.kv_type) == (None, "f32", 262144, "f16")
+    assert (roomy.draft_type, roomy.state_type, roomy.n_ctx, roomy.kv_type) == (None, "replay", 262144, "f16")
 
 
 @pytest.mark.slow

@@ -140,11 +140,13 @@ def tiny_pair(tmp_path_factory):
     return d / "t.gguf", d / "draft"
 
 
-def test_plan_matches_real_allocations(tiny_pair):
+@pytest.mark.parametrize("state_type", ["f32", "replay"])
+def test_plan_matches_real_allocations(tiny_pair, state_type):
     """Loaded on the CPU, the buffers of every planned part hold the planned bytes (buffers are padded to their
     alignment, at most 64 bytes a tensor)."""
     target_path, draft_path = tiny_pair
-    engine = load(target_path, draft_path, device="cpu", max_ctx=1000, kv_type="q8_0", budget=10, tokenizer=False)
+    engine = load(target_path, draft_path, device="cpu", max_ctx=1000, kv_type="q8_0", budget=10, tokenizer=False,
+                  state_type=state_type)
     t, d = engine.target, engine.decoder.draft.draft
     p = engine.target.memory_plan
     assert (p.n_ctx, p.kv_type) == (1000, "q8_0")
@@ -156,7 +158,7 @@ def test_plan_matches_real_allocations(tiny_pair):
     close(t.cache.buffer.nbytes - rot, p.parts["KV cache (q8_0, 1024 cells)"] + p.parts["recurrent states"],
           len(t.cache.k) * 2 + len(t.cache.ssm) * 2 + 2)
     close(t.weights.buffer.nbytes, p.parts["target weights"], len(t.weights.t))
-    close(t._verify_buffer.nbytes, p.parts["verify stores (11 slots, f32)"], 2 * len(t.slot_states))
+    close(t._verify_buffer.nbytes, p.parts[f"verify stores (11 slots, {state_type})"], 2 * len(t.slot_states))
     close(t._capture_buffer.nbytes, p.parts["captured features"], 1)
     close(d.weights.buffer.nbytes, p.parts["draft weights"], len(d.weights.t))
     close(d.cache.buffer.nbytes, p.parts["draft context ring"], 2 * d.hp.n_layer)

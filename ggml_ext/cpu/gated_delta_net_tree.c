@@ -192,11 +192,13 @@ void ggml_ext_cpu_gated_delta_net_path(const struct ggml_compute_params * params
     const struct ggml_tensor * k     = dst->src[1];
     const struct ggml_tensor * g     = dst->src[2];
     const struct ggml_tensor * delta = dst->src[3];
+    const struct ggml_tensor * steps = dst->src[4];   // picked steps (ggml_gated_delta_net_path_steps), or NULL
 
     const int64_t S_v = state->ne[0];
     const int64_t H   = state->ne[2];
     const int64_t n_s = state->ne[3];
-    const int64_t L   = delta->ne[2];
+    const int64_t n   = delta->ne[2];                 // candidate steps
+    const int64_t L   = steps != NULL ? steps->ne[0] : n;
     const int64_t D   = S_v * S_v;
     const int64_t rk3 = n_s / k->ne[3];
     const bool    kda = g->ne[0] == S_v;
@@ -212,7 +214,11 @@ void ggml_ext_cpu_gated_delta_net_path(const struct ggml_compute_params * params
         float * S = (float *) ((char *) dst->data + s * dst->nb[3] + h * dst->nb[2]);
         // (memmove: dst may be the state itself, an in-place commit)
         memmove(S, (const char *) state->data + s * state->nb[3] + h * state->nb[2], D * sizeof(float));
-        for (int64_t l = 0; l < L; ++l) {
+        for (int64_t i = 0; i < L; ++i) {
+            const int64_t l = steps != NULL ? ((const int32_t *) steps->data)[s * L + i] : i;
+            if (l < 0 || l >= n) {
+                continue;
+            }
             const float * k_d = (const float *) ((const char *) k->data + (s / rk3) * k->nb[3] + l * k->nb[2] + (h % k->ne[1]) * k->nb[1]);
             const float * g_d = (const float *) ((const char *) g->data + s * g->nb[3] + l * g->nb[2] + h * g->nb[1]);
             const float * d_d = (const float *) ((const char *) delta->data + s * delta->nb[3] + l * delta->nb[2] + h * delta->nb[1]);

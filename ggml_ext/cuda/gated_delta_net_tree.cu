@@ -362,31 +362,38 @@ gdn_tree_kernel(const gdn_tree_args a) {
 // The walk's latency (a dependent dot product per node and a state reload per branch) becomes a few small dense
 // products and a 32-node forward substitution. A block takes 32 value columns of one head (grid H x S_v/32):
 // lane = value column (or node j in the node-by-node products), warp w the nodes w, w+8, w+16, w+24.
-#define GDN_CHUNK_NODES 32
+#define GDN_CHUNK_NODES 32   // at most (one lane a node, one bit a node in the ancestor sets)
 #define GDN_CHUNK_WARPS 8
 
-template <int S_v> struct gdn_chunk_smem {
-    float k[GDN_CHUNK_NODES][S_v + 4];   // (+4: lane j reading row j's float4s meets no bank conflict)
-    float q[GDN_CHUNK_NODES][S_v];       // (read by whole warps at once)
+// NN: the nodes the block is sized for (24 or 32; the tree's n_t <= NN), so a budget-22 tree (23 nodes) does not pay
+// for 32 in the products and the substitution.
+template <int S_v, int NN> struct gdn_chunk_smem {
+    float k[NN][S_v + 4];                // (+4: lane j reading row j's float4s meets no bank conflict)
+    float q[NN][S_v];                    // (read by whole warps at once)
     float s0[32][S_v + 4];               // the block's columns of the committed state, one per row
-    float v[GDN_CHUNK_NODES][32];
-    float rhs[GDN_CHUNK_NODES][32];      // beta_t (v_t - e^G_t S0^T k_t)
-    float qs[GDN_CHUNK_NODES][32];       // e^G_t S0^T q_t
-    float a[GDN_CHUNK_NODES][GDN_CHUNK_NODES];   // beta_t e^(G_t - G_j) k_t . k_j for j in A(t), else 0
-    float b[GDN_CHUNK_NODES][GDN_CHUNK_NODES];   // e^(G_t - G_j) q_t . k_j for j in A(t) + t, else 0
-    float u[GDN_CHUNK_NODES][32];
-    float G[GDN_CHUNK_NODES];
-    float beta[GDN_CHUNK_NODES];
-    uint32_t anc[GDN_CHUNK_NODES];       // bit j: j is t or an ancestor of t
+    float v[NN][32];
+    float rhs[NN][32];                   // beta_t (v_t - e^G_t S0^T k_t)
+    float qs[NN][32];                    // e^G_t S0^T q_t
+    float a[NN][32];                     // beta_t e^(G_t - G_j) k_t . k_j for j in A(t), else 0
+    float b[NN][32];                     // e^(G_t - G_j) q_t . k_j for j in A(t) + t, else 0
+    float u[NN][32];
+    float G[32];
+    float beta[32];
+    uint32_t anc[32];                    // bit j: j is t or an ancestor of t
 };
 
-template <int S_v>
+template <int S_v, int NN>
 __global__ void __launch_bounds__(WARP_SIZE * GDN_CHUNK_WARPS)
 gdn_tree_chunk_kernel(const gdn_tree_args a) {
+    static_assert(NN % GDN_CHUNK_WARPS == 0 && NN <= GDN_CHUNK_NODES, "nodes per block");
     extern __shared__ __align__(16) char gdn_chunk_raw[];
-    gdn_chunk_smem<S_v> & sm = *reinterpret_cast<gdn_chunk_smem<S_v> *>(gdn_chunk_raw);
+    gdn_chunk_smem<S_v, NN> & sm = *reinterpret_cast<gdn_chunk_smem<S_v, NN> *>(gdn_chunk_raw);
     constexpr int NT = WARP_SIZE * GDN_CHUNK_WARPS;
-    constexpr int C4 = S_v / 4;
+    constexpr int C4 = S_v / 4;                   // float4s per row
+    constexpr int RK = (NN * C4 + NT - 1) / NT;   // per thread: float4s of k (and of q)
+    constexpr int RS = 32 * C4 / NT;              // float4s of state columns
+    constexpr int RV = NN * 32 / NT;              // values of v
+    constexpr int MW = NN / GDN_CHUNK_WARPS;      // nodes per warp
     const int h    = blockIdx.x;
     const int col0 = blockIdx.z * 32;
     const int lane = threadIdx.x;
@@ -395,36 +402,42 @@ gdn_tree_chunk_kernel(const gdn_tree_args a) {
     const int n    = a.n_t;
 
     ggml_cuda_pdl_sync();
-    write_key_and_decay_steps(a, S_v, h, tid, NT);
 
-    // q and k rows (zero past n: those nodes' products vanish), the block's state columns, v
+    // Stage q and k rows (zero past n: those nodes' products vanish), the block's state columns and v: every
+    // load asked for before the first store, one memory latency for the lot.
     const float * q_h = a.q + (h % a.H_q) * a.sq1;
     const float * k_h = a.k + (h % a.H_k) * a.sk1;
-    for (int i = tid; i < GDN_CHUNK_NODES * C4; i += NT) {
-        const int t = i / C4, r = 4 * (i % C4);
-        float4 kk = make_float4(0.0f, 0.0f, 0.0f, 0.0f), qq = kk;
-        if (t < n) {
-            kk = *(const float4 *) (k_h + t * a.sk2 + r);
-            qq = *(const float4 *) (q_h + t * a.sq2 + r);
+    const float * s0  = a.state + ((int64_t) h * S_v + col0) * S_v;
+    const float * v_h = a.v + h * a.sv1 + col0;
+    float4 kr[RK], qr[RK], sr[RS];
+    float  vr[RV];
+#pragma unroll
+    for (int e = 0; e < RK; ++e) {
+        const int i = tid + e * NT, t = i / C4, r = 4 * (i % C4);
+        kr[e] = qr[e] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        if (i < NN * C4 && t < n) {
+            kr[e] = *(const float4 *) (k_h + t * a.sk2 + r);
+            qr[e] = *(const float4 *) (q_h + t * a.sq2 + r);
         }
-        *(float4 *) &sm.k[t][r] = kk;
-        *(float4 *) &sm.q[t][r] = qq;
     }
-    const float * s0 = a.state + ((int64_t) h * S_v + col0) * S_v;
-    for (int i = tid; i < 32 * C4; i += NT) {
-        const int c = i / C4, r = 4 * (i % C4);
-        *(float4 *) &sm.s0[c][r] = *(const float4 *) (s0 + c * S_v + r);
+#pragma unroll
+    for (int e = 0; e < RS; ++e) {
+        const int i = tid + e * NT;
+        sr[e] = *(const float4 *) (s0 + (i / C4) * S_v + 4 * (i % C4));
     }
-    for (int i = tid; i < GDN_CHUNK_NODES * 32; i += NT) {
-        const int t = i / 32, c = i % 32;
-        sm.v[t][c] = t < n ? a.v[h * a.sv1 + t * a.sv2 + col0 + c] : 0.0f;
+#pragma unroll
+    for (int e = 0; e < RV; ++e) {
+        const int t = (tid + e * NT) / 32;
+        vr[e] = t < n ? v_h[t * a.sv2 + lane] : 0.0f;
     }
+    // G_t and the ancestor sets by pointer jumping: after round r each node holds the sum over its 2^r nearest
+    // path nodes (itself included) and p is the next node above them, or -1
     if (warp == 0) {
-        // G_t and the ancestor sets by pointer jumping: after round r each node holds the sum over its 2^r nearest
-        // path nodes (itself included) and p is the next node above them, or -1
         int      p   = lane < n ? ggml_ext_parent(a.parent, lane) : -1;
-        float    G   = lane < n ? a.g[(int64_t) lane * a.H + h] : 0.0f;
+        float    g   = lane < n ? a.g[(int64_t) lane * a.H + h] : 0.0f;
+        float    G   = g;
         uint32_t anc = 1u << lane;
+        sm.beta[lane] = lane < n ? a.beta[(int64_t) lane * a.H + h] : 0.0f;
 #pragma unroll
         for (int r = 0; r < 5; ++r) {
             const int      from = max(p, 0);
@@ -435,20 +448,48 @@ gdn_tree_chunk_kernel(const gdn_tree_args a) {
                 G += Gp; anc |= ap; p = pp;
             }
         }
-        sm.G[lane]    = G;
-        sm.beta[lane] = lane < n ? a.beta[(int64_t) lane * a.H + h] : 0.0f;
-        sm.anc[lane]  = anc;
+        sm.G[lane]   = G;
+        sm.anc[lane] = anc;
+        if (a.steps != nullptr && blockIdx.z == 0 && lane < n) {   // the step's log-decay (scalar: one per head)
+            a.steps[lane * a.steps_ld + (int64_t) S_v * (a.H_k + a.H) + h] = g;
+        }
+    }
+#pragma unroll
+    for (int e = 0; e < RK; ++e) {
+        const int i = tid + e * NT;
+        if (i < NN * C4) {
+            *(float4 *) &sm.k[i / C4][4 * (i % C4)] = kr[e];
+            *(float4 *) &sm.q[i / C4][4 * (i % C4)] = qr[e];
+        }
+    }
+#pragma unroll
+    for (int e = 0; e < RS; ++e) {
+        const int i = tid + e * NT;
+        *(float4 *) &sm.s0[i / C4][4 * (i % C4)] = sr[e];
+    }
+#pragma unroll
+    for (int e = 0; e < RV; ++e) {
+        sm.v[(tid + e * NT) / 32][lane] = vr[e];
     }
     __syncthreads();
 
+    // the step's key, from the staged rows (the first block of each key head)
+    if (a.steps != nullptr && blockIdx.z == 0 && h < a.H_k) {
+        for (int i = tid; i < n * S_v; i += NT) {
+            a.steps[(i / S_v) * a.steps_ld + h * S_v + i % S_v] = sm.k[i / S_v][i % S_v];
+        }
+    }
+
     // the dot products over the keys, for the warp's nodes t: with the state column `lane` (S0^T k_t, S0^T q_t)
-    // and with node `lane`'s key (k_t . k_j, q_t . k_j)
-    float kS[4] = {}, qS[4] = {}, kk[4] = {}, qk[4] = {};
+    // and with node `lane`'s key (k_t . k_j, q_t . k_j; lanes past NN read state rows instead: their sums are unused)
+    const float * kj_row = lane < NN ? sm.k[lane] : sm.s0[lane];
+    float kS[MW] = {}, qS[MW] = {}, kk[MW] = {}, qk[MW] = {};
+#pragma unroll 4
     for (int r = 0; r < S_v; r += 4) {
         const float4 s4 = *(const float4 *) &sm.s0[lane][r];
-        const float4 kj = *(const float4 *) &sm.k[lane][r];
+        const float4 kj = *(const float4 *) &kj_row[r];
 #pragma unroll
-        for (int m = 0; m < 4; ++m) {
+        for (int m = 0; m < MW; ++m) {
             const int t = warp + GDN_CHUNK_WARPS * m;
             if (t < n) {
                 const float4 kt = *(const float4 *) &sm.k[t][r];
@@ -461,7 +502,7 @@ gdn_tree_chunk_kernel(const gdn_tree_args a) {
         }
     }
 #pragma unroll
-    for (int m = 0; m < 4; ++m) {
+    for (int m = 0; m < MW; ++m) {
         const int   t    = warp + GDN_CHUNK_WARPS * m;
         const float Gt   = sm.G[t];
         const float bt   = sm.beta[t];
@@ -476,10 +517,10 @@ gdn_tree_chunk_kernel(const gdn_tree_args a) {
 
     // forward substitution, node by node (ancestors precede their descendants), the deltas in registers
     if (warp == 0) {
-        float u[GDN_CHUNK_NODES];
+        float u[NN];
         float * delta = a.deltas + h * S_v + col0 + lane;
 #pragma unroll
-        for (int t = 0; t < GDN_CHUNK_NODES; ++t) {
+        for (int t = 0; t < NN; ++t) {
             float acc = sm.rhs[t][lane];
 #pragma unroll
             for (int j = 0; j < t; ++j) {
@@ -495,7 +536,7 @@ gdn_tree_chunk_kernel(const gdn_tree_args a) {
     __syncthreads();
 
 #pragma unroll
-    for (int m = 0; m < 4; ++m) {
+    for (int m = 0; m < MW; ++m) {
         const int t = warp + GDN_CHUNK_WARPS * m;
         if (t < n) {
             float acc = sm.qs[t][lane];
@@ -507,10 +548,10 @@ gdn_tree_chunk_kernel(const gdn_tree_args a) {
     }
 }
 
-template <int S_v>
+template <int S_v, int NN>
 static void launch_chunk(const gdn_tree_args & a, int device, cudaStream_t stream) {
-    constexpr auto   kernel = gdn_tree_chunk_kernel<S_v>;
-    constexpr size_t smem   = sizeof(gdn_chunk_smem<S_v>);
+    constexpr auto   kernel = gdn_tree_chunk_kernel<S_v, NN>;
+    constexpr size_t smem   = sizeof(gdn_chunk_smem<S_v, NN>);
     static bool smem_allowed[GGML_CUDA_MAX_DEVICES] = {};
     if (!smem_allowed[device]) {
         CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int) smem));
@@ -518,6 +559,10 @@ static void launch_chunk(const gdn_tree_args & a, int device, cudaStream_t strea
     }
     ggml_cuda_kernel_launch(kernel, ggml_cuda_kernel_launch_params(dim3(a.H, 1, S_v / 32),
                                                                    dim3(WARP_SIZE, GDN_CHUNK_WARPS), smem, stream), a);
+}
+
+template <int S_v> static void launch_chunk_for(const gdn_tree_args & a, int device, cudaStream_t stream) {
+    a.n_t <= 24 ? launch_chunk<S_v, 24>(a, device, stream) : launch_chunk<S_v, 32>(a, device, stream);
 }
 
 template <int S_v, bool KDA, typename node_t, bool VEC, int W, int RPL>
@@ -604,7 +649,7 @@ static void gdn_tree(ggml_backend_cuda_context & ctx, ggml_tensor * dst, const g
         const bool vec = aligned16(a.q) && aligned16(a.k) && aligned16(a.state) &&
                          a.sq1 % 4 == 0 && a.sq2 % 4 == 0 && a.sk1 % 4 == 0 && a.sk2 % 4 == 0;
         if (!exact && !kda && n_t <= GDN_CHUNK_NODES && vec) {
-            S_v == 64 ? launch_chunk<64>(a, ctx.device, stream) : launch_chunk<128>(a, ctx.device, stream);
+            S_v == 64 ? launch_chunk_for<64>(a, ctx.device, stream) : launch_chunk_for<128>(a, ctx.device, stream);
             return;
         }
     }
@@ -639,8 +684,8 @@ static void gdn_tree(ggml_backend_cuda_context & ctx, ggml_tensor * dst, const g
 template <bool KDA, int V>
 __global__ void gdn_path_kernel(const float * state, const float * __restrict__ k,
                                 const float * __restrict__ g, const float * __restrict__ delta,
-                                float * dst,
-                                int S_v, int H, int H_k, int L, int rk3,
+                                const int * __restrict__ steps, float * dst,
+                                int S_v, int H, int H_k, int n, int L, int rk3,
                                 int64_t sk1, int64_t sk2, int64_t sk3, int64_t sg1, int64_t sg2, int64_t sg3,
                                 int64_t sd1, int64_t sd2, int64_t sd3) {
     const int h = blockIdx.y;
@@ -663,7 +708,11 @@ __global__ void gdn_path_kernel(const float * state, const float * __restrict__ 
     const float * kp = k + (s / rk3) * sk3 + (h % H_k) * sk1 + i;
     const float * dp = delta + s * sd3 + h * sd1 + j;
     const float * gp = g + s * sg3 + h * sg1 + (KDA ? i : 0);
-    for (int l = 0; l < L; ++l) {
+    for (int step = 0; step < L; ++step) {
+        const int l = steps != nullptr ? steps[s * L + step] : step;   // (the picked candidate)
+        if (l < 0 || l >= n) {
+            continue;
+        }
         const float d = dp[l * sd2];
         const float * gl = gp + l * sg2;
         const float gs = KDA ? 0.0f : expf(gl[0]);
@@ -685,14 +734,17 @@ static void gdn_path_launch(ggml_backend_cuda_context & ctx, ggml_tensor * dst) 
     const ggml_tensor * k     = dst->src[1];
     const ggml_tensor * g     = dst->src[2];
     const ggml_tensor * delta = dst->src[3];
-    const int64_t S_v = state->ne[0], H = state->ne[2], n_s = state->ne[3], L = delta->ne[2];
+    const ggml_tensor * steps = dst->src[4];   // ggml_gated_delta_net_path_steps' picks, or null
+    const int64_t S_v = state->ne[0], H = state->ne[2], n_s = state->ne[3], n = delta->ne[2];
+    const int64_t L = steps != nullptr ? steps->ne[0] : n;
     const int block = 256;
     const dim3 grid((unsigned) ((S_v * S_v / V + block - 1) / block), (unsigned) H, (unsigned) n_s);
     const int64_t f = sizeof(float);
     ggml_cuda_kernel_launch(gdn_path_kernel<KDA, V>, ggml_cuda_kernel_launch_params(grid, dim3(block), 0, ctx.stream()),
                             (const float *) state->data, (const float *) k->data, (const float *) g->data,
-                            (const float *) delta->data, (float *) dst->data, (int) S_v, (int) H, (int) k->ne[1],
-                            (int) L, (int) (n_s / k->ne[3]), k->nb[1] / f, k->nb[2] / f, k->nb[3] / f,
+                            (const float *) delta->data, steps != nullptr ? (const int *) steps->data : nullptr,
+                            (float *) dst->data, (int) S_v, (int) H, (int) k->ne[1], (int) n, (int) L,
+                            (int) (n_s / k->ne[3]), k->nb[1] / f, k->nb[2] / f, k->nb[3] / f,
                             g->nb[1] / f, g->nb[2] / f, g->nb[3] / f,
                             delta->nb[1] / f, delta->nb[2] / f, delta->nb[3] / f);
 }

@@ -213,6 +213,17 @@ GGML_API struct ggml_tensor * ggml_gated_delta_net_path(
         struct ggml_tensor  * g,
         struct ggml_tensor  * delta);
 
+// ggml_gated_delta_net_path whose steps are picked: k, g and delta hold n candidate steps (their ne[2] = n, e.g.
+// views of ggml_gated_delta_net_tree_steps' store) and step l of sequence s is candidate steps[l, s]
+// (i32 [L, n_s], contiguous). An index outside 0..n-1 is a step that changes nothing. One kernel, no gather.
+GGML_API struct ggml_tensor * ggml_gated_delta_net_path_steps(
+        struct ggml_context * ctx,
+        struct ggml_tensor  * state,
+        struct ggml_tensor  * k,
+        struct ggml_tensor  * g,
+        struct ggml_tensor  * delta,
+        struct ggml_tensor  * steps);
+
 // W * X for a quantised weight matrix and a few activation columns (the target's decode and verify).
 //   w  Q4_K, Q5_K, Q6_K, Q8_0 or BF16 [K, M], contiguous (a GGUF weight as stored; BF16: a DFlash draft's matrices,
 //      on CUDA through the f16 kernel's family only, below)

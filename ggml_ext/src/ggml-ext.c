@@ -249,6 +249,20 @@ struct ggml_tensor * ggml_gated_delta_net_path(
     return result;
 }
 
+struct ggml_tensor * ggml_gated_delta_net_path_steps(
+        struct ggml_context * ctx,
+        struct ggml_tensor  * state,
+        struct ggml_tensor  * k,
+        struct ggml_tensor  * g,
+        struct ggml_tensor  * delta,
+        struct ggml_tensor  * steps) {
+    struct ggml_tensor * result = ggml_gated_delta_net_path(ctx, state, k, g, delta);
+    GGML_ASSERT(steps->type == GGML_TYPE_I32 && ggml_is_contiguous(steps));
+    GGML_ASSERT(steps->ne[1] == state->ne[3] && steps->ne[2] == 1 && steps->ne[3] == 1);
+    result->src[4] = steps;
+    return result;
+}
+
 bool ggml_qmatmul_supported(enum ggml_type type) {
     return type == GGML_TYPE_Q4_K || type == GGML_TYPE_Q5_K || type == GGML_TYPE_Q6_K || type == GGML_TYPE_Q8_0 ||
            type == GGML_TYPE_BF16;

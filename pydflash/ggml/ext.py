@@ -176,12 +176,16 @@ def gated_delta_net_tree_steps(ctx: Context, q: Tensor, k: Tensor, v: Tensor, g:
                                                       parent._ptr, steps._ptr, bool(exact)), ctx)
 
 
-def gated_delta_net_path(ctx: Context, state: Tensor, k: Tensor, g: Tensor, delta: Tensor) -> Tensor:
+def gated_delta_net_path(ctx: Context, state: Tensor, k: Tensor, g: Tensor, delta: Tensor,
+                         steps: Tensor | None = None) -> Tensor:
     """The state after a path of L tree nodes, rebuilt from the state before it and the path's keys k [S_v, H_k, L,
     n_s_k], log-decays g [1 or S_v, H_v, L, n_s] and deltas [S_v, H_v, L, n_s] (each with contiguous rows; deltas:
     `gated_delta_net_tree`'s last part): f32 [S_v, S_v, H_v, n_s], the very bits of the tree op's state after the
     last node (ggml-ext.h: ggml_gated_delta_net_path). A step with g = 0 and delta = 0 changes nothing. Each value
-    is read before it is written, so the result may be placed on `state` (Buffer.alias: an in-place commit)."""
+    is read before it is written, so the result may be placed on `state` (Buffer.alias: an in-place commit).
+    steps: i32 [L, n_s]; then k, g and delta hold candidate steps (their ne[2] any count n, e.g. views of
+    `gated_delta_net_tree_steps`' store) and step l of sequence s is candidate steps[l, s] (outside 0..n-1: a step
+    that changes nothing)."""
     S_v, _, H, n_s = state.ne
     _expect(state, "path state", Type.F32, (S_v, S_v, H, n_s))
     _expect_contiguous(state, "path state")
@@ -196,7 +200,12 @@ def gated_delta_net_path(ctx: Context, state: Tensor, k: Tensor, g: Tensor, delt
         raise ValueError(f"path g must be [1 or S_v={S_v}, H_v, L, n_s], got ne {g.ne}")
     _expect(g, "path g", Type.F32, (g.ne[0], H, L, n_s))
     _expect_rows(g, "path g")
-    return Tensor(lib.ggml_gated_delta_net_path(ctx._ptr, state._ptr, k._ptr, g._ptr, delta._ptr), ctx)
+    if steps is None:
+        return Tensor(lib.ggml_gated_delta_net_path(ctx._ptr, state._ptr, k._ptr, g._ptr, delta._ptr), ctx)
+    _expect(steps, "path steps", Type.I32, (steps.ne[0], n_s))
+    _expect_contiguous(steps, "path steps")
+    return Tensor(lib.ggml_gated_delta_net_path_steps(ctx._ptr, state._ptr, k._ptr, g._ptr, delta._ptr, steps._ptr),
+                  ctx)
 
 
 def _expect_persistent(t: Tensor, what: str) -> None:

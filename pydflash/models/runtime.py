@@ -850,19 +850,19 @@ class TargetRuntime:
         g.graph = ctx.graph(outputs)   # Allocator.allocate checks every node
         return g
 
-    def _replay_state(self, ctx, il: int, store, slots, n: int):
+    def _replay_state(self, ctx, il: int, store, slots):
         """The committed state of recurrent layer il after the accepted path, rebuilt from the cache's state and the
-        path's stored (k, delta, gate), padded to n steps with the zero column (ggml.gated_delta_net_path: the
-        verify's own node state, bit for bit)."""
+        steps (k, delta, gate) of the slots `slots` picks in the store, padded with its zero column
+        (ggml.gated_delta_net_path: the verify's own node state, bit for bit)."""
         hp = self.hp
         d_k, h_k, d_v, h_v = hp.ssm_d_k, hp.ssm_n_k_heads, hp.ssm_d_v, hp.ssm_n_v_heads
-        steps = ctx.get_rows(store, slots)                                # f32 [replay_width, n]
-        row = steps.nb[1]
-        k = ctx.view_4d(steps, d_k, h_k, n, 1, d_k * 4, row, row * n, 0)
-        delta = ctx.view_4d(steps, d_v, h_v, n, 1, d_v * 4, row, row * n, hp.key_dim * 4)
-        g = ctx.view_4d(steps, 1, h_v, n, 1, 4, row, row * n, (hp.key_dim + hp.value_dim) * 4)
+        row, n = store.nb[1], store.ne[1]                                 # f32 [replay_width, n_slots + 1]
+        k = ctx.view_4d(store, d_k, h_k, n, 1, d_k * 4, row, row * n, 0)
+        delta = ctx.view_4d(store, d_v, h_v, n, 1, d_v * 4, row, row * n, hp.key_dim * 4)
+        g = ctx.view_4d(store, 1, h_v, n, 1, 4, row, row * n, (hp.key_dim + hp.value_dim) * 4)
         ssm = self.cache.ssm[il]
-        state = ggml.gated_delta_net_path(ctx, ctx.reshape_4d(ssm, d_v, d_v, h_v, 1), k, g, delta)
+        state = ggml.gated_delta_net_path(ctx, ctx.reshape_4d(ssm, d_v, d_v, h_v, 1), k, g, delta,
+                                          steps=ctx.reshape_2d(slots, slots.ne[0], 1))
         # rebuilt in place on the cache's state (the op reads each value before writing it): no copy after it
         return self.cache.buffer.alias(state.named(f"l{il}.commit.state"), ssm)
 
@@ -882,7 +882,7 @@ class TargetRuntime:
             cg.conv_cols = ctx.new_tensor(ggml.Type.I32, (d,), name="commit.conv_cols").mark_input()
         for il, store in self.slot_states.items():
             if self.replay:
-                outs.append(self._replay_state(ctx, il, store, cg.replay_slots, steps))
+                outs.append(self._replay_state(ctx, il, store, cg.replay_slots))
             else:
                 size = store.ne[0] * store.ne[1]
                 row = store.nb[2]                                        # bytes of one slot's state
