@@ -38,6 +38,9 @@ class HybridCache:
     k[il], v[il]: [head_dim * n_head_kv, n_ctx] of `kv_type` (one row per position).
     conv[il]:     f32 [(d_conv - 1) * conv_dim]   the last d_conv-1 inputs of the causal conv, channel-major.
     ssm[il]:      f32 [d_v * d_v * n_v_heads]     the delta-rule state S per v head.
+    conv_all, ssm_all: every recurrent layer's conv[il] / ssm[il] as the columns of one tensor, in layer order
+    (rec_layers); conv[il] and ssm[il] are placed on their columns (Buffer.alias), so one op can update all layers
+    (a speculative commit).
     With Q8_0 / Q4_0, K and V rows are stored rotated by a Walsh-Hadamard matrix, as llama.cpp does (it spreads
     outliers across the block before quantising): k_rot / v_rot hold those matrices. TQ3_0 rotates inside its
     quantiser (pydflash/tq3.py), so only the query needs rotating and the attention output un-rotating:
@@ -51,16 +54,18 @@ class HybridCache:
         self.n_past = 0
         n_attn = sum(1 for r in hp.recurrent if not r)
         n_rec = hp.n_layer - n_attn
-        self._ctx = ggml.Context(n_tensors=2 * n_attn + 2 * n_rec + 2)
+        self._ctx = ggml.Context(n_tensors=2 * n_attn + 4)
         kv_row = hp.head_dim * hp.n_head_kv
         self.k, self.v, self.conv, self.ssm = {}, {}, {}, {}
+        self.rec_layers = [il for il in range(hp.n_layer) if hp.recurrent[il]]
+        self.conv_all = self.ssm_all = None
+        if n_rec:
+            self.conv_all = self._ctx.new_tensor(ggml.Type.F32, ((hp.ssm_d_conv - 1) * hp.conv_dim, n_rec),
+                                                 name="cache.conv")
+            self.ssm_all = self._ctx.new_tensor(ggml.Type.F32, (hp.ssm_d_v * hp.ssm_d_v * hp.ssm_n_v_heads, n_rec),
+                                                name="cache.ssm")
         for il in range(hp.n_layer):
-            if hp.recurrent[il]:
-                self.conv[il] = self._ctx.new_tensor(ggml.Type.F32, ((hp.ssm_d_conv - 1) * hp.conv_dim,),
-                                                     name=f"cache.l{il}.conv")
-                self.ssm[il] = self._ctx.new_tensor(ggml.Type.F32, (hp.ssm_d_v * hp.ssm_d_v * hp.ssm_n_v_heads,),
-                                                    name=f"cache.l{il}.ssm")
-            else:
+            if not hp.recurrent[il]:
                 self.k[il] = self._ctx.new_tensor(self.kv_type, (kv_row, n_ctx), name=f"cache.l{il}.k")
                 self.v[il] = self._ctx.new_tensor(self.kv_type, (kv_row, n_ctx), name=f"cache.l{il}.v")
         self.k_rot = self.v_rot = self.tq3_rotation = None
@@ -76,6 +81,11 @@ class HybridCache:
             self.k_rot = self._ctx.new_tensor(ggml.Type.F32, (n_k, n_k), name="cache.k_rot")
             self.v_rot = self._ctx.new_tensor(ggml.Type.F32, (64, 64), name="cache.v_rot")
         self.buffer = backend.alloc_tensors(self._ctx)
+        self._layer_ctx = ggml.Context(n_tensors=max(2 * n_rec, 1))
+        for r, il in enumerate(self.rec_layers):
+            for per_layer, whole, name in ((self.conv, self.conv_all, "conv"), (self.ssm, self.ssm_all, "ssm")):
+                t = self._layer_ctx.new_tensor(ggml.Type.F32, (whole.ne[0],), name=f"cache.l{il}.{name}")
+                per_layer[il] = self.buffer.alias(t, whole, r * whole.nb[1])
         self.k_words, self.v_words = self._word_views(kv_row, n_ctx)
         self.reset()
 

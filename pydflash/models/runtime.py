@@ -656,21 +656,30 @@ class TargetRuntime:
         self.replay = replay
         self._trees = tree or not n_rec
         self.n_slots = n_slots
-        self._verify_ctx = ggml.Context(n_tensors=2 * n_rec + 1)
+        # every recurrent layer's store as one tensor (the commit updates all layers in one op), each layer's part
+        # placed on its last-axis slice
         self.slot_states, self.slot_inputs = {}, {}
-        for il in range(hp.n_layer):
-            if hp.recurrent[il]:
-                if replay:   # one more column, kept zero: the commit's padding steps (decay 1, delta 0) change nothing
-                    shape, name = (replay_width(hp), n_slots + 1), f"verify.l{il}.steps"
-                else:
-                    shape, name = (S * S, H, n_slots, 1), f"verify.l{il}.states"
-                self.slot_states[il] = self._verify_ctx.new_tensor(store_type, shape, name=name)
-                self.slot_inputs[il] = self._verify_ctx.new_tensor(ggml.Type.F32, (hp.conv_dim, n_slots),
-                                                                   name=f"verify.l{il}.conv_inputs")
-        self._verify_buffer = self.backend.alloc_tensors(self._verify_ctx) if n_rec else None
-        if replay:
-            for store in self.slot_states.values():
-                store.set(np.zeros(store.ne[::-1][-2:], np.float32))
+        self.states_all = self.inputs_all = None
+        self._verify_buffer = None
+        if n_rec:
+            if replay:   # one more column, kept zero: the commit's padding steps (decay 1, delta 0) change nothing
+                shape, name = (replay_width(hp), n_slots + 1), "steps"
+            else:
+                shape, name = (S * S, H, n_slots), "states"
+            self._verify_ctx = ggml.Context(n_tensors=2)
+            self.states_all = self._verify_ctx.new_tensor(store_type, shape + (n_rec,), name=f"verify.{name}")
+            self.inputs_all = self._verify_ctx.new_tensor(ggml.Type.F32, (hp.conv_dim, n_slots, n_rec),
+                                                          name="verify.conv_inputs")
+            self._verify_buffer = self.backend.alloc_tensors(self._verify_ctx)
+            self._verify_layers = ggml.Context(n_tensors=2 * n_rec)
+            for r, il in enumerate(self.cache.rec_layers):
+                for per_layer, whole, layer_shape, part in (
+                        (self.slot_states, self.states_all, shape, name),
+                        (self.slot_inputs, self.inputs_all, (hp.conv_dim, n_slots), "conv_inputs")):
+                    t = self._verify_layers.new_tensor(whole.type, layer_shape, name=f"verify.l{il}.{part}")
+                    per_layer[il] = self._verify_buffer.alias(t, whole, r * (whole.nbytes // n_rec))
+            if replay:
+                self.states_all.set(np.zeros(self.states_all.ne[::-1], np.float32))
         self._graphs = {k: v for k, v in self._graphs.items() if k[0] != "verify"}
         self._commit_graphs = {}
 
@@ -729,15 +738,16 @@ class TargetRuntime:
             cg = self._commit_graphs[key] = self._build_commit(compact, steps, inputs_only)
         if cg.graph is not None and self._commit_allocator.current is not cg.graph:
             self._commit_allocator.allocate(cg.graph)
-        if cg.conv_cols is not None:
+        if cg.conv_cols is not None:   # (the same picks for every recurrent layer)
+            n_rec = cg.conv_cols.ne[1]
             if cg.replay_slots is not None:
                 padded = path + [n] * (steps - len(path))          # n: the store's zero column
-                cg.replay_slots.set(np.array(padded, np.int32), self.backend)
+                cg.replay_slots.set(np.tile(np.array(padded, np.int32), (n_rec, 1)), self.backend)
             else:
                 column = path[-1] if self.tree_state_op is not None else n - 1 - path[-1]   # snapshots: newest first
-                cg.state_slot.set(np.array([column], np.int32), self.backend)
+                cg.state_slot.set(np.full((n_rec, 1), column, np.int32), self.backend)
             cols = path[-d:] if inputs_only else (list(range(d)) + [d + s for s in path])[-d:]
-            cg.conv_cols.set(np.array(cols, np.int32), self.backend)
+            cg.conv_cols.set(np.tile(np.array(cols, np.int32), (n_rec, 1)), self.backend)
         if cg.kv_src is not None:
             src = np.full(n, n_past + n - 1, np.int32)        # padding: the last verify cell onto itself
             dst = np.full(n, n_past + n - 1, np.int64)
@@ -850,55 +860,50 @@ class TargetRuntime:
         g.graph = ctx.graph(outputs)   # Allocator.allocate checks every node
         return g
 
-    def _replay_state(self, ctx, il: int, store, slots):
-        """The committed state of recurrent layer il after the accepted path, rebuilt from the cache's state and the
-        steps (k, delta, gate) of the slots `slots` picks in the store, padded with its zero column
-        (ggml.gated_delta_net_path: the verify's own node state, bit for bit)."""
-        hp = self.hp
+    def _replay_states(self, ctx, slots):
+        """Every recurrent layer's committed state after the accepted path, in one op, rebuilt in place in the cache
+        from its state and the steps (k, delta, gate) that slots [steps, n_rec] pick in the store, padded with its
+        zero column (ggml.gated_delta_net_path: the verify's own node state, bit for bit; the op reads each value
+        before it writes it)."""
+        hp, store, ssm = self.hp, self.states_all, self.cache.ssm_all    # f32 [replay_width, n_slots + 1, n_rec]
         d_k, h_k, d_v, h_v = hp.ssm_d_k, hp.ssm_n_k_heads, hp.ssm_d_v, hp.ssm_n_v_heads
-        row, n = store.nb[1], store.ne[1]                                 # f32 [replay_width, n_slots + 1]
-        k = ctx.view_4d(store, d_k, h_k, n, 1, d_k * 4, row, row * n, 0)
-        delta = ctx.view_4d(store, d_v, h_v, n, 1, d_v * 4, row, row * n, hp.key_dim * 4)
-        g = ctx.view_4d(store, 1, h_v, n, 1, 4, row, row * n, (hp.key_dim + hp.value_dim) * 4)
-        ssm = self.cache.ssm[il]
-        state = ggml.gated_delta_net_path(ctx, ctx.reshape_4d(ssm, d_v, d_v, h_v, 1), k, g, delta,
-                                          steps=ctx.reshape_2d(slots, slots.ne[0], 1))
-        # rebuilt in place on the cache's state (the op reads each value before writing it): no copy after it
-        return self.cache.buffer.alias(state.named(f"l{il}.commit.state"), ssm)
+        row, n, layer, n_rec = store.nb[1], store.ne[1], store.nb[2], store.ne[2]
+        k = ctx.view_4d(store, d_k, h_k, n, n_rec, d_k * 4, row, layer, 0)
+        delta = ctx.view_4d(store, d_v, h_v, n, n_rec, d_v * 4, row, layer, hp.key_dim * 4)
+        g = ctx.view_4d(store, 1, h_v, n, n_rec, 4, row, layer, (hp.key_dim + hp.value_dim) * 4)
+        state = ggml.gated_delta_net_path(ctx, ctx.reshape_4d(ssm, d_v, d_v, h_v, n_rec), k, g, delta, steps=slots)
+        return self.cache.buffer.alias(state.named("commit.states"), ssm)
 
     def _build_commit(self, compact_kv: bool, steps: int | None, inputs_only: bool) -> _CommitGraph:
         """steps: with state_type 'replay', the delta-rule steps the commit runs (replay_steps). inputs_only: the
         path is at least d_conv-1 slots long, so the conv window comes from the verify's inputs alone (no
-        transposed copy and concatenation of the old window: two kernels fewer per recurrent layer)."""
+        transposed copy and concatenation of the old window). Every recurrent layer at once: the stores and the
+        cache's states are one tensor each (HybridCache.ssm_all / conv_all, enable_verify), so the states take one
+        op and the conv windows two, whatever the layer count (the 27B: 144 kernels before)."""
         hp, cache, n = self.hp, self.cache, self.n_slots
-        cg = _CommitGraph(16 * hp.n_layer + 16)
+        cg = _CommitGraph(8 * hp.n_layer + 16)
         ctx, outs = cg.ctx, []
         if self.slot_states:
-            d = hp.ssm_d_conv - 1
+            d, n_rec = hp.ssm_d_conv - 1, len(cache.rec_layers)
             if self.replay:
-                cg.replay_slots = ctx.new_tensor(ggml.Type.I32, (steps,), name="commit.replay_slots").mark_input()
+                cg.replay_slots = ctx.new_tensor(ggml.Type.I32, (steps, n_rec), name="commit.replay_slots").mark_input()
+                outs.append(self._replay_states(ctx, cg.replay_slots))
             else:
-                cg.state_slot = ctx.new_tensor(ggml.Type.I32, (1,), name="commit.state_slot").mark_input()
-            cg.conv_cols = ctx.new_tensor(ggml.Type.I32, (d,), name="commit.conv_cols").mark_input()
-        for il, store in self.slot_states.items():
-            if self.replay:
-                outs.append(self._replay_state(ctx, il, store, cg.replay_slots))
-            else:
-                size = store.ne[0] * store.ne[1]
-                row = store.nb[2]                                        # bytes of one slot's state
-                states = ctx.view_2d(store, size, n, row, 0)              # [S*S*H, n_slots]
-                # f32 [S*S*H, 1], gathered straight into the cache's state (the node placed on its bytes: no copy)
-                state = ctx.get_rows(states, cg.state_slot).named(f"l{il}.commit.state")
-                outs.append(cache.buffer.alias(state, cache.ssm[il]))
-            # conv window: columns of (old state ‖ slot inputs), channel-major rows for get_rows
+                cg.state_slot = ctx.new_tensor(ggml.Type.I32, (1, n_rec), name="commit.state_slot").mark_input()
+                store = self.states_all                                     # [S*S, H, n_slots, n_rec]
+                states = ctx.view_3d(store, store.ne[0] * store.ne[1], n, n_rec, store.nb[2], store.nb[3], 0)
+                # f32 [S*S*H, 1, n_rec], gathered straight into the cache's states (placed on their bytes: no copy)
+                state = ctx.get_rows(states, cg.state_slot).named("commit.states")
+                outs.append(cache.buffer.alias(state, cache.ssm_all))
+            # conv windows: columns of (old window ‖ slot inputs), channel-major rows for get_rows
+            cg.conv_cols = ctx.new_tensor(ggml.Type.I32, (d, n_rec), name="commit.conv_cols").mark_input()
+            conv = ctx.reshape_3d(cache.conv_all, d, hp.conv_dim, n_rec)
             if inputs_only:
-                seq = self.slot_inputs[il]                                # [conv_dim, n_slots]
+                seq = self.inputs_all                                       # [conv_dim, n_slots, n_rec]
             else:
-                old = ctx.cont(ctx.transpose(ctx.reshape_2d(cache.conv[il], d, hp.conv_dim)))   # [conv_dim, d]
-                seq = ctx.concat(old, self.slot_inputs[il], 1)            # [conv_dim, d + n_slots]
-            window = ctx.get_rows(seq, cg.conv_cols)                      # [conv_dim, d]
-            outs.append(ctx.cpy(ctx.transpose(window), ctx.reshape_2d(cache.conv[il], d, hp.conv_dim))
-                        .named(f"l{il}.commit.conv"))
+                seq = ctx.concat(ctx.cont(ctx.transpose(conv)), self.inputs_all, 1)   # [conv_dim, d + n_slots, n_rec]
+            window = ctx.get_rows(seq, cg.conv_cols)                        # [conv_dim, d, n_rec]
+            outs.append(ctx.cpy(ctx.transpose(window), conv).named("commit.conv"))
         if compact_kv and cache.k:
             cg.kv_src = ctx.new_tensor(ggml.Type.I32, (n,), name="commit.kv_src").mark_input()
             cg.kv_dst = ctx.new_tensor(ggml.Type.I64, (n,), name="commit.kv_dst").mark_input()
