@@ -52,11 +52,11 @@ def bench_ar(target, prompt, n_gen):
     return out, 1e3 * dt / (n_gen - 1)
 
 
-def bench_verify_sizes(target, prompt, reps, rng):
+def bench_verify_sizes(target, prompt, reps, rng, state_type):
     from pydflash import ddtree
     rows = []
     for n in NODE_COUNTS:
-        target.enable_verify(n + 1, tree=True)
+        target.enable_verify(n + 1, tree=True, state_type=state_type)
         k = min(n, 8)
         logits = rng.standard_normal((15, 64)) * 3
         logp = logits - np.log(np.exp(logits).sum(1, keepdims=True))
@@ -161,7 +161,8 @@ def main(argv=None) -> int:
 
     ar_tokens, ar_ms = bench_ar(target, prompt, args.n_gen)
     gap = logit_gap(target, prompt, ar_tokens, args.budget + 1)
-    sizes = bench_verify_sizes(target, prompt, args.reps, rng)
+    state_type = "f16" if args.f16_states else args.state_type
+    sizes = bench_verify_sizes(target, prompt, args.reps, rng, state_type)
     if args.draft:
         weight_type = None if args.draft_type == "stored" else args.draft_type
         draft = _load_draft(args.draft, target, weight_type=weight_type)
@@ -170,7 +171,6 @@ def main(argv=None) -> int:
         errors = range(len(prompt), len(prompt) + args.n_gen + 64, args.error_every)
         draft = OracleDraft(prompt + ar_tokens, target.hp.n_vocab, error_positions=errors)
         draft_kind = f"oracle test double (wrong every {args.error_every}th position; draft time not measured)"
-    state_type = "f16" if args.f16_states else args.state_type
     tokens, stats = bench_steps(target, draft, prompt, args.n_gen, args.budget, args.seed_chain, state_type)
 
     name = os.path.basename(args.target)
