@@ -38,8 +38,9 @@ class HybridCache:
     k[il], v[il]: [head_dim * n_head_kv, n_ctx] of `kv_type` (one row per position).
     conv[il]:     f32 [(d_conv - 1) * conv_dim]   the last d_conv-1 inputs of the causal conv, channel-major.
     ssm[il]:      f32 [d_v * d_v * n_v_heads]     the delta-rule state S per v head.
-    conv_all, ssm_all: every recurrent layer's conv[il] / ssm[il] as the columns of one tensor, in layer order
-    (rec_layers); conv[il] and ssm[il] are placed on their columns (Buffer.alias), so one op can update all layers
+    k_all, v_all, conv_all, ssm_all: every attention layer's k[il] / v[il] ([kv_row, n_ctx, n_attn], in the order
+    of attn_layers) and every recurrent layer's conv[il] / ssm[il] (columns, in the order of rec_layers) as one
+    tensor each; the per-layer tensors are placed on their slices (Buffer.alias), so one op can update all layers
     (a speculative commit).
     With Q8_0 / Q4_0, K and V rows are stored rotated by a Walsh-Hadamard matrix, as llama.cpp does (it spreads
     outliers across the block before quantising): k_rot / v_rot hold those matrices. TQ3_0 rotates inside its
@@ -54,20 +55,20 @@ class HybridCache:
         self.n_past = 0
         n_attn = sum(1 for r in hp.recurrent if not r)
         n_rec = hp.n_layer - n_attn
-        self._ctx = ggml.Context(n_tensors=2 * n_attn + 4)
+        self._ctx = ggml.Context(n_tensors=6)
         kv_row = hp.head_dim * hp.n_head_kv
         self.k, self.v, self.conv, self.ssm = {}, {}, {}, {}
         self.rec_layers = [il for il in range(hp.n_layer) if hp.recurrent[il]]
-        self.conv_all = self.ssm_all = None
+        self.attn_layers = [il for il in range(hp.n_layer) if not hp.recurrent[il]]
+        self.k_all = self.v_all = self.conv_all = self.ssm_all = None
+        if n_attn:
+            self.k_all = self._ctx.new_tensor(self.kv_type, (kv_row, n_ctx, n_attn), name="cache.k")
+            self.v_all = self._ctx.new_tensor(self.kv_type, (kv_row, n_ctx, n_attn), name="cache.v")
         if n_rec:
             self.conv_all = self._ctx.new_tensor(ggml.Type.F32, ((hp.ssm_d_conv - 1) * hp.conv_dim, n_rec),
                                                  name="cache.conv")
             self.ssm_all = self._ctx.new_tensor(ggml.Type.F32, (hp.ssm_d_v * hp.ssm_d_v * hp.ssm_n_v_heads, n_rec),
                                                 name="cache.ssm")
-        for il in range(hp.n_layer):
-            if not hp.recurrent[il]:
-                self.k[il] = self._ctx.new_tensor(self.kv_type, (kv_row, n_ctx), name=f"cache.l{il}.k")
-                self.v[il] = self._ctx.new_tensor(self.kv_type, (kv_row, n_ctx), name=f"cache.l{il}.v")
         self.k_rot = self.v_rot = self.tq3_rotation = None
         if self.kv_type == ggml.Type.TQ3_0:
             if hp.head_dim % 128:
@@ -81,7 +82,11 @@ class HybridCache:
             self.k_rot = self._ctx.new_tensor(ggml.Type.F32, (n_k, n_k), name="cache.k_rot")
             self.v_rot = self._ctx.new_tensor(ggml.Type.F32, (64, 64), name="cache.v_rot")
         self.buffer = backend.alloc_tensors(self._ctx)
-        self._layer_ctx = ggml.Context(n_tensors=max(2 * n_rec, 1))
+        self._layer_ctx = ggml.Context(n_tensors=max(2 * hp.n_layer, 1))
+        for r, il in enumerate(self.attn_layers):
+            for per_layer, whole, name in ((self.k, self.k_all, "k"), (self.v, self.v_all, "v")):
+                t = self._layer_ctx.new_tensor(self.kv_type, (kv_row, n_ctx), name=f"cache.l{il}.{name}")
+                per_layer[il] = self.buffer.alias(t, whole, r * whole.nb[2])
         for r, il in enumerate(self.rec_layers):
             for per_layer, whole, name in ((self.conv, self.conv_all, "conv"), (self.ssm, self.ssm_all, "ssm")):
                 t = self._layer_ctx.new_tensor(ggml.Type.F32, (whole.ne[0],), name=f"cache.l{il}.{name}")
@@ -101,21 +106,18 @@ class HybridCache:
             return kv
         return kv + 4 * n_rec * ((hp.ssm_d_conv - 1) * hp.conv_dim + hp.ssm_d_v * hp.ssm_d_v * hp.ssm_n_v_heads)
 
-    def _word_views(self, kv_row: int, n_ctx: int) -> tuple[dict, dict]:
-        """The K and V rows seen as f32 words ([row bytes / 4, n_ctx], on the same memory): get_rows/set_rows
-        between such views copy quantized rows bit for bit, so a speculative commit moves them without a
-        dequantize/requantize round trip (which TQ3_0 would also rotate a second time). Empty when a row is
-        not a whole number of words (then the rows are moved through f32 values)."""
+    def _word_views(self, kv_row: int, n_ctx: int) -> tuple:
+        """k_all and v_all's rows seen as f32 words ([row bytes / 4, n_ctx, n_attn], on the same memory):
+        get_rows/set_rows between such views copy quantized rows bit for bit, so a speculative commit moves them
+        without a dequantize/requantize round trip (which TQ3_0 would also rotate a second time). (None, None)
+        when a row is not a whole number of words (then the rows are moved through f32 values)."""
         row_bytes = ggml.row_size(self.kv_type, kv_row)
         if not self.k or row_bytes % 4:
-            return {}, {}
-        self._words_ctx = ggml.Context(n_tensors=2 * len(self.k))
-        views = {}, {}
-        for il in self.k:
-            for words, t in zip(views, (self.k[il], self.v[il])):
-                alias = self._words_ctx.new_tensor(ggml.Type.F32, (row_bytes // 4, n_ctx), name=f"{t.name}.words")
-                words[il] = self.buffer.alias(alias, t)
-        return views
+            return None, None
+        self._words_ctx = ggml.Context(n_tensors=2)
+        return tuple(self.buffer.alias(self._words_ctx.new_tensor(ggml.Type.F32, (row_bytes // 4,) + t.ne[1:3],
+                                                                  name=f"{t.name}.words"), t)
+                     for t in (self.k_all, self.v_all))
 
     def reset(self) -> None:
         """Forget the sequence: zero the states (KV rows past n_past are masked, but zeroed too)."""

@@ -627,7 +627,7 @@ class TargetRuntime:
         hp = self.hp
         if not 1 <= n_slots <= self.n_ubatch:
             raise ValueError(f"n_slots must be 1..n_ubatch ({self.n_ubatch}), got {n_slots}")
-        if self.cache.kv_type == ggml.Type.TQ3_0 and not self.cache.k_words:
+        if self.cache.kv_type == ggml.Type.TQ3_0 and self.cache.k_words is None:
             # through f32, TQ3_0 would rotate the already-rotated rows again (its rows are whole words anyway)
             raise ValueError("speculative decoding with a tq3_0 KV cache needs rows of whole 32-bit words")
         n_rec = sum(hp.recurrent)
@@ -753,7 +753,7 @@ class TargetRuntime:
             dst = np.full(n, n_past + n - 1, np.int64)
             src[:len(path)] = n_past + np.asarray(path)
             dst[:len(path)] = n_past + np.arange(len(path))
-            cg.kv_src.set(src, self.backend)
+            cg.kv_src.set(np.tile(src, (cg.kv_src.ne[1], 1)), self.backend)   # (the same rows in every layer)
             cg.kv_dst.set(dst, self.backend)
         if cg.graph is not None:
             self.backend.compute(cg.graph)
@@ -904,15 +904,14 @@ class TargetRuntime:
                 seq = ctx.concat(ctx.cont(ctx.transpose(conv)), self.inputs_all, 1)   # [conv_dim, d + n_slots, n_rec]
             window = ctx.get_rows(seq, cg.conv_cols)                        # [conv_dim, d, n_rec]
             outs.append(ctx.cpy(ctx.transpose(window), conv).named("commit.conv"))
-        if compact_kv and cache.k:
-            cg.kv_src = ctx.new_tensor(ggml.Type.I32, (n,), name="commit.kv_src").mark_input()
-            cg.kv_dst = ctx.new_tensor(ggml.Type.I64, (n,), name="commit.kv_dst").mark_input()
+        if compact_kv and cache.k:   # every attention layer's rows in one gather and one scatter per K and V
+            cg.kv_src = ctx.new_tensor(ggml.Type.I32, (n, len(cache.k)), name="commit.kv_src").mark_input()
+            cg.kv_dst = ctx.new_tensor(ggml.Type.I64, (n,), name="commit.kv_dst").mark_input()   # (every layer)
             # raw words where the rows are whole words (bit-exact for every type), else through f32
-            k, v = (cache.k_words, cache.v_words) if cache.k_words else (cache.k, cache.v)
-            for il in cache.k:
-                for name, t in (("k", k[il]), ("v", v[il])):
-                    rows = ctx.get_rows(t, cg.kv_src)                     # f32 [row words or kv_row, n_slots]
-                    outs.append(ctx.set_rows(t, rows, cg.kv_dst).named(f"l{il}.commit.{name}"))
+            k, v = (cache.k_words, cache.v_words) if cache.k_words is not None else (cache.k_all, cache.v_all)
+            for name, t in (("k", k), ("v", v)):
+                rows = ctx.get_rows(t, cg.kv_src)                         # f32 [row words or kv_row, n, n_attn]
+                outs.append(ctx.set_rows(t, rows, cg.kv_dst).named(f"commit.{name}"))
         cg.graph = ctx.graph(outs) if outs else None
         return cg
 
