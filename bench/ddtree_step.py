@@ -136,8 +136,9 @@ def main(argv=None) -> int:
     p.add_argument("--device", default="auto")
     p.add_argument("--budget", type=int, default=22)
     p.add_argument("--seed-chain", action="store_true")
-    p.add_argument("--state-type", default="f32", choices=[t for t in STATE_TYPES if t != "auto"],
-                   help="the tree nodes' recurrent states (TargetRuntime.enable_verify's state_type)")
+    p.add_argument("--state-type", default="replay", choices=[t for t in STATE_TYPES if t != "auto"],
+                   help="the tree nodes' recurrent states (TargetRuntime.enable_verify's state_type; default: "
+                        "replay, what load's 'auto' takes)")
     p.add_argument("--f16-states", action="store_true", help="the same as --state-type f16")
     p.add_argument("--n-gen", type=int, default=128)
     p.add_argument("--n-prompt", type=int, default=64)

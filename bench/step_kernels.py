@@ -50,7 +50,7 @@ def main(argv=None) -> int:
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--n-prompt", type=int, default=512)
     p.add_argument("--device", default="cuda")
-    p.add_argument("--state-type", default="f32", choices=("f32", "f16", "replay"),
+    p.add_argument("--state-type", default="replay", choices=("f32", "f16", "replay"),
                    help="the verify's node states (TargetRuntime.enable_verify)")
     args = p.parse_args(argv)
 
