@@ -22,31 +22,30 @@ from . import ggml
 
 
 class _Snapshot:
-    """Device buffers shaped like the target cache's conv and ssm tensors."""
+    """Device buffers shaped like the target cache's conv_all and ssm_all (every recurrent layer's states in one
+    tensor each: a save or a load is two device-to-device copies)."""
 
     def __init__(self, backend: ggml.Backend, cache):
-        self._ctx = ggml.Context(n_tensors=len(cache.conv) + len(cache.ssm))
-        self.conv = {il: self._ctx.new_tensor(t.type, t.ne, name=f"snapshot.l{il}.conv")
-                     for il, t in cache.conv.items()}
-        self.ssm = {il: self._ctx.new_tensor(t.type, t.ne, name=f"snapshot.l{il}.ssm")
-                    for il, t in cache.ssm.items()}
         # an attention-only model has no recurrent state: its snapshot is only the position (nothing to allocate)
-        self.buffer = backend.alloc_tensors(self._ctx) if self.conv or self.ssm else None
+        self.saved, self.buffer = (), None
+        if cache.conv_all is not None:
+            self._ctx = ggml.Context(n_tensors=2)
+            self.saved = tuple(self._ctx.new_tensor(t.type, t.ne, name=f"snapshot.{t.name}")
+                               for t in (cache.conv_all, cache.ssm_all))
+            self.buffer = backend.alloc_tensors(self._ctx)
 
     def save(self, cache) -> None:
-        for il in cache.conv:
-            cache.conv[il].copy_to(self.conv[il])
-            cache.ssm[il].copy_to(self.ssm[il])
+        for live, saved in zip((cache.conv_all, cache.ssm_all), self.saved):
+            live.copy_to(saved)
 
     def load(self, cache) -> None:
-        for il in cache.conv:
-            self.conv[il].copy_to(cache.conv[il])
-            self.ssm[il].copy_to(cache.ssm[il])
+        for live, saved in zip((cache.conv_all, cache.ssm_all), self.saved):
+            saved.copy_to(live)
 
 
 def snapshot_nbytes(cache) -> int:
     """Bytes one snapshot of `cache` (a HybridCache) takes."""
-    return sum(t.nbytes for t in cache.conv.values()) + sum(t.nbytes for t in cache.ssm.values())
+    return sum(t.nbytes for t in (cache.conv_all, cache.ssm_all) if t is not None)
 
 
 class PrefixCache:
