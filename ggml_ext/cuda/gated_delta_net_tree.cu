@@ -224,7 +224,8 @@ gdn_tree_kernel(const gdn_tree_args a) {
     const float * committed = a.state + (((int64_t) s * a.H + h) * S_v + col) * S_v + seg * CH;
     node_t      * nodes     = (node_t *) a.nodes + s * a.node_s3 + h * a.node_s1 + col * S_v + seg * CH;
     float       * o         = a.o + gb * S_v + col;
-    float       * deltas    = a.deltas == nullptr ? nullptr : a.deltas + (int64_t) s * a.n_t * a.delta_ts + h * S_v + col;
+    float       * deltas    = a.deltas == nullptr ? nullptr
+                                                  : a.deltas + (int64_t) s * a.n_t * a.delta_ts + h * S_v + col;
     write_key_and_decay_steps(a, S_v, h, tid, NT);
 
     for (int t = tid; t < min(a.n_t, GDN_TREE_PARENTS); t += NT) {
