@@ -83,14 +83,14 @@ class HybridCache:
             self.v_rot = self._ctx.new_tensor(ggml.Type.F32, (64, 64), name="cache.v_rot")
         self.buffer = backend.alloc_tensors(self._ctx)
         self._layer_ctx = ggml.Context(n_tensors=max(2 * hp.n_layer, 1))
-        for r, il in enumerate(self.attn_layers):
-            for per_layer, whole, name in ((self.k, self.k_all, "k"), (self.v, self.v_all, "v")):
-                t = self._layer_ctx.new_tensor(self.kv_type, (kv_row, n_ctx), name=f"cache.l{il}.{name}")
-                per_layer[il] = self.buffer.alias(t, whole, r * whole.nb[2])
-        for r, il in enumerate(self.rec_layers):
-            for per_layer, whole, name in ((self.conv, self.conv_all, "conv"), (self.ssm, self.ssm_all, "ssm")):
-                t = self._layer_ctx.new_tensor(ggml.Type.F32, (whole.ne[0],), name=f"cache.l{il}.{name}")
-                per_layer[il] = self.buffer.alias(t, whole, r * whole.nb[1])
+        for per_layer, whole, layers, ne, name in ((self.k, self.k_all, self.attn_layers, (kv_row, n_ctx), "k"),
+                                                   (self.v, self.v_all, self.attn_layers, (kv_row, n_ctx), "v"),
+                                                   (self.conv, self.conv_all, self.rec_layers, None, "conv"),
+                                                   (self.ssm, self.ssm_all, self.rec_layers, None, "ssm")):
+            if whole is not None:   # (conv, ssm: one column of the whole)
+                parts = self.buffer.alias_slices(self._layer_ctx, whole, ne or (whole.ne[0],),
+                                                 [f"cache.l{il}.{name}" for il in layers])
+                per_layer.update(zip(layers, parts))
         self.k_words, self.v_words = self._word_views(kv_row, n_ctx)
         self.reset()
 

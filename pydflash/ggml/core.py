@@ -283,6 +283,12 @@ class Buffer:
             raise GGMLError(f"could not place {tensor.name or '?'} on {of.name or '?'} (status {status})")
         return tensor
 
+    def alias_slices(self, ctx: "Context", whole: "Tensor", ne: tuple, names) -> list["Tensor"]:
+        """One new tensor of `ctx` (ne, whole's type) per name, placed on consecutive equal slices of `whole` in
+        order (e.g. the per-layer tensors of an all-layer one, sliced along its last axis), each by `alias`."""
+        step = whole.nbytes // len(names)
+        return [self.alias(ctx.new_tensor(whole.type, ne, name=name), whole, i * step) for i, name in enumerate(names)]
+
     def close(self) -> None:
         if getattr(self, "_ptr", ffi.NULL) != ffi.NULL:
             _FREE_BUFFER(self._ptr)

@@ -672,12 +672,13 @@ class TargetRuntime:
                                                           name="verify.conv_inputs")
             self._verify_buffer = self.backend.alloc_tensors(self._verify_ctx)
             self._verify_layers = ggml.Context(n_tensors=2 * n_rec)
-            for r, il in enumerate(self.cache.rec_layers):
-                for per_layer, whole, layer_shape, part in (
-                        (self.slot_states, self.states_all, shape, name),
-                        (self.slot_inputs, self.inputs_all, (hp.conv_dim, n_slots), "conv_inputs")):
-                    t = self._verify_layers.new_tensor(whole.type, layer_shape, name=f"verify.l{il}.{part}")
-                    per_layer[il] = self._verify_buffer.alias(t, whole, r * (whole.nbytes // n_rec))
+            rec = self.cache.rec_layers
+            for per_layer, whole, layer_shape, part in (
+                    (self.slot_states, self.states_all, shape, name),
+                    (self.slot_inputs, self.inputs_all, (hp.conv_dim, n_slots), "conv_inputs")):
+                parts = self._verify_buffer.alias_slices(self._verify_layers, whole, layer_shape,
+                                                         [f"verify.l{il}.{part}" for il in rec])
+                per_layer.update(zip(rec, parts))
             if replay:
                 self.states_all.set(np.zeros(self.states_all.ne[::-1], np.float32))
         self._graphs = {k: v for k, v in self._graphs.items() if k[0] != "verify"}
