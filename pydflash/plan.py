@@ -388,11 +388,11 @@ def plan_for_load(target, draft=None, *, vram, n_ubatch="auto", budget: int = 22
     return fitted
 
 
-# state_type "auto" takes these, in this order. Never f16 (it may change the output). Replayed states: the smallest
-# store (so f32, after it, is only taken if a plan for it fits more), and on the H100 the fastest step, whose verify
-# computes each recurrent layer's tree at once (docs/gdn-tree-chunk.md; docs/benchmarks.md, nineteenth session: the
-# 27B's budget-22 step 1.2 ms shorter than with f32 states).
-AUTO_STATE_TYPES = ("replay", "f32")
+# state_type "auto" takes these. Never f16 (it may change the output). Replayed states alone: the smallest store (f32
+# never fits more), and on the H100 the fastest step, whose verify computes each recurrent layer's tree at once
+# (docs/gdn-tree-chunk.md; docs/benchmarks.md, nineteenth session: the 27B's budget-22 step 1.2 ms shorter than with
+# f32 states).
+AUTO_STATE_TYPES = ("replay",)
 # draft_type "auto" tries the draft as stored, then these. Not q4_k: it changes the proposals more than q8_0 and is
 # taken only when asked for (draft_type='q4_k').
 AUTO_DRAFT_TYPES = ("q8_0",)
@@ -400,8 +400,8 @@ AUTO_DRAFT_TYPES = ("q8_0",)
 
 def _best_options(target, draft, vram, n_ubatch, budget, draft_type, state_type, args) -> tuple:
     """(draft_type, state_type) for plan_for_load: each "auto" one chosen among its candidates, in the order of
-    preference the draft as stored with replayed states, then f32 states, the q8_0 draft with either; the first of
-    the best fits is taken. When nothing fits, the PlanError of the most compact choice (the closest to fitting)."""
+    preference the draft as stored, then the q8_0 draft (with replayed states, or the state type asked for); the
+    first of the best fits is taken. When nothing fits, the PlanError of the most compact choice (the closest to fitting)."""
     speculative = draft is not None and args.get("mode") != "ar"
     if not speculative:
         return None, "f32" if state_type == "auto" else state_type
