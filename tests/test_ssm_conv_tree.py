@@ -154,6 +154,63 @@ def test_fused_silu_is_ggml_silu_of_the_conv(backend, rng, split):
     assert rel_err(fused.reshape(n_s, n_t, d_inner), ref / (1.0 + np.exp(-ref))) < 1e-5
 
 
+@pytest.mark.parametrize("head_dim, n_heads, n_t, n_s", [(128, 2, 23, 1), (64, 3, 9, 2), (16, 4, 23, 1), (4, 5, 3, 1)])
+def test_gdn_conv_tree_is_the_conv_norm_and_copy(backend, rng, head_dim, n_heads, n_t, n_s):
+    """ggml_gdn_conv_tree gives, bit for bit, what it replaces in a verify's recurrent layer: the split conv with
+    silu, q and k's heads (the first 2 n_heads head_dim channels) through layers.l2_norm (ggml's rms_norm and
+    scale), the other channels as the conv left them, and x copied into `inputs`. Heads of 128 (the 27B), 64 (two
+    warps on CUDA), 16 and 4 (several heads a warp); the value channels end mid-block; (CPU) 3 threads."""
+    from pydflash.models.layers import l2_norm
+    if backend.is_cpu:
+        backend.set_n_threads(3)
+    d_conv, eps = 4, 1e-6
+    qk = 2 * n_heads * head_dim
+    d_inner, width = qk + 200, qk + 211
+    parents = np.stack([make_tree("ddtree", n_t, rng) for _ in range(n_s)]).astype(np.int32)
+    inputs = {"state": rng.standard_normal((n_s, d_inner, d_conv - 1)).astype(np.float32),
+              "proj": (rng.standard_normal((n_s, n_t, width)) * 2.0).astype(np.float32),
+              "c": rng.standard_normal((d_inner, d_conv)).astype(np.float32), "parent": parents}
+    store_ctx = ggml.Context(n_tensors=1)
+    store = store_ctx.new_tensor(np.float32, (d_inner, n_t, n_s))
+    store_buf = backend.alloc_tensors(store_ctx)
+    store.set(np.full((n_s, n_t, d_inner), np.nan, np.float32))
+
+    def both(ctx, t):
+        proj = t["proj"]
+        x = ctx.view_3d(proj, d_inner, n_t, n_s, proj.nb[1], proj.nb[2], 7 * 4)   # rows 7 .. 7 + d_inner
+        fused = ggml.gdn_conv_tree(ctx, t["state"], x, t["c"], t["parent"], qk=qk, head_dim=head_dim, eps=eps,
+                                   inputs=store)
+        if not backend.supports(fused):
+            pytest.fail(f"{backend.name} refuses gdn_conv_tree with heads of {head_dim}")
+        conv = ggml.ssm_conv_tree_split(ctx, t["state"], x, t["c"], t["parent"], silu=True)
+        heads = ctx.view_4d(conv, head_dim, 2 * n_heads, n_t, n_s, head_dim * 4, conv.nb[1], conv.nb[2], 0)
+        return [fused, conv, l2_norm(ctx, heads, eps)]
+    fused, conv, normed = run_graph(backend, both, inputs)
+    fused, conv = fused.reshape(n_s, n_t, d_inner), conv.reshape(n_s, n_t, d_inner)
+    np.testing.assert_array_equal(fused[..., :qk], normed.reshape(n_s, n_t, qk))
+    np.testing.assert_array_equal(fused[..., qk:], conv[..., qk:])
+    np.testing.assert_array_equal(store.numpy().reshape(n_s, n_t, d_inner), inputs["proj"][..., 7:7 + d_inner])
+    # and what that is: each head of silu(conv) over its length, the conv against float64
+    sx = np.concatenate([inputs["state"], inputs["proj"][..., 7:7 + d_inner].transpose(0, 2, 1)], axis=2)
+    ref = ssm_conv_tree_ref(sx=sx.astype(np.float64), c=inputs["c"], parent=parents)
+    ref = ref / (1.0 + np.exp(-ref))
+    heads = ref[..., :qk].reshape(n_s, n_t, 2 * n_heads, head_dim)
+    heads = heads / np.sqrt((heads ** 2).sum(-1, keepdims=True) + eps)
+    assert rel_err(fused[..., :qk], heads.reshape(n_s, n_t, qk)) < 1e-5
+    del store_buf
+
+
+def test_gdn_conv_tree_supports(backend):
+    """CUDA takes heads of 1 to 128 values, powers of two; the CPU any (up to the conv's channels)."""
+    ctx = ggml.Context(n_tensors=32)
+    state, c, parent = (ctx.new_tensor(np.float32, (3, 768, 1)), ctx.new_tensor(np.float32, (4, 768)),
+                        ctx.new_tensor(np.int32, (5, 1)))
+    x = ctx.new_tensor(np.float32, (768, 5, 1))
+    for head_dim, cuda in ((1, True), (128, True), (96, False), (256, False)):
+        op = ggml.gdn_conv_tree(ctx, state, x, c, parent, qk=2 * head_dim, head_dim=head_dim, eps=1e-6)
+        assert backend.supports(op) == (backend.is_cpu or cuda), head_dim
+
+
 # --- the wrapper's checks (no compute) ------------------------------------------------------------------------------
 
 def test_wrapper_rejects_bad_inputs():
@@ -185,6 +242,16 @@ def test_wrapper_rejects_bad_inputs():
         ggml.ssm_conv_tree_split(ctx, state, ctx.new_tensor(np.float32, (17, 5, 2)), c, parent)
     with pytest.raises(ValueError, match="parent must have ne"):
         ggml.ssm_conv_tree_split(ctx, state, ctx.new_tensor(np.float32, (16, 4, 2)), c, parent)
+    ggml.gdn_conv_tree(ctx, state, x, c, parent, qk=8, head_dim=4, eps=1e-6)  # fine
+    with pytest.raises(ValueError, match="multiple of head_dim"):
+        ggml.gdn_conv_tree(ctx, state, x, c, parent, qk=6, head_dim=4, eps=1e-6)
+    with pytest.raises(ValueError, match="at most d_inner"):
+        ggml.gdn_conv_tree(ctx, state, x, c, parent, qk=20, head_dim=4, eps=1e-6)
+    with pytest.raises(ValueError, match="inputs must have ne"):
+        ggml.gdn_conv_tree(ctx, state, x, c, parent, qk=8, head_dim=4, eps=1e-6,
+                           inputs=ctx.new_tensor(np.float32, (16, 4, 2)))
+    with pytest.raises(ValueError, match="x must have ne"):
+        ggml.gdn_conv_tree(ctx, state, ctx.new_tensor(np.float32, (17, 5, 2)), c, parent, qk=8, head_dim=4, eps=1e-6)
 
 
 @pytest.mark.parametrize("bad, where", [([0, 0, 1], "parent\\[0, 0\\] = 0"), ([-1, 1, 0], "parent\\[0, 1\\] = 1"),
@@ -216,8 +283,8 @@ def test_set_parents(backend):
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
 def test_verify_with_the_split_conv_gives_the_same_logits(tmp_path, monkeypatch, device):
     """The split conv (a tree verify's conv reading the state and the projection's rows where they are, the
-    default): prefill, decode and a tree verify give the very logits of the concatenated form
-    (PYDFLASH_CONV_SPLIT=0)."""
+    default), alone and fused with the q/k norm and the inputs' copy: prefill, decode and a tree verify give the
+    very logits of the concatenated form (PYDFLASH_CONV_SPLIT=0)."""
     from test_engine import CUDA_SHAPE
     from test_fused_weights import _run
 
@@ -229,7 +296,20 @@ def test_verify_with_the_split_conv_gives_the_same_logits(tmp_path, monkeypatch,
     concatenated, ref = _run(path, device, prompt, 3)
     assert ggml.Op.CONCAT in [n.op for n in concatenated._last.graph.nodes()]
     monkeypatch.delenv("PYDFLASH_CONV_SPLIT")
+    monkeypatch.setenv("PYDFLASH_GDN_CONV_FUSED", "0")
     split, got = _run(path, device, prompt, 3)
     ops = [n.op for n in split._last.graph.nodes()]
     assert ggml.Op.CONCAT not in ops and ggml.Op.SSM_CONV_TREE in ops
     np.testing.assert_array_equal(got, ref)
+    # the default: the conv op also norms q and k and stores the slots' inputs (ggml.gdn_conv_tree): the same
+    # logits, two ops fewer per recurrent layer
+    monkeypatch.delenv("PYDFLASH_GDN_CONV_FUSED")
+    fused, got = _run(path, device, prompt, 3)
+    np.testing.assert_array_equal(got, ref)
+    n_rec = sum(fused.hp.recurrent)
+    names = [n.name for n in fused._last.graph.nodes()]
+    assert sum(name.endswith(".gdn.conv_qk_normed") for name in names) == n_rec
+    assert not any(name.endswith(".gdn.slot_inputs") for name in names)
+    count = lambda target, op: sum(n.op == op for n in target._last.graph.nodes())   # noqa: E731
+    assert count(split, ggml.Op.RMS_NORM) - count(fused, ggml.Op.RMS_NORM) == n_rec
+    assert count(split, ggml.Op.CPY) - count(fused, ggml.Op.CPY) == n_rec

@@ -1,5 +1,7 @@
-// ggml_ssm_conv_tree (and its split form, ggml_ssm_conv_tree_split) on the CPU: threads split d_inner. With silu
-// the threads then split the finished output rows and run ggml's own vector silu over each, as ggml_silu does.
+// ggml_ssm_conv_tree (and its split form, ggml_ssm_conv_tree_split, and ggml_gdn_conv_tree) on the CPU: threads
+// split d_inner. With silu the threads then split the finished output rows and run ggml's own vector silu over each,
+// as ggml_silu does; ggml_gdn_conv_tree's norm then splits the groups, each normed with the arithmetic of ggml's CPU
+// rms_norm and scale (a double sum of the float squares, in order; y * (1 / sqrtf(mean + eps)), then * scale).
 
 #include "ggml-ext-cpu.h"
 #include "ggml-cpu-impl.h"
@@ -24,6 +26,7 @@ void ggml_ext_cpu_ssm_conv_tree(const struct ggml_compute_params * params, struc
     const struct ggml_tensor * c      = dst->src[1];
     const struct ggml_tensor * parent = dst->src[2];
     const struct ggml_tensor * xin    = dst->src[3];   // split form: the new inputs [d_inner, n_t, n_s]
+    const struct ggml_tensor * copy   = dst->src[4];   // ggml_gdn_conv_tree: where x is copied, or NULL
 
     const int d_conv  = (int) c->ne[0];
     const int d_inner = (int) c->ne[1];
@@ -58,6 +61,10 @@ void ggml_ext_cpu_ssm_conv_tree(const struct ggml_compute_params * params, struc
                                  *(const float *) (xr + (cols[j] - (d_conv - 1)) * xin->nb[1]);
                     }
                     out[r] = window_dot(win, identity, w, d_conv);
+                    if (copy != NULL) {
+                        *(float *) ((char *) copy->data + r * sizeof(float) + t * copy->nb[1] + s * copy->nb[2]) =
+                            *(const float *) (xr + t * xin->nb[1]);
+                    }
                 }
             }
         }
@@ -67,6 +74,29 @@ void ggml_ext_cpu_ssm_conv_tree(const struct ggml_compute_params * params, struc
         for (int i = params->ith; i < n_t * n_s; i += params->nth) {
             float * row = (float *) ((char *) dst->data + (i % n_t) * dst->nb[1] + (i / n_t) * dst->nb[2]);
             ggml_vec_silu_f32(d_inner, row, row);
+        }
+    }
+    const int qk = ggml_get_op_params_i32(dst, 1);
+    if (qk > 0) {   // ggml_gdn_conv_tree: the groups of the first qk channels of every column, normed
+        const int group   = ggml_get_op_params_i32(dst, 2);
+        const float eps   = ggml_get_op_params_f32(dst, 3);
+        const float scale = ggml_get_op_params_f32(dst, 4);
+        const int per_col = qk / group;
+        ggml_barrier(params->threadpool);
+        for (int i = params->ith; i < per_col * n_t * n_s; i += params->nth) {
+            const int col = i / per_col;
+            float * y = (float *) ((char *) dst->data + (col % n_t) * dst->nb[1] + (col / n_t) * dst->nb[2]) +
+                        (int64_t) (i % per_col) * group;
+            ggml_float sum = 0.0;
+            for (int j = 0; j < group; ++j) {
+                sum += (ggml_float) (y[j] * y[j]);
+            }
+            const float mean = sum / group;
+            const float inv  = 1.0f / sqrtf(mean + eps);
+            for (int j = 0; j < group; ++j) {
+                const float normed = y[j] * inv;   // (rms_norm's result, rounded, then scale's product)
+                y[j] = normed * scale;
+            }
         }
     }
 }

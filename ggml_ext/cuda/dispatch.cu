@@ -23,8 +23,8 @@ void ggml_ext_cuda_compute_forward(ggml_backend_cuda_context & ctx, ggml_tensor 
 bool ggml_ext_cuda_supports_op(int device, const ggml_tensor * op) {
     GGML_UNUSED(device);
     switch (op->op) {
-        case GGML_OP_SSM_CONV_TREE:   // (src[3]: the split form's inputs, rows contiguous by construction)
-            return op->src[1]->ne[0] == 4 && op->src[0]->nb[0] == sizeof(float) && op->src[1]->nb[0] == sizeof(float);
+        case GGML_OP_SSM_CONV_TREE:
+            return ggml_ext_cuda_ssm_conv_tree_supported(op);
         case GGML_OP_GATED_DELTA_NET_TREE:
         case GGML_OP_GATED_DELTA_NET_TREE_PERSIST:
         case GGML_OP_GATED_DELTA_NET_TREE_STEPS:

@@ -9,6 +9,7 @@ bool ggml_ext_cuda_supports_op(int device, const ggml_tensor * op);
 
 // one function per op
 void ggml_ext_cuda_ssm_conv_tree(ggml_backend_cuda_context & ctx, ggml_tensor * dst);
+bool ggml_ext_cuda_ssm_conv_tree_supported(const ggml_tensor * op);
 
 // GGML_TYPE_TQ3_0 (tq3_0.cu): called from upstream's set_rows, get_rows, cpy, converters and supports_op
 bool ggml_ext_cuda_tq3_0_supports_op(const ggml_tensor * op); // SET_ROWS, GET_ROWS, CPY with a TQ3_0 side

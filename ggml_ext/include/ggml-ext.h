@@ -10,7 +10,7 @@ extern "C" {
 #endif
 
 // Bumped whenever an op's signature or semantics change; the Python bindings check it at load.
-#define GGML_EXT_ABI_VERSION 16
+#define GGML_EXT_ABI_VERSION 17
 
 // The number of ops in ggml-ext-ops.def.
 enum {
@@ -59,6 +59,27 @@ GGML_API struct ggml_tensor * ggml_ssm_conv_tree_split(
         struct ggml_tensor  * c,
         struct ggml_tensor  * parent,
         bool                  silu);
+
+// A Gated DeltaNet layer's conv step over a token tree in one op, where three ops ran: the result of
+// ggml_ssm_conv_tree_split(state, x, c, parent, silu = true), then
+//   - its first qk channels (the q and k heads) normed in groups of `group` channels, token by token, as
+//     ggml_scale(ggml_rms_norm(y, eps), scale) computes them, to the bit on the CPU and on CUDA (llama.cpp's L2 norm
+//     of a head: eps = its epsilon / group, scale = 1 / sqrt(group));
+//   - inputs (f32 [d_inner, n_t, n_s], rows contiguous; or NULL): x copied there (a verify's store of the slots'
+//     conv inputs, which its commit reads). The op writes it as a side effect: it must not be memory the graph
+//     allocator hands out.
+// qk: a multiple of group, at most d_inner. CUDA takes groups of 1 to 128 channels, powers of two (supports_op).
+GGML_API struct ggml_tensor * ggml_gdn_conv_tree(
+        struct ggml_context * ctx,
+        struct ggml_tensor  * state,
+        struct ggml_tensor  * x,
+        struct ggml_tensor  * c,
+        struct ggml_tensor  * parent,
+        int                   qk,
+        int                   group,
+        float                 eps,
+        float                 scale,
+        struct ggml_tensor  * inputs);
 
 
 // --- TQ3_0: the 3.5-bit KV-cache type (GGML_TYPE_TQ3_0; format below) ------------------------------------------

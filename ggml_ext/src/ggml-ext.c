@@ -38,7 +38,8 @@ void ggml_ext_log_no_debug(enum ggml_log_level level, const char * text, void * 
 
 // Both forms of ggml_ssm_conv_tree: the kernel and parent checks, and the result [d_inner, n_t, n_s] over src0 (the
 // concatenated inputs, or the split form's state)
-// op_params[0]: 1 = silu of the result
+// op_params[0]: 1 = silu of the result; [1], [2], [3], [4] (ggml_gdn_conv_tree): qk channels normed, their group,
+// eps and scale (floats); src[4]: the inputs' copy or NULL
 static struct ggml_tensor * ggml_ext_conv_tree_op(
         struct ggml_context * ctx, struct ggml_tensor * src0, struct ggml_tensor * c, struct ggml_tensor * parent,
         int64_t n_t, int64_t n_s, bool silu) {
@@ -81,6 +82,31 @@ struct ggml_tensor * ggml_ssm_conv_tree_split(
 
     struct ggml_tensor * result = ggml_ext_conv_tree_op(ctx, state, c, parent, x->ne[1], x->ne[2], silu);
     result->src[3] = x;    // the split form: src[0] holds the state only
+    return result;
+}
+
+struct ggml_tensor * ggml_gdn_conv_tree(
+        struct ggml_context * ctx,
+        struct ggml_tensor  * state,
+        struct ggml_tensor  * x,
+        struct ggml_tensor  * c,
+        struct ggml_tensor  * parent,
+        int                   qk,
+        int                   group,
+        float                 eps,
+        float                 scale,
+        struct ggml_tensor  * inputs) {
+    GGML_ASSERT(group >= 1 && qk >= 0 && qk % group == 0 && qk <= c->ne[1]);
+    struct ggml_tensor * result = ggml_ssm_conv_tree_split(ctx, state, x, c, parent, true);
+    if (inputs != NULL) {
+        GGML_ASSERT(inputs->type == GGML_TYPE_F32 && inputs->nb[0] == sizeof(float));
+        GGML_ASSERT(ggml_are_same_shape(inputs, result));
+        result->src[4] = inputs;
+    }
+    ggml_set_op_params_i32(result, 1, qk);
+    ggml_set_op_params_i32(result, 2, group);
+    ggml_set_op_params_f32(result, 3, eps);
+    ggml_set_op_params_f32(result, 4, scale);
     return result;
 }
 

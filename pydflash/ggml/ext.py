@@ -89,12 +89,8 @@ def _check_conv_parents(parent: Tensor, n_t: int, n_s: int) -> None:
     _expect_contiguous(parent, "parent")
 
 
-def ssm_conv_tree_split(ctx: Context, state: Tensor, x: Tensor, c: Tensor, parent: Tensor,
-                        silu: bool = False) -> Tensor:
-    """`ssm_conv_tree` over state [d_conv-1, d_inner, n_s] (contiguous: each channel's cached inputs, oldest
-    first) and the new inputs x [d_inner, n_t, n_s] (rows contiguous, e.g. a row range of a projection's output)
-    where they are: the result of ssm_conv_tree(concat(state, transpose(x)), c, parent, silu), bit for bit,
-    without the concatenated copy."""
+def _check_conv_split(state: Tensor, x: Tensor, c: Tensor, parent: Tensor) -> int:
+    """The split forms' checks (ssm_conv_tree_split, gdn_conv_tree); returns d_inner."""
     d_conv, d_inner = _check_conv_kernel(c)
     if d_conv < 2:
         raise ValueError(f"the split form needs a conv kernel of at least 2 taps (a state column), got {d_conv}")
@@ -104,7 +100,35 @@ def ssm_conv_tree_split(ctx: Context, state: Tensor, x: Tensor, c: Tensor, paren
     _expect(state, "state", Type.F32, (d_conv - 1, d_inner, n_s))
     _expect_contiguous(state, "state")
     _check_conv_parents(parent, n_t, n_s)
+    return d_inner
+
+
+def ssm_conv_tree_split(ctx: Context, state: Tensor, x: Tensor, c: Tensor, parent: Tensor,
+                        silu: bool = False) -> Tensor:
+    """`ssm_conv_tree` over state [d_conv-1, d_inner, n_s] (contiguous: each channel's cached inputs, oldest
+    first) and the new inputs x [d_inner, n_t, n_s] (rows contiguous, e.g. a row range of a projection's output)
+    where they are: the result of ssm_conv_tree(concat(state, transpose(x)), c, parent, silu), bit for bit,
+    without the concatenated copy."""
+    _check_conv_split(state, x, c, parent)
     return Tensor(lib.ggml_ssm_conv_tree_split(ctx._ptr, state._ptr, x._ptr, c._ptr, parent._ptr, bool(silu)), ctx)
+
+
+def gdn_conv_tree(ctx: Context, state: Tensor, x: Tensor, c: Tensor, parent: Tensor, *, qk: int, head_dim: int,
+                  eps: float, inputs: Tensor | None = None) -> Tensor:
+    """A Gated DeltaNet layer's conv step in one op: `ssm_conv_tree_split(..., silu=True)`, its first qk channels
+    (the q and k heads) L2-normed per head of head_dim channels as llama.cpp normalises them (rms_norm with
+    eps / head_dim, scaled by 1 / sqrt(head_dim): `layers.l2_norm`'s bits), and, with `inputs` (f32 [d_inner, n_t,
+    n_s], rows contiguous), x copied there by the op itself (so `inputs` must be memory of its own, outside the
+    graph allocator's)."""
+    d_inner = _check_conv_split(state, x, c, parent)
+    if head_dim < 1 or qk < 0 or qk % head_dim or qk > d_inner:
+        raise ValueError(f"qk={qk} channels must be a multiple of head_dim={head_dim}, at most d_inner={d_inner}")
+    if inputs is not None:
+        _expect(inputs, "inputs", Type.F32, (d_inner, x.ne[1], x.ne[2]))
+        _expect_rows(inputs, "inputs")
+    return Tensor(lib.ggml_gdn_conv_tree(ctx._ptr, state._ptr, x._ptr, c._ptr, parent._ptr, qk, head_dim,
+                                         eps / head_dim, 1.0 / math.sqrt(head_dim),
+                                         inputs._ptr if inputs is not None else ffi.NULL), ctx)
 
 
 def tq3_0_rotate(x: np.ndarray, inverse: bool = False) -> np.ndarray:

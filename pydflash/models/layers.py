@@ -181,6 +181,13 @@ def conv_split_enabled() -> bool:
     return env_switch("PYDFLASH_CONV_SPLIT", default="1")
 
 
+def gdn_conv_fused_enabled() -> bool:
+    """A tree verify's recurrent conv also L2-norms the q and k heads and stores the slots' conv inputs
+    (ggml.gdn_conv_tree: the bits of the separate conv, norm and copy; two kernels fewer per recurrent layer).
+    PYDFLASH_GDN_CONV_FUSED=0 keeps the three ops apart."""
+    return env_switch("PYDFLASH_GDN_CONV_FUSED", default="1")
+
+
 def gdn_chunk_enabled() -> bool:
     """A replayed-states verify (state_type 'replay') lets CUDA compute a recurrent layer's tree in the delta rule's
     chunk form, every node at once (ggml.gated_delta_net_tree_steps, docs/gdn-tree-chunk.md), instead of walking it

@@ -198,6 +198,14 @@ class Qwen35Target(TargetRuntime):
         out = ctx.mul(out, ctx.sigmoid(gate)).named(f"l{il}.attn_gated")
         return linear(ctx, w[p + "attn_output.weight"], out, add=add, name=f"l{il}.attn_out")
 
+    def _conv_norms_qk(self) -> bool:
+        """Whether a tree verify's conv op also norms q and k (ggml.gdn_conv_tree; CUDA takes heads of a power of
+        two up to 128 values: the 27B's 128). Not in bit-exact mode: the same bits, but its verify keeps the conv
+        node a decode has, which pydflash.probe compares."""
+        d_k = self.hp.ssm_d_k
+        return (layers.gdn_conv_fused_enabled() and not layers.bitexact_enabled() and d_k <= 128
+                and d_k & (d_k - 1) == 0)
+
     def _gdn(self, ctx, x, il: int, g: GraphInputs, add=None):
         """In a tree verify (g.parent set) the conv and delta rule follow parent pointers, the conv state is left
         as it is (commit sets it), and every slot's state and conv input go to the verify stores."""
@@ -213,6 +221,7 @@ class Qwen35Target(TargetRuntime):
         beta = ctx.reshape_4d(beta, 1, h_v, n, 1)
 
         # causal depthwise conv over (last d_conv-1 inputs ‖ this batch), then keep the newest d_conv-1 inputs
+        qk_normed = False   # (ggml.gdn_conv_tree norms q and k itself)
         conv_state = cache.conv[il]
         conv_w = w[p + "ssm_conv1d.weight"]
         state_3d = ctx.reshape_3d(conv_state, hp.ssm_d_conv - 1, hp.conv_dim, 1)
@@ -229,19 +238,29 @@ class Qwen35Target(TargetRuntime):
             else:
                 conv = ctx.silu(ctx.ssm_conv(conv_in, conv_w))   # (ggml-cuda runs the two as one kernel)
         else:
-            inputs = self.slot_inputs[il]
-            side_effects.append(ctx.cpy(qkv, ctx.view_2d(inputs, hp.conv_dim, n, inputs.nb[1], 0))
-                                .named(f"l{il}.gdn.slot_inputs"))
-            if layers.conv_split_enabled():   # the state and qkv's rows where they are: no concatenated copy
-                rows = ctx.view_3d(qkv, hp.conv_dim, n, 1, qkv.nb[1], qkv.nb[1] * n, 0)
-                conv = ggml.ssm_conv_tree_split(ctx, state_3d, rows, conv_w, parent, silu=True)
+            inputs = ctx.view_3d(self.slot_inputs[il], hp.conv_dim, n, 1, self.slot_inputs[il].nb[1],
+                                 self.slot_inputs[il].nb[1] * n, 0)
+            rows = ctx.view_3d(qkv, hp.conv_dim, n, 1, qkv.nb[1], qkv.nb[1] * n, 0)
+            if layers.conv_split_enabled() and self._conv_norms_qk():
+                # conv, silu, q and k's L2 norm and the slots' inputs stored, in one op (the bits of the three)
+                conv = ggml.gdn_conv_tree(ctx, state_3d, rows, conv_w, parent, qk=2 * hp.key_dim, head_dim=d_k,
+                                          eps=hp.rms_eps, inputs=inputs)
+                qk_normed = True
             else:
-                conv = ggml.ssm_conv_tree(ctx, conv_input(), conv_w, parent, silu=True)
-        conv = conv.named(f"l{il}.gdn.conv")                        # silu(conv) [conv_dim, n, 1]
+                side_effects.append(ctx.cpy(rows, inputs).named(f"l{il}.gdn.slot_inputs"))
+                if layers.conv_split_enabled():   # the state and qkv's rows where they are: no concatenated copy
+                    conv = ggml.ssm_conv_tree_split(ctx, state_3d, rows, conv_w, parent, silu=True)
+                else:
+                    conv = ggml.ssm_conv_tree(ctx, conv_input(), conv_w, parent, silu=True)
+        # silu(conv) [conv_dim, n, 1] (its q and k heads normed: another name, so that pydflash.probe compares it
+        # with nothing of a decode)
+        conv = conv.named(f"l{il}.gdn.conv" + ("_qk_normed" if qk_normed else ""))
 
         row = hp.conv_dim * 4
         # q's heads then k's, l2-normed as one tensor (one norm kernel instead of two; each head on its own)
-        qk = layers.l2_norm(ctx, ctx.view_4d(conv, d_k, 2 * h_k, n, 1, d_k * 4, row, row * n, 0), hp.rms_eps)
+        qk = ctx.view_4d(conv, d_k, 2 * h_k, n, 1, d_k * 4, row, row * n, 0)
+        if not qk_normed:
+            qk = layers.l2_norm(ctx, qk, hp.rms_eps)
         q = ctx.view_4d(qk, d_k, h_k, n, 1, qk.nb[1], qk.nb[2], qk.nb[3], 0)
         k = ctx.view_4d(qk, d_k, h_k, n, 1, qk.nb[1], qk.nb[2], qk.nb[3], hp.key_dim * 4)
         v = ctx.view_4d(conv, d_v, h_v, n, 1, d_v * 4, row, row * n, 2 * hp.key_dim * 4)
