@@ -155,11 +155,12 @@ def test_fused_silu_is_ggml_silu_of_the_conv(backend, rng, split):
 
 
 @pytest.mark.parametrize("head_dim, n_heads, n_t, n_s", [(128, 2, 23, 1), (64, 3, 9, 2), (16, 4, 23, 1), (4, 5, 3, 1)])
-def test_gdn_conv_tree_is_the_conv_norm_and_copy(backend, rng, head_dim, n_heads, n_t, n_s):
+def test_gdn_conv_tree_is_the_conv_norm_copy_and_gates(backend, rng, head_dim, n_heads, n_t, n_s):
     """ggml_gdn_conv_tree gives, bit for bit, what it replaces in a verify's recurrent layer: the split conv with
     silu, q and k's heads (the first 2 n_heads head_dim channels) through layers.l2_norm (ggml's rms_norm and
-    scale), the other channels as the conv left them, and x copied into `inputs`. Heads of 128 (the 27B), 64 (two
-    warps on CUDA), 16 and 4 (several heads a warp); the value channels end mid-block; (CPU) 3 threads."""
+    scale), the other channels as the conv left them, x copied into `inputs` and (one sequence) the gates of
+    gdn_gates (beta and alpha read as row ranges of the same projection). Heads of 128 (the 27B), 64 (two warps on
+    CUDA), 16 and 4 (several heads a warp); the value channels end mid-block; (CPU) 3 threads."""
     from pydflash.models.layers import l2_norm
     if backend.is_cpu:
         backend.set_n_threads(3)
@@ -167,9 +168,13 @@ def test_gdn_conv_tree_is_the_conv_norm_and_copy(backend, rng, head_dim, n_heads
     qk = 2 * n_heads * head_dim
     d_inner, width = qk + 200, qk + 211
     parents = np.stack([make_tree("ddtree", n_t, rng) for _ in range(n_s)]).astype(np.int32)
+    H = 6   # gate heads: beta and alpha the projection's rows d_inner + 7 .. + 7 + 2 H
     inputs = {"state": rng.standard_normal((n_s, d_inner, d_conv - 1)).astype(np.float32),
-              "proj": (rng.standard_normal((n_s, n_t, width)) * 2.0).astype(np.float32),
+              "proj": (rng.standard_normal((n_s, n_t, width + 2 * H)) * 2.0).astype(np.float32),
               "c": rng.standard_normal((d_inner, d_conv)).astype(np.float32), "parent": parents}
+    if n_s == 1:   # (the gates are computed for one sequence)
+        inputs.update(dt_bias=rng.standard_normal(H).astype(np.float32), a=-np.exp(rng.standard_normal(H)).astype(np.float32))
+    inputs["proj"][..., d_inner + 7 + H] = 30.0   # an alpha past softplus's threshold
     store_ctx = ggml.Context(n_tensors=1)
     store = store_ctx.new_tensor(np.float32, (d_inner, n_t, n_s))
     store_buf = backend.alloc_tensors(store_ctx)
@@ -178,18 +183,28 @@ def test_gdn_conv_tree_is_the_conv_norm_and_copy(backend, rng, head_dim, n_heads
     def both(ctx, t):
         proj = t["proj"]
         x = ctx.view_3d(proj, d_inner, n_t, n_s, proj.nb[1], proj.nb[2], 7 * 4)   # rows 7 .. 7 + d_inner
-        fused = ggml.gdn_conv_tree(ctx, t["state"], x, t["c"], t["parent"], qk=qk, head_dim=head_dim, eps=eps,
-                                   inputs=store)
-        if not backend.supports(fused):
+        beta, alpha = (ctx.view_2d(proj, H, n_t, proj.nb[1], (d_inner + 7 + i * H) * 4) for i in (0, 1))
+        gates = (beta, alpha, t["dt_bias"], t["a"]) if n_s == 1 else None
+        fused, g, b = ggml.gdn_conv_tree(ctx, t["state"], x, t["c"], t["parent"], qk=qk, head_dim=head_dim, eps=eps,
+                                         inputs=store, gates=gates)
+        if not backend.supports(fused.src[0] if gates else fused):
             pytest.fail(f"{backend.name} refuses gdn_conv_tree with heads of {head_dim}")
         conv = ggml.ssm_conv_tree_split(ctx, t["state"], x, t["c"], t["parent"], silu=True)
         heads = ctx.view_4d(conv, head_dim, 2 * n_heads, n_t, n_s, head_dim * 4, conv.nb[1], conv.nb[2], 0)
-        return [fused, conv, l2_norm(ctx, heads, eps)]
-    fused, conv, normed = run_graph(backend, both, inputs)
+        out = [ctx.cont(fused), conv, l2_norm(ctx, heads, eps)]
+        if gates:
+            out += [ctx.cont(g), ctx.cont(b), *ggml.gdn_gates(ctx, *gates)]
+        return out
+    fused, conv, normed, *gates = run_graph(backend, both, inputs)
+    if n_s == 1:   # the gates, as gdn_gates computes them
+        np.testing.assert_array_equal(gates[0], gates[2])
+        np.testing.assert_array_equal(gates[1], gates[3])
+        assert np.isfinite(gates[0]).all() and (gates[1] > 0).all() and (gates[1] < 1).all()
     fused, conv = fused.reshape(n_s, n_t, d_inner), conv.reshape(n_s, n_t, d_inner)
     np.testing.assert_array_equal(fused[..., :qk], normed.reshape(n_s, n_t, qk))
     np.testing.assert_array_equal(fused[..., qk:], conv[..., qk:])
     np.testing.assert_array_equal(store.numpy().reshape(n_s, n_t, d_inner), inputs["proj"][..., 7:7 + d_inner])
+    # (the gates against float64: tests/test_gdn_gates.py)
     # and what that is: each head of silu(conv) over its length, the conv against float64
     sx = np.concatenate([inputs["state"], inputs["proj"][..., 7:7 + d_inner].transpose(0, 2, 1)], axis=2)
     ref = ssm_conv_tree_ref(sx=sx.astype(np.float64), c=inputs["c"], parent=parents)
@@ -207,14 +222,14 @@ def test_gdn_conv_tree_supports(backend):
                         ctx.new_tensor(np.int32, (5, 1)))
     x = ctx.new_tensor(np.float32, (768, 5, 1))
     for head_dim, cuda in ((1, True), (128, True), (96, False), (256, False)):
-        op = ggml.gdn_conv_tree(ctx, state, x, c, parent, qk=2 * head_dim, head_dim=head_dim, eps=1e-6)
+        op, _, _ = ggml.gdn_conv_tree(ctx, state, x, c, parent, qk=2 * head_dim, head_dim=head_dim, eps=1e-6)
         assert backend.supports(op) == (backend.is_cpu or cuda), head_dim
 
 
 # --- the wrapper's checks (no compute) ------------------------------------------------------------------------------
 
 def test_wrapper_rejects_bad_inputs():
-    ctx = ggml.Context(n_tensors=32)
+    ctx = ggml.Context(n_tensors=48)
     sx = ctx.new_tensor(np.float32, (3 + 5, 16, 2))
     c = ctx.new_tensor(np.float32, (4, 16))
     parent = ctx.new_tensor(np.int32, (5, 2))
@@ -252,6 +267,16 @@ def test_wrapper_rejects_bad_inputs():
                            inputs=ctx.new_tensor(np.float32, (16, 4, 2)))
     with pytest.raises(ValueError, match="x must have ne"):
         ggml.gdn_conv_tree(ctx, state, ctx.new_tensor(np.float32, (17, 5, 2)), c, parent, qk=8, head_dim=4, eps=1e-6)
+    gates = (ctx.new_tensor(np.float32, (3, 5)), ctx.new_tensor(np.float32, (3, 5)), ctx.new_tensor(np.float32, (3,)),
+             ctx.new_tensor(np.float32, (3,)))
+    with pytest.raises(ValueError, match="one sequence, got n_s=2"):
+        ggml.gdn_conv_tree(ctx, state, x, c, parent, qk=8, head_dim=4, eps=1e-6, gates=gates)
+    one = (ctx.new_tensor(np.float32, (3, 16, 1)), ctx.new_tensor(np.float32, (16, 5, 1)),
+           ctx.new_tensor(np.int32, (5, 1)))
+    ggml.gdn_conv_tree(ctx, one[0], one[1], c, one[2], qk=8, head_dim=4, eps=1e-6, gates=gates)  # fine
+    with pytest.raises(ValueError, match="gdn_gates alpha must have ne"):
+        ggml.gdn_conv_tree(ctx, one[0], one[1], c, one[2], qk=8, head_dim=4, eps=1e-6,
+                           gates=(gates[0], ctx.new_tensor(np.float32, (3, 4)), *gates[2:]))
 
 
 @pytest.mark.parametrize("bad, where", [([0, 0, 1], "parent\\[0, 0\\] = 0"), ([-1, 1, 0], "parent\\[0, 1\\] = 1"),
@@ -301,8 +326,8 @@ def test_verify_with_the_split_conv_gives_the_same_logits(tmp_path, monkeypatch,
     ops = [n.op for n in split._last.graph.nodes()]
     assert ggml.Op.CONCAT not in ops and ggml.Op.SSM_CONV_TREE in ops
     np.testing.assert_array_equal(got, ref)
-    # the default: the conv op also norms q and k and stores the slots' inputs (ggml.gdn_conv_tree): the same
-    # logits, two ops fewer per recurrent layer
+    # the default: the conv op also norms q and k, stores the slots' inputs and computes the gates
+    # (ggml.gdn_conv_tree): the same logits, three ops fewer per recurrent layer
     monkeypatch.delenv("PYDFLASH_GDN_CONV_FUSED")
     fused, got = _run(path, device, prompt, 3)
     np.testing.assert_array_equal(got, ref)
@@ -313,3 +338,4 @@ def test_verify_with_the_split_conv_gives_the_same_logits(tmp_path, monkeypatch,
     count = lambda target, op: sum(n.op == op for n in target._last.graph.nodes())   # noqa: E731
     assert count(split, ggml.Op.RMS_NORM) - count(fused, ggml.Op.RMS_NORM) == n_rec
     assert count(split, ggml.Op.CPY) - count(fused, ggml.Op.CPY) == n_rec
+    assert count(split, ggml.Op.GDN_GATES) == n_rec and count(fused, ggml.Op.GDN_GATES) == 0

@@ -4,8 +4,7 @@
 #include "ggml-ext-cpu.h"
 #include "ggml-cpu-impl.h"
 #include "ggml-impl.h"
-
-#include <math.h>
+#include "../src/gdn-gates.h"
 
 void ggml_ext_cpu_gdn_gates(const struct ggml_compute_params * params, struct ggml_tensor * dst) {
     const struct ggml_tensor * beta  = dst->src[0];
@@ -21,10 +20,8 @@ void ggml_ext_cpu_gdn_gates(const struct ggml_compute_params * params, struct gg
         const float * b  = (const float *) ((const char *) beta->data + t * beta->nb[1]);
         const float * al = (const float *) ((const char *) alpha->data + t * alpha->nb[1]);
         for (int64_t h = 0; h < H; ++h) {
-            const float x  = al[h] + dt_bias[h];
-            const float sp = x > 20.0f ? x : logf(1.0f + expf(x));
-            g_out[t * H + h]    = sp * a[h];
-            beta_out[t * H + h] = 1.0f / (1.0f + expf(-b[h]));
+            g_out[t * H + h]    = ggml_ext_gdn_decay(al[h], dt_bias[h], a[h]);
+            beta_out[t * H + h] = ggml_ext_gdn_beta(b[h]);
         }
     }
 }

@@ -6,6 +6,7 @@
 #include "ggml-ext-cpu.h"
 #include "ggml-cpu-impl.h"
 #include "ggml-impl.h"
+#include "../src/gdn-gates.h"
 #include "../src/tree-walk.h"
 #include "vec.h"
 
@@ -28,10 +29,14 @@ void ggml_ext_cpu_ssm_conv_tree(const struct ggml_compute_params * params, struc
     const struct ggml_tensor * xin    = dst->src[3];   // split form: the new inputs [d_inner, n_t, n_s]
     const struct ggml_tensor * copy   = dst->src[4];   // ggml_gdn_conv_tree: where x is copied, or NULL
 
+    const struct ggml_tensor * beta   = dst->src[5];   // ggml_gdn_conv_tree's gates, or NULL
+
     const int d_conv  = (int) c->ne[0];
     const int d_inner = (int) c->ne[1];
-    const int n_t     = (int) dst->ne[1];
-    const int n_s     = (int) dst->ne[2];
+    const int n_t     = (int) (xin != NULL ? xin->ne[1] : sx->ne[0] - (d_conv - 1));
+    const int n_s     = (int) sx->ne[2];
+    // the conv's values: [d_inner, n_t, n_s] contiguous at the start of dst (then the gates, with beta)
+    const size_t out_nb1 = (size_t) d_inner * sizeof(float), out_nb2 = out_nb1 * n_t;
     GGML_ASSERT(d_conv <= GGML_EXT_MAX_CONV);
     GGML_ASSERT(sx->nb[0] == sizeof(float) && c->nb[0] == sizeof(float));
 
@@ -47,7 +52,7 @@ void ggml_ext_cpu_ssm_conv_tree(const struct ggml_compute_params * params, struc
         const int * par = (const int *) ((const char *) parent->data + s * parent->nb[1]);
         for (int t = 0; t < n_t; ++t) {
             ggml_ext_conv_tree_window(par, t, d_conv, cols);
-            float * out = (float *) ((char *) dst->data + t * dst->nb[1] + s * dst->nb[2]);
+            float * out = (float *) ((char *) dst->data + t * out_nb1 + s * out_nb2);
             for (int r = r0; r < r1; ++r) {
                 const float * x = (const float *) ((const char *) sx->data + r * sx->nb[1] + s * sx->nb[2]);
                 const float * w = (const float *) ((const char *) c->data + r * c->nb[1]);
@@ -72,8 +77,24 @@ void ggml_ext_cpu_ssm_conv_tree(const struct ggml_compute_params * params, struc
     if (dst->op_params[0]) {   // silu: every channel of a row done, then whole rows (ggml_vec_silu_f32's SIMD split)
         ggml_barrier(params->threadpool);
         for (int i = params->ith; i < n_t * n_s; i += params->nth) {
-            float * row = (float *) ((char *) dst->data + (i % n_t) * dst->nb[1] + (i / n_t) * dst->nb[2]);
+            float * row = (float *) ((char *) dst->data + (i % n_t) * out_nb1 + (i / n_t) * out_nb2);
             ggml_vec_silu_f32(d_inner, row, row);
+        }
+    }
+    if (beta != NULL) {   // the gates (ggml_gdn_gates' values and layout) after the conv's values; tokens split
+        const struct ggml_tensor * alpha = dst->src[6];
+        const float * dt_bias = (const float *) dst->src[7]->data;
+        const float * a       = (const float *) dst->src[8]->data;
+        const int64_t H = beta->ne[0];
+        float * g_out    = (float *) dst->data + (int64_t) d_inner * n_t;
+        float * beta_out = g_out + H * n_t;
+        for (int64_t t = params->ith; t < n_t; t += params->nth) {
+            const float * b  = (const float *) ((const char *) beta->data + t * beta->nb[1]);
+            const float * al = (const float *) ((const char *) alpha->data + t * alpha->nb[1]);
+            for (int64_t h = 0; h < H; ++h) {
+                g_out[t * H + h]    = ggml_ext_gdn_decay(al[h], dt_bias[h], a[h]);
+                beta_out[t * H + h] = ggml_ext_gdn_beta(b[h]);
+            }
         }
     }
     const int qk = ggml_get_op_params_i32(dst, 1);
@@ -85,7 +106,7 @@ void ggml_ext_cpu_ssm_conv_tree(const struct ggml_compute_params * params, struc
         ggml_barrier(params->threadpool);
         for (int i = params->ith; i < per_col * n_t * n_s; i += params->nth) {
             const int col = i / per_col;
-            float * y = (float *) ((char *) dst->data + (col % n_t) * dst->nb[1] + (col / n_t) * dst->nb[2]) +
+            float * y = (float *) ((char *) dst->data + (col % n_t) * out_nb1 + (col / n_t) * out_nb2) +
                         (int64_t) (i % per_col) * group;
             ggml_float sum = 0.0;
             for (int j = 0; j < group; ++j) {

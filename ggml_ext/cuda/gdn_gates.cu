@@ -1,7 +1,8 @@
 // ggml_gdn_gates on CUDA: one thread per (head, token); the formulas of ggml-cuda's unary softplus and sigmoid, in
-// the order of the add, softplus, mul and sigmoid kernels it replaces.
+// the order of the add, softplus, mul and sigmoid kernels it replaces (src/gdn-gates.h).
 
 #include "ggml-ext-cuda.cuh"
+#include "../src/gdn-gates.h"
 
 static __global__ void gdn_gates_kernel(const float * __restrict__ beta, const float * __restrict__ alpha,
                                         const float * __restrict__ dt_bias, const float * __restrict__ a,
@@ -13,10 +14,8 @@ static __global__ void gdn_gates_kernel(const float * __restrict__ beta, const f
     }
     const int h = i % H;
     const int t = i / H;
-    const float x  = alpha[t * s_alpha + h] + dt_bias[h];
-    const float sp = x > 20.0f ? x : logf(1.0f + expf(x));
-    out[i]         = sp * a[h];
-    out[H * n + i] = 1.0f / (1.0f + expf(-beta[t * s_beta + h]));
+    out[i]         = ggml_ext_gdn_decay(alpha[t * s_alpha + h], dt_bias[h], a[h]);
+    out[H * n + i] = ggml_ext_gdn_beta(beta[t * s_beta + h]);
 }
 
 void ggml_ext_cuda_gdn_gates(ggml_backend_cuda_context & ctx, ggml_tensor * dst) {

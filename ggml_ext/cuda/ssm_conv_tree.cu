@@ -5,6 +5,7 @@
 // columns and the token columns are read from x [d_inner, n_t, n_s] (loads coalesced over channels). SILU: each
 // output through ggml-cuda's own silu (the bits of its silu kernel).
 //
+// ggml_gdn_conv_tree's gates (conv_tree_gates): one more column of blocks computes them.
 // NORM_G (ggml_gdn_conv_tree): the first qk channels normed in groups of NORM_G (a power of two, at most the
 // block's 128 channels, so a group never straddles blocks) with the bits of ggml-cuda's rms_norm + scale (its
 // 256-thread kernel for rows under 1,024 values, one value a thread): each warp sums its squares by an xor
@@ -14,6 +15,7 @@
 // order.
 #include "ggml-ext-cuda.cuh"
 #include "unary.cuh"
+#include "../src/gdn-gates.h"
 #include "../src/tree-walk.h"
 
 #define SSM_CONV_TREE_THREADS 128
@@ -60,12 +62,21 @@ static __device__ __forceinline__ void conv_tree_group_sums(float (&v)[SSM_CONV_
     }
 }
 
+// ggml_gdn_conv_tree's gates (beta null: none), computed by one more column of blocks: ggml_gdn_gates' values and
+// layout, g [H, n_t] then sigmoid(beta) [H, n_t] at out
+struct conv_tree_gates {
+    const float * beta, * alpha, * dt_bias, * a;
+    float * out;
+    int H;
+    int64_t s_beta, s_alpha;   // (floats between tokens)
+};
+
 template <int D_CONV, bool SPLIT, bool SILU, int NORM_G>
 static __global__ void __launch_bounds__(SSM_CONV_TREE_THREADS)
 ssm_conv_tree_kernel(const char * sx, const char * xin, const float * c, const int * parent, float * dst,
                      int d_inner, int n_t, size_t sx_nb1, size_t sx_nb2, size_t x_nb1, size_t x_nb2, size_t c_nb1,
                      size_t par_nb1, size_t dst_nb1, size_t dst_nb2, int qk, float eps, float scale, char * copy,
-                     size_t copy_nb1, size_t copy_nb2) {
+                     size_t copy_nb1, size_t copy_nb2, const conv_tree_gates gates) {
     __shared__ int cols[SSM_CONV_TREE_TOKENS][D_CONV];
     __shared__ float warp_sums[SSM_CONV_TREE_TOKENS][SSM_CONV_TREE_THREADS / WARP_SIZE];
 
@@ -75,6 +86,14 @@ ssm_conv_tree_kernel(const char * sx, const char * xin, const float * c, const i
     const int tc = min(SSM_CONV_TREE_TOKENS, n_t - t0);
 
     ggml_cuda_pdl_sync();
+    if (gates.beta != nullptr && blockIdx.x == gridDim.x - 1) {   // (the whole block)
+        for (int i = threadIdx.x; i < gates.H * tc; i += SSM_CONV_TREE_THREADS) {
+            const int h = i % gates.H, t = t0 + i / gates.H;
+            gates.out[t * gates.H + h] = ggml_ext_gdn_decay(gates.alpha[t * gates.s_alpha + h], gates.dt_bias[h], gates.a[h]);
+            gates.out[(n_t + t) * gates.H + h] = ggml_ext_gdn_beta(gates.beta[t * gates.s_beta + h]);
+        }
+        return;
+    }
     if (threadIdx.x < tc) {
         ggml_ext_conv_tree_window((const int *) ((const char *) parent + s * par_nb1), t0 + threadIdx.x, D_CONV,
                                   cols[threadIdx.x]);
@@ -165,9 +184,18 @@ void ggml_ext_cuda_ssm_conv_tree(ggml_backend_cuda_context & ctx, ggml_tensor * 
     GGML_ASSERT(c->ne[0] == 4);  // ggml_ext_cuda_supports_op refuses other kernel sizes
 
     const int d_inner = (int) c->ne[1];
-    const int n_t     = (int) dst->ne[1];
-    const int n_s     = (int) dst->ne[2];
-    const dim3 grid((d_inner + SSM_CONV_TREE_THREADS - 1) / SSM_CONV_TREE_THREADS,
+    const int n_t     = (int) (xin ? xin->ne[1] : sx->ne[0] - 3);
+    const int n_s     = (int) sx->ne[2];
+    const size_t dst_nb1 = (size_t) d_inner * sizeof(float), dst_nb2 = dst_nb1 * n_t;   // (then the gates)
+    const ggml_tensor * beta = dst->src[5];   // ggml_gdn_conv_tree's gates, or NULL
+    conv_tree_gates gates = {};
+    if (beta != nullptr) {
+        const ggml_tensor * alpha = dst->src[6];
+        gates = {(const float *) beta->data, (const float *) alpha->data, (const float *) dst->src[7]->data,
+                 (const float *) dst->src[8]->data, (float *) dst->data + (int64_t) d_inner * n_t, (int) beta->ne[0],
+                 (int64_t) (beta->nb[1] / sizeof(float)), (int64_t) (alpha->nb[1] / sizeof(float))};
+    }
+    const dim3 grid((d_inner + SSM_CONV_TREE_THREADS - 1) / SSM_CONV_TREE_THREADS + (beta != nullptr),
                     (n_t + SSM_CONV_TREE_TOKENS - 1) / SSM_CONV_TREE_TOKENS, n_s);
     const ggml_cuda_kernel_launch_params params(grid, SSM_CONV_TREE_THREADS, 0, ctx.stream());
     const char * x  = xin ? (const char *) xin->data : nullptr;
@@ -180,7 +208,7 @@ void ggml_ext_cuda_ssm_conv_tree(ggml_backend_cuda_context & ctx, ggml_tensor * 
                             : (silu ? ssm_conv_tree_kernel_for<false, true>(g) : ssm_conv_tree_kernel_for<false, false>(g));
     ggml_cuda_kernel_launch(kernel, params,
         (const char *) sx->data, x, (const float *) c->data, (const int *) parent->data, (float *) dst->data,
-        d_inner, n_t, sx->nb[1], sx->nb[2], x_nb1, x_nb2, c->nb[1], parent->nb[1], dst->nb[1], dst->nb[2], qk,
+        d_inner, n_t, sx->nb[1], sx->nb[2], x_nb1, x_nb2, c->nb[1], parent->nb[1], dst_nb1, dst_nb2, qk,
         ggml_get_op_params_f32(dst, 3), ggml_get_op_params_f32(dst, 4), copy ? (char *) copy->data : nullptr,
-        copy ? copy->nb[1] : 0, copy ? copy->nb[2] : 0);
+        copy ? copy->nb[1] : 0, copy ? copy->nb[2] : 0, gates);
 }

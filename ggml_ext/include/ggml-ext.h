@@ -67,7 +67,10 @@ GGML_API struct ggml_tensor * ggml_ssm_conv_tree_split(
 //     of a head: eps = its epsilon / group, scale = 1 / sqrt(group));
 //   - inputs (f32 [d_inner, n_t, n_s], rows contiguous; or NULL): x copied there (a verify's store of the slots'
 //     conv inputs, which its commit reads). The op writes it as a side effect: it must not be memory the graph
-//     allocator hands out.
+//     allocator hands out;
+//   - beta (or NULL; then alpha, dt_bias and a too): the layer's gates as well, ggml_gdn_gates(beta, alpha, dt_bias,
+//     a)'s values (n_s = 1). The result is then f32 [d_inner n_t + 2 H n_t], the conv's [d_inner, n_t] followed by
+//     ggml_gdn_gates' [H, n_t, 2] (views pick them out); else f32 [d_inner, n_t, n_s].
 // qk: a multiple of group, at most d_inner. CUDA takes groups of 1 to 128 channels, powers of two (supports_op).
 GGML_API struct ggml_tensor * ggml_gdn_conv_tree(
         struct ggml_context * ctx,
@@ -79,7 +82,11 @@ GGML_API struct ggml_tensor * ggml_gdn_conv_tree(
         int                   group,
         float                 eps,
         float                 scale,
-        struct ggml_tensor  * inputs);
+        struct ggml_tensor  * inputs,
+        struct ggml_tensor  * beta,
+        struct ggml_tensor  * alpha,
+        struct ggml_tensor  * dt_bias,
+        struct ggml_tensor  * a);
 
 
 // --- TQ3_0: the 3.5-bit KV-cache type (GGML_TYPE_TQ3_0; format below) ------------------------------------------

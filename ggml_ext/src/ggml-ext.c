@@ -37,18 +37,20 @@ void ggml_ext_log_no_debug(enum ggml_log_level level, const char * text, void * 
 }
 
 // Both forms of ggml_ssm_conv_tree: the kernel and parent checks, and the result [d_inner, n_t, n_s] over src0 (the
-// concatenated inputs, or the split form's state)
+// concatenated inputs, or the split form's state); with extra > 0 one f32 vector of the conv's values and then
+// `extra` more (ggml_gdn_conv_tree's gates)
 // op_params[0]: 1 = silu of the result; [1], [2], [3], [4] (ggml_gdn_conv_tree): qk channels normed, their group,
-// eps and scale (floats); src[4]: the inputs' copy or NULL
+// eps and scale (floats); src[4]: the inputs' copy or NULL; src[5..8]: beta, alpha, dt_bias, a (the gates) or NULL
 static struct ggml_tensor * ggml_ext_conv_tree_op(
         struct ggml_context * ctx, struct ggml_tensor * src0, struct ggml_tensor * c, struct ggml_tensor * parent,
-        int64_t n_t, int64_t n_s, bool silu) {
+        int64_t n_t, int64_t n_s, bool silu, int64_t extra) {
     GGML_ASSERT(ggml_is_matrix(c) && c->type == GGML_TYPE_F32);
     GGML_ASSERT(parent->type == GGML_TYPE_I32 && ggml_is_contiguous(parent));
     GGML_ASSERT(n_t >= 1);
     GGML_ASSERT(parent->ne[0] == n_t && parent->ne[1] == n_s && parent->ne[2] == 1 && parent->ne[3] == 1);
 
-    struct ggml_tensor * result = ggml_new_tensor_3d(ctx, GGML_TYPE_F32, c->ne[1], n_t, n_s);
+    struct ggml_tensor * result = extra == 0 ? ggml_new_tensor_3d(ctx, GGML_TYPE_F32, c->ne[1], n_t, n_s)
+                                             : ggml_new_tensor_1d(ctx, GGML_TYPE_F32, c->ne[1] * n_t * n_s + extra);
     result->op     = GGML_OP_SSM_CONV_TREE;
     result->op_params[0] = silu ? 1 : 0;
     result->src[0] = src0;
@@ -65,7 +67,21 @@ struct ggml_tensor * ggml_ssm_conv_tree(
         bool                  silu) {
     GGML_ASSERT(ggml_is_3d(sx) && sx->type == GGML_TYPE_F32);
     GGML_ASSERT(sx->ne[1] == c->ne[1]);
-    return ggml_ext_conv_tree_op(ctx, sx, c, parent, sx->ne[0] - c->ne[0] + 1, sx->ne[2], silu);
+    return ggml_ext_conv_tree_op(ctx, sx, c, parent, sx->ne[0] - c->ne[0] + 1, sx->ne[2], silu, 0);
+}
+
+// The split form's checks and node, with `extra` floats after the conv's values (ggml_gdn_conv_tree's gates)
+static struct ggml_tensor * ggml_ext_conv_tree_split_op(
+        struct ggml_context * ctx, struct ggml_tensor * state, struct ggml_tensor * x, struct ggml_tensor * c,
+        struct ggml_tensor * parent, bool silu, int64_t extra) {
+    GGML_ASSERT(state->type == GGML_TYPE_F32 && ggml_is_contiguous(state) && ggml_is_3d(state));
+    GGML_ASSERT(x->type == GGML_TYPE_F32 && ggml_is_3d(x) && x->nb[0] == sizeof(float));
+    GGML_ASSERT(state->ne[0] == c->ne[0] - 1 && state->ne[1] == c->ne[1] && state->ne[2] == x->ne[2]);
+    GGML_ASSERT(x->ne[0] == c->ne[1]);
+
+    struct ggml_tensor * result = ggml_ext_conv_tree_op(ctx, state, c, parent, x->ne[1], x->ne[2], silu, extra);
+    result->src[3] = x;    // the split form: src[0] holds the state only
+    return result;
 }
 
 struct ggml_tensor * ggml_ssm_conv_tree_split(
@@ -75,14 +91,7 @@ struct ggml_tensor * ggml_ssm_conv_tree_split(
         struct ggml_tensor  * c,
         struct ggml_tensor  * parent,
         bool                  silu) {
-    GGML_ASSERT(state->type == GGML_TYPE_F32 && ggml_is_contiguous(state) && ggml_is_3d(state));
-    GGML_ASSERT(x->type == GGML_TYPE_F32 && ggml_is_3d(x) && x->nb[0] == sizeof(float));
-    GGML_ASSERT(state->ne[0] == c->ne[0] - 1 && state->ne[1] == c->ne[1] && state->ne[2] == x->ne[2]);
-    GGML_ASSERT(x->ne[0] == c->ne[1]);
-
-    struct ggml_tensor * result = ggml_ext_conv_tree_op(ctx, state, c, parent, x->ne[1], x->ne[2], silu);
-    result->src[3] = x;    // the split form: src[0] holds the state only
-    return result;
+    return ggml_ext_conv_tree_split_op(ctx, state, x, c, parent, silu, 0);
 }
 
 struct ggml_tensor * ggml_gdn_conv_tree(
@@ -95,12 +104,32 @@ struct ggml_tensor * ggml_gdn_conv_tree(
         int                   group,
         float                 eps,
         float                 scale,
-        struct ggml_tensor  * inputs) {
+        struct ggml_tensor  * inputs,
+        struct ggml_tensor  * beta,
+        struct ggml_tensor  * alpha,
+        struct ggml_tensor  * dt_bias,
+        struct ggml_tensor  * a) {
     GGML_ASSERT(group >= 1 && qk >= 0 && qk % group == 0 && qk <= c->ne[1]);
-    struct ggml_tensor * result = ggml_ssm_conv_tree_split(ctx, state, x, c, parent, true);
+    int64_t extra = 0;
+    if (beta != NULL) {   // the gates after the conv's values, in one f32 vector
+        const int64_t H = beta->ne[0], n_t = x->ne[1];
+        GGML_ASSERT(x->ne[2] == 1);
+        GGML_ASSERT(ggml_ext_is_f32_rows(beta) && ggml_ext_is_f32_rows(alpha));
+        GGML_ASSERT(beta->ne[1] == n_t && alpha->ne[0] == H && alpha->ne[1] == n_t);
+        GGML_ASSERT(dt_bias->type == GGML_TYPE_F32 && ggml_is_contiguous(dt_bias) && ggml_nelements(dt_bias) == H);
+        GGML_ASSERT(a->type == GGML_TYPE_F32 && ggml_is_contiguous(a) && ggml_nelements(a) == H);
+        extra = 2 * H * n_t;
+    }
+    struct ggml_tensor * result = ggml_ext_conv_tree_split_op(ctx, state, x, c, parent, true, extra);
+    if (beta != NULL) {
+        result->src[5] = beta;
+        result->src[6] = alpha;
+        result->src[7] = dt_bias;
+        result->src[8] = a;
+    }
     if (inputs != NULL) {
         GGML_ASSERT(inputs->type == GGML_TYPE_F32 && inputs->nb[0] == sizeof(float));
-        GGML_ASSERT(ggml_are_same_shape(inputs, result));
+        GGML_ASSERT(inputs->ne[0] == c->ne[1] && inputs->ne[1] == x->ne[1] && inputs->ne[2] == x->ne[2]);
         result->src[4] = inputs;
     }
     ggml_set_op_params_i32(result, 1, qk);

@@ -114,21 +114,38 @@ def ssm_conv_tree_split(ctx: Context, state: Tensor, x: Tensor, c: Tensor, paren
 
 
 def gdn_conv_tree(ctx: Context, state: Tensor, x: Tensor, c: Tensor, parent: Tensor, *, qk: int, head_dim: int,
-                  eps: float, inputs: Tensor | None = None) -> Tensor:
+                  eps: float, inputs: Tensor | None = None,
+                  gates: tuple[Tensor, Tensor, Tensor, Tensor] | None = None
+                  ) -> tuple[Tensor, Tensor | None, Tensor | None]:
     """A Gated DeltaNet layer's conv step in one op: `ssm_conv_tree_split(..., silu=True)`, its first qk channels
     (the q and k heads) L2-normed per head of head_dim channels as llama.cpp normalises them (rms_norm with
-    eps / head_dim, scaled by 1 / sqrt(head_dim): `layers.l2_norm`'s bits), and, with `inputs` (f32 [d_inner, n_t,
-    n_s], rows contiguous), x copied there by the op itself (so `inputs` must be memory of its own, outside the
-    graph allocator's)."""
+    eps / head_dim, scaled by 1 / sqrt(head_dim): `layers.l2_norm`'s bits); with `inputs` (f32 [d_inner, n_t,
+    n_s], rows contiguous) x copied there by the op itself (so `inputs` must be memory of its own, outside the graph
+    allocator's); with gates = (beta, alpha, dt_bias, a) (one sequence) the layer's gates too, `gdn_gates`' values.
+    Returns (conv [d_inner, n_t, n_s], g, beta_gate), the last two [H, n_t] contiguous, or None without gates."""
     d_inner = _check_conv_split(state, x, c, parent)
     if head_dim < 1 or qk < 0 or qk % head_dim or qk > d_inner:
         raise ValueError(f"qk={qk} channels must be a multiple of head_dim={head_dim}, at most d_inner={d_inner}")
+    n_t, n_s = x.ne[1], x.ne[2]
     if inputs is not None:
-        _expect(inputs, "inputs", Type.F32, (d_inner, x.ne[1], x.ne[2]))
+        _expect(inputs, "inputs", Type.F32, (d_inner, n_t, n_s))
         _expect_rows(inputs, "inputs")
-    return Tensor(lib.ggml_gdn_conv_tree(ctx._ptr, state._ptr, x._ptr, c._ptr, parent._ptr, qk, head_dim,
-                                         eps / head_dim, 1.0 / math.sqrt(head_dim),
-                                         inputs._ptr if inputs is not None else ffi.NULL), ctx)
+    gate_ptrs = [ffi.NULL] * 4
+    if gates is not None:
+        if n_s != 1:
+            raise ValueError(f"gdn_conv_tree computes the gates of one sequence, got n_s={n_s}")
+        beta, alpha, dt_bias, a = gates
+        H = beta.ne[0]
+        _check_gates(beta, alpha, dt_bias, a, H, n_t)
+        gate_ptrs = [t._ptr for t in gates]
+    out = Tensor(lib.ggml_gdn_conv_tree(ctx._ptr, state._ptr, x._ptr, c._ptr, parent._ptr, qk, head_dim,
+                                        eps / head_dim, 1.0 / math.sqrt(head_dim),
+                                        inputs._ptr if inputs is not None else ffi.NULL, *gate_ptrs), ctx)
+    if gates is None:
+        return out, None, None
+    conv = ctx.view_3d(out, d_inner, n_t, 1, d_inner * 4, d_inner * n_t * 4, 0)
+    at = d_inner * n_t * 4
+    return conv, ctx.view_2d(out, H, n_t, H * 4, at), ctx.view_2d(out, H, n_t, H * 4, at + H * n_t * 4)
 
 
 def tq3_0_rotate(x: np.ndarray, inverse: bool = False) -> np.ndarray:
@@ -340,17 +357,22 @@ def qmatmul(ctx: Context, w: Tensor, x: Tensor, row_tiles: int = 0, norm: Tensor
                                          _ptr_or_null(add), row_tiles), ctx)
 
 
-def gdn_gates(ctx: Context, beta: Tensor, alpha: Tensor, dt_bias: Tensor, a: Tensor) -> tuple[Tensor, Tensor]:
-    """A Gated DeltaNet layer's gates from its beta and alpha projections f32 [H, n] (rows contiguous, possibly
-    strided: views of a fused projection) and dt_bias, a f32 [H]: (g, beta_gate), each f32 [H, n] contiguous,
-    g = softplus(alpha + dt_bias) * a and beta_gate = sigmoid(beta), one op (ggml-ext.h: ggml_gdn_gates)."""
-    H, n = beta.ne[0], beta.ne[1]
+def _check_gates(beta: Tensor, alpha: Tensor, dt_bias: Tensor, a: Tensor, H: int, n: int) -> None:
+    """gdn_gates' inputs (and gdn_conv_tree's gates): beta, alpha f32 [H, n] rows contiguous, dt_bias, a f32 [H]."""
     for t, what in ((beta, "gdn_gates beta"), (alpha, "gdn_gates alpha")):
         _expect(t, what, Type.F32, (H, n))
         _expect_rows(t, what)
     for t, what in ((dt_bias, "gdn_gates dt_bias"), (a, "gdn_gates a")):
         _expect(t, what, Type.F32, (H,))
         _expect_contiguous(t, what)
+
+
+def gdn_gates(ctx: Context, beta: Tensor, alpha: Tensor, dt_bias: Tensor, a: Tensor) -> tuple[Tensor, Tensor]:
+    """A Gated DeltaNet layer's gates from its beta and alpha projections f32 [H, n] (rows contiguous, possibly
+    strided: views of a fused projection) and dt_bias, a f32 [H]: (g, beta_gate), each f32 [H, n] contiguous,
+    g = softplus(alpha + dt_bias) * a and beta_gate = sigmoid(beta), one op (ggml-ext.h: ggml_gdn_gates)."""
+    H, n = beta.ne[0], beta.ne[1]
+    _check_gates(beta, alpha, dt_bias, a, H, n)
     out = Tensor(lib.ggml_gdn_gates(ctx._ptr, beta._ptr, alpha._ptr, dt_bias._ptr, a._ptr), ctx)
     plane = H * n * 4
     return ctx.view_2d(out, H, n, H * 4, 0), ctx.view_2d(out, H, n, H * 4, plane)

@@ -167,10 +167,11 @@ def norm_in_qmatmul_enabled() -> bool:
 
 
 def head_norm_in_qmatmul_enabled() -> bool:
-    """PYDFLASH_HEAD_NORM_IN_QMATMUL=1: a Gated input whose up is RMS-normed per head (qwen35's GDN output gate)
-    is normed where ggml_qmatmul quantises it too (ggml_qmatmul_fused's up with a norm). Off by default until
-    measured on a GPU (its CUDA kernel is compile-checked only; docs/benchmarks.md, fourteenth session)."""
-    return env_switch("PYDFLASH_HEAD_NORM_IN_QMATMUL", default="0")
+    """A Gated input whose up is RMS-normed per head (qwen35's GDN output gate) is normed where ggml_qmatmul
+    quantises it too (ggml_qmatmul_fused's up with a norm): one kernel fewer per recurrent layer (H100, twentieth
+    session: the 27B's budget-22 verify and its decode ~0.15 ms faster, docs/benchmarks.md).
+    PYDFLASH_HEAD_NORM_IN_QMATMUL=0 runs ggml's rms_norm and mul before the product."""
+    return env_switch("PYDFLASH_HEAD_NORM_IN_QMATMUL", default="1")
 
 
 def conv_split_enabled() -> bool:
@@ -182,9 +183,9 @@ def conv_split_enabled() -> bool:
 
 
 def gdn_conv_fused_enabled() -> bool:
-    """A tree verify's recurrent conv also L2-norms the q and k heads and stores the slots' conv inputs
-    (ggml.gdn_conv_tree: the bits of the separate conv, norm and copy; two kernels fewer per recurrent layer).
-    PYDFLASH_GDN_CONV_FUSED=0 keeps the three ops apart."""
+    """A tree verify's recurrent conv also L2-norms the q and k heads, stores the slots' conv inputs and computes
+    the gates (ggml.gdn_conv_tree: the bits of the separate conv, norm, copy and gdn_gates; three kernels fewer per
+    recurrent layer). PYDFLASH_GDN_CONV_FUSED=0 keeps the four ops apart."""
     return env_switch("PYDFLASH_GDN_CONV_FUSED", default="1")
 
 

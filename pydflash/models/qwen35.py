@@ -215,10 +215,9 @@ class Qwen35Target(TargetRuntime):
         # qkv [conv_dim, n], z [value_dim, n], beta and alpha [h_v, n]: row ranges of a fused product (views; one
         # column is contiguous), copied where the ops below need whole tensors
         qkv, z, beta, alpha = self.project(ctx, x, [p + "attn_qkv", p + "attn_gate", p + "ssm_beta", p + "ssm_alpha"])
-        # log-decay g = softplus(alpha + dt_bias) * a (<= 0) and sigmoid(beta), one op (it reads row ranges as they are)
-        gk, beta = ggml.gdn_gates(ctx, beta, alpha, w[p + "ssm_dt.bias"], w[p + "ssm_a"])
-        gk = ctx.reshape_4d(gk, 1, h_v, n, 1).named(f"l{il}.gdn.g")
-        beta = ctx.reshape_4d(beta, 1, h_v, n, 1)
+        # log-decay g = softplus(alpha + dt_bias) * a (<= 0) and sigmoid(beta), from the row ranges as they are
+        gate_inputs = (beta, alpha, w[p + "ssm_dt.bias"], w[p + "ssm_a"])
+        gates = None   # (g, sigmoid(beta)) where ggml.gdn_conv_tree computes them; else gdn_gates' (below)
 
         # causal depthwise conv over (last d_conv-1 inputs ‖ this batch), then keep the newest d_conv-1 inputs
         qk_normed = False   # (ggml.gdn_conv_tree norms q and k itself)
@@ -242,9 +241,10 @@ class Qwen35Target(TargetRuntime):
                                  self.slot_inputs[il].nb[1] * n, 0)
             rows = ctx.view_3d(qkv, hp.conv_dim, n, 1, qkv.nb[1], qkv.nb[1] * n, 0)
             if layers.conv_split_enabled() and self._conv_norms_qk():
-                # conv, silu, q and k's L2 norm and the slots' inputs stored, in one op (the bits of the three)
-                conv = ggml.gdn_conv_tree(ctx, state_3d, rows, conv_w, parent, qk=2 * hp.key_dim, head_dim=d_k,
-                                          eps=hp.rms_eps, inputs=inputs)
+                # conv, silu, q and k's L2 norm, the slots' inputs stored and the gates, in one op (the bits of the
+                # four ops it replaces)
+                conv, *gates = ggml.gdn_conv_tree(ctx, state_3d, rows, conv_w, parent, qk=2 * hp.key_dim,
+                                                  head_dim=d_k, eps=hp.rms_eps, inputs=inputs, gates=gate_inputs)
                 qk_normed = True
             else:
                 side_effects.append(ctx.cpy(rows, inputs).named(f"l{il}.gdn.slot_inputs"))
@@ -255,6 +255,10 @@ class Qwen35Target(TargetRuntime):
         # silu(conv) [conv_dim, n, 1] (its q and k heads normed: another name, so that pydflash.probe compares it
         # with nothing of a decode)
         conv = conv.named(f"l{il}.gdn.conv" + ("_qk_normed" if qk_normed else ""))
+
+        gk, beta = gates if gates is not None else ggml.gdn_gates(ctx, *gate_inputs)
+        gk = ctx.reshape_4d(gk, 1, h_v, n, 1).named(f"l{il}.gdn.g")
+        beta = ctx.reshape_4d(beta, 1, h_v, n, 1)
 
         row = hp.conv_dim * 4
         # q's heads then k's, l2-normed as one tensor (one norm kernel instead of two; each head on its own)
