@@ -480,7 +480,7 @@ static void qmatmul_half(ggml_backend_cuda_context & ctx, const ggml_tensor * w,
     GGML_ASSERT(qmh_tiles<type>(M) <= QMH_MAX_TILES);
     const int P = qmh_grid<type>(M, K, ggml_cuda_info().devices[ctx.device].nsm);
     ggml_cuda_pool_alloc<char> xh(ctx.pool(), (size_t) (K / QMM_UNIT) * qmh_act_bytes(npad));
-    ggml_cuda_pool_alloc<float> ws(ctx.pool(), qmh_ws_floats<type>(nt, P));
+    ggml_cuda_pool_alloc<float> ws(ctx.pool(), qmh_ws_floats<type>(nt, P, M));
     qmm_prepare_x(ctx, x, dst, K, N, npad, type == GGML_TYPE_BF16 ? QMM_X_BF16 : QMM_X_F16, (int8_t *) xh.get(), nullptr);
     const ggml_tensor * add = dst->src[3];   // ggml_qmatmul_fused: added as the outputs are stored
     const qmh_args p = {(const char *) w->data, (const half *) xh.get(), (float *) dst->data,

@@ -129,7 +129,6 @@ qmm_half_shared(const qmh_args p) {
     extern __shared__ __align__(128) char qmh_smem[];
     __shared__ uint64_t full[STAGES];   // a stage's activations have landed
     __shared__ int done[STAGES];        // warps done with a stage
-    __shared__ int last;
     QMH_TRACE_AT(0);
 
     const int lane = threadIdx.x, warp = threadIdx.y, t4 = lane % 4, g = lane / 4;
@@ -342,33 +341,39 @@ qmm_half_shared(const qmh_args p) {
             return p.ws + ((size_t) pb * 2 + (tile == first_tile ? 0 : 1)) * shape::frag;
         };
         auto at = [&](int r, int t, int i) { return (((warp * RT + r) * NT + t) * 4 + i) * WARP_SIZE + lane; };
-        float * mine = slot(blockIdx.x);
-        each_output([&](int r, int t, int i) {
-            mine[at(r, t, i)] = acc[r][t][i];
-            acc[r][t][i] = 0.0f;
-        });
-        __threadfence();
-        __syncthreads();
-        if (lane == 0 && warp == 0) {
-            last = atomicAdd(&qmh_counters[tile], 1) == pb1 - pb0;
-        }
-        __syncthreads();
-        if (!last) {
+        if (blockIdx.x != pb0) {   // a later segment: its sums for the tile's first block, counted
+            float * mine = slot(blockIdx.x);
+            each_output([&](int r, int t, int i) {
+                mine[at(r, t, i)] = acc[r][t][i];
+                acc[r][t][i] = 0.0f;
+            });
+            __threadfence();
+            __syncthreads();
+            if (lane == 0 && warp == 0) {
+                atomicAdd(&qmh_counters[tile], 1);
+            }
             continue;
         }
+        // the tile's first segment: this block finishes the tile. Its other segments start the runs of the blocks
+        // after it (done early), while this one ends its run: wait for their count (at once, as a rule), then add
+        // their sums to ours in segment (K) order, a segment's sums for all of a thread's outputs asked for at once
+        // (one L2 round trip per segment: output by output, a 5,120-row matrix cut over ~8 blocks a tile took ~40 us).
+        // The block never waits on a block that waits on it: the others count before anything else they do, and
+        // every block of the grid is resident at once.
+        if (lane == 0 && warp == 0) {
+            while (atomicAdd(&qmh_counters[tile], 0) != pb1 - pb0) {
+                __nanosleep(64);
+            }
+            qmh_counters[tile] = 0;
+        }
+        __syncthreads();
         __threadfence();   // the other segments' sums, written before their blocks counted, are visible
-        // added in segment order, a segment's sums for all of this thread's outputs asked for at once (one L2
-        // round trip per segment: output by output, a 5,120-row matrix cut over ~8 blocks a tile took ~40 us)
-        each_output([&](int r, int t, int i) { acc[r][t][i] = __ldcg(slot(pb0) + at(r, t, i)); });
 #pragma unroll 4
         for (int pb = pb0 + 1; pb <= pb1; ++pb) {
             const float * part = slot(pb);
             each_output([&](int r, int t, int i) { acc[r][t][i] = __fadd_rn(acc[r][t][i], __ldcg(part + at(r, t, i))); });
         }
         store_acc();
-        if (lane == 0 && warp == 0) {
-            qmh_counters[tile] = 0;
-        }
     }
 #ifdef QMH_TRACE
     __syncthreads();
@@ -382,41 +387,54 @@ template <ggml_type type, int NT, int RT, int NW, int STAGES, int U> constexpr s
 }
 
 // The shape ggml_qmatmul runs, from the H100 sweeps of tools/qmm_lab.cu (docs/benchmarks.md, "An f16 kernel for
-// verify" and "Fewer instructions around the f16 kernel's items"): one block per SM, 2 stages; Q4_K 8 warps
-// (128-row tiles) and 2 K units a stage (a row's stage one 288-byte read; 16 warps of one unit were 1-18% slower);
-// Q6_K 16 warps, one unit (its 8 warps of two units were 12-29% slower); BF16 8 warps, one unit (two stages of 256
-// rows of 512-byte units would not fit)
+// verify", "Fewer instructions around the f16 kernel's items" and the twentieth session): 2 stages; Q4_K 8 warps
+// (128-row tiles), 2 K units a stage (a row's stage one 288-byte read; 16 warps of one unit were 1-18% slower), one
+// block per SM; Q6_K one unit, 16 warps and one block per SM for matrices of QMH_Q6_K_NARROW_ROWS rows or more (the
+// LM head), else 8 warps and two blocks per SM (the FFN down: 2-5% faster at 9-48 columns; tiles of half the rows,
+// so a tile's K is cut over as many blocks but each partial sum is half as large); BF16 8 warps, one unit, one block
+// per SM (two stages of 256 rows of 512-byte units would not fit). Chosen by type and M only: never by N.
 #define QMH_RUN_RT     1
 #define QMH_RUN_STAGES 2
-template <ggml_type type> constexpr int qmh_run_warps() {
-    return type == GGML_TYPE_Q6_K ? 16 : 8;
-}
+#define QMH_Q6_K_NARROW_ROWS 32768
+
 template <ggml_type type> constexpr int qmh_run_units() {
     return type == GGML_TYPE_Q4_K ? 2 : 1;
 }
 
+// Warps and CUDA blocks per SM of the shape for M rows
+template <ggml_type type> static constexpr bool qmh_narrow(int M) {
+    return type == GGML_TYPE_Q6_K && M < QMH_Q6_K_NARROW_ROWS;
+}
+template <ggml_type type> static constexpr int qmh_run_warps(int M) {
+    return type == GGML_TYPE_Q6_K && !qmh_narrow<type>(M) ? 16 : 8;
+}
+template <ggml_type type> static constexpr int qmh_run_minb(int M) {
+    return qmh_narrow<type>(M) ? 2 : 1;
+}
+
 // Row tiles of the f16 kernel for M rows (at most QMH_MAX_TILES)
 template <ggml_type type> static int qmh_tiles(int M) {
-    constexpr int rows = qmh_shape<1, QMH_RUN_RT, qmh_run_warps<type>()>::rows;
+    const int rows = QMM_MMA_ROWS * QMH_RUN_RT * qmh_run_warps<type>(M);
     return (M + rows - 1) / rows;
 }
 
-// CUDA blocks of its grid: one per SM, no more than there are items (each block must get one). Depends on the
-// shape and the GPU, never on N.
+// CUDA blocks of its grid: as many as fit on the SMs at once (the shape's blocks per SM), no more than there are
+// items (each block must get one). Depends on the shape and the GPU, never on N.
 template <ggml_type type> static int qmh_grid(int M, int K, int n_sm) {
     constexpr int U = qmh_run_units<type>();
-    return (int) std::min<int64_t>(n_sm, (int64_t) qmh_tiles<type>(M) * ((K / QMM_UNIT + U - 1) / U));
+    return (int) std::min<int64_t>((int64_t) n_sm * qmh_run_minb<type>(M),
+                                   (int64_t) qmh_tiles<type>(M) * ((K / QMM_UNIT + U - 1) / U));
 }
 
 // Workspace floats for nt column tiles and a grid of P blocks
-template <ggml_type type> static size_t qmh_ws_floats(int nt, int P) {
-    return (size_t) P * 2 * qmh_run_warps<type>() * QMH_RUN_RT * nt * 4 * WARP_SIZE;
+template <ggml_type type> static size_t qmh_ws_floats(int nt, int P, int M) {
+    return (size_t) P * 2 * qmh_run_warps<type>(M) * QMH_RUN_RT * nt * 4 * WARP_SIZE;
 }
 
-template <ggml_type type, int NT> static void qmh_launch(const qmh_args & p, int device, int P, cudaStream_t stream) {
-    constexpr int NW = qmh_run_warps<type>();
-    constexpr int U  = qmh_run_units<type>();
-    constexpr auto kernel = qmm_half_shared<type, NT, QMH_RUN_RT, NW, QMH_RUN_STAGES, U, 1>;
+template <ggml_type type, int NT, int NW, int MINB> static void qmh_launch(const qmh_args & p, int device, int P,
+                                                                           cudaStream_t stream) {
+    constexpr int U = qmh_run_units<type>();
+    constexpr auto kernel = qmm_half_shared<type, NT, QMH_RUN_RT, NW, QMH_RUN_STAGES, U, MINB>;
     constexpr size_t smem = qmh_smem_bytes<type, NT, QMH_RUN_RT, NW, QMH_RUN_STAGES, U>();
     static bool smem_allowed[GGML_CUDA_MAX_DEVICES] = {};
     if (!smem_allowed[device]) {
@@ -426,8 +444,20 @@ template <ggml_type type, int NT> static void qmh_launch(const qmh_args & p, int
     ggml_cuda_kernel_launch(kernel, ggml_cuda_kernel_launch_params(dim3(P), dim3(WARP_SIZE, NW), smem, stream), p);
 }
 
+template <ggml_type type, int NT> static void qmh_launch(const qmh_args & p, int device, int P, cudaStream_t stream) {
+    if constexpr (type == GGML_TYPE_Q6_K) {
+        if (qmh_narrow<type>(p.M)) {
+            qmh_launch<type, NT, 8, 2>(p, device, P, stream);
+        } else {
+            qmh_launch<type, NT, 16, 1>(p, device, P, stream);
+        }
+    } else {
+        qmh_launch<type, NT, 8, 1>(p, device, P, stream);
+    }
+}
+
 // W * X (Q4_K, Q6_K or BF16, K a multiple of 256) through the f16 kernel: p.x in qmatmul_half.cuh's layout (bf16 for
-// BF16), p.npad = 8 nt, p.ws of qmh_ws_floats<type>(nt, P) floats, P = qmh_grid<type>(M, K, SMs)
+// BF16), p.npad = 8 nt, p.ws of qmh_ws_floats<type>(nt, P, M) floats, P = qmh_grid<type>(M, K, SMs)
 template <ggml_type type> static void qmh_run(const qmh_args & p, int device, int P, cudaStream_t stream) {
     switch (p.npad / 8) {
         case 1: qmh_launch<type, 1>(p, device, P, stream); break;
