@@ -478,7 +478,7 @@ static void qmatmul_half(ggml_backend_cuda_context & ctx, const ggml_tensor * w,
     const int K = (int) w->ne[0], M = (int) w->ne[1], N = (int) x->ne[1];
     const int nt = (N + 7) / 8, npad = 8 * nt;
     GGML_ASSERT(qmh_tiles<type>(M) <= QMH_MAX_TILES);
-    const int P = qmh_grid<type>(M, K, ggml_cuda_info().devices[ctx.device].nsm);
+    const int P = qmh_grid<type>(M, K, ggml_cuda_info().devices[ctx.device].nsm, qmh_per_sm<type>(M, ctx.device));
     ggml_cuda_pool_alloc<char> xh(ctx.pool(), (size_t) (K / QMM_UNIT) * qmh_act_bytes(npad));
     ggml_cuda_pool_alloc<float> ws(ctx.pool(), qmh_ws_floats<type>(nt, P, M));
     qmm_prepare_x(ctx, x, dst, K, N, npad, type == GGML_TYPE_BF16 ? QMM_X_BF16 : QMM_X_F16, (int8_t *) xh.get(), nullptr);

@@ -358,8 +358,9 @@ qmm_half_shared(const qmh_args p) {
         // after it (done early), while this one ends its run: wait for their count (at once, as a rule), then add
         // their sums to ours in segment (K) order, a segment's sums for all of a thread's outputs asked for at once
         // (one L2 round trip per segment: output by output, a 5,120-row matrix cut over ~8 blocks a tile took ~40 us).
-        // The block never waits on a block that waits on it: the others count before anything else they do, and
-        // every block of the grid is resident at once.
+        // The block never waits on a block that waits on it (waits point to later blocks only), and every block of
+        // the grid is resident at once (qmh_grid: no more blocks than the SMs hold; earlier kernels end, and the
+        // next one launches early only once all of ours are running).
         if (lane == 0 && warp == 0) {
             while (atomicAdd(&qmh_counters[tile], 0) != pb1 - pb0) {
                 __nanosleep(64);
@@ -418,12 +419,37 @@ template <ggml_type type> static int qmh_tiles(int M) {
     return (M + rows - 1) / rows;
 }
 
-// CUDA blocks of its grid: as many as fit on the SMs at once (the shape's blocks per SM), no more than there are
-// items (each block must get one). Depends on the shape and the GPU, never on N.
-template <ggml_type type> static int qmh_grid(int M, int K, int n_sm) {
+// Blocks of a shape that an SM holds at once (at most its MINB): the occupancy of its widest instantiation (6 column
+// tiles, the most shared memory), so the same for every N. A cut tile's first block waits for the others' count
+// (qmm_half_shared), so every block of a grid must be resident at once.
+template <ggml_type type, int NW, int MINB> static int qmh_occupancy(int device) {
     constexpr int U = qmh_run_units<type>();
-    return (int) std::min<int64_t>((int64_t) n_sm * qmh_run_minb<type>(M),
-                                   (int64_t) qmh_tiles<type>(M) * ((K / QMM_UNIT + U - 1) / U));
+    constexpr auto kernel = qmm_half_shared<type, 6, QMH_RUN_RT, NW, QMH_RUN_STAGES, U, MINB>;
+    constexpr size_t smem = qmh_smem_bytes<type, 6, QMH_RUN_RT, NW, QMH_RUN_STAGES, U>();
+    static int blocks[GGML_CUDA_MAX_DEVICES] = {};
+    if (blocks[device] == 0) {
+        int n = 0;
+        CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int) smem));
+        CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, NW * WARP_SIZE, smem));
+        GGML_ASSERT(n >= 1 && "ggml_qmatmul: the f16 kernel does not fit on an SM");
+        blocks[device] = std::min(n, MINB);
+    }
+    return blocks[device];
+}
+
+template <ggml_type type> static int qmh_per_sm(int M, int device) {
+    if constexpr (type == GGML_TYPE_Q6_K) {
+        return qmh_narrow<type>(M) ? qmh_occupancy<type, 8, 2>(device) : qmh_occupancy<type, 16, 1>(device);
+    } else {
+        return qmh_occupancy<type, 8, 1>(device);
+    }
+}
+
+// CUDA blocks of its grid: as many as the SMs hold at once (qmh_per_sm), no more than there are items (each block
+// must get one). Depends on the shape and the GPU, never on N.
+template <ggml_type type> static int qmh_grid(int M, int K, int n_sm, int per_sm) {
+    constexpr int U = qmh_run_units<type>();
+    return (int) std::min<int64_t>((int64_t) n_sm * per_sm, (int64_t) qmh_tiles<type>(M) * ((K / QMM_UNIT + U - 1) / U));
 }
 
 // Workspace floats for nt column tiles and a grid of P blocks
@@ -457,7 +483,7 @@ template <ggml_type type, int NT> static void qmh_launch(const qmh_args & p, int
 }
 
 // W * X (Q4_K, Q6_K or BF16, K a multiple of 256) through the f16 kernel: p.x in qmatmul_half.cuh's layout (bf16 for
-// BF16), p.npad = 8 nt, p.ws of qmh_ws_floats<type>(nt, P, M) floats, P = qmh_grid<type>(M, K, SMs)
+// BF16), p.npad = 8 nt, p.ws of qmh_ws_floats<type>(nt, P, M) floats, P = qmh_grid<type>(M, K, SMs, qmh_per_sm(M))
 template <ggml_type type> static void qmh_run(const qmh_args & p, int device, int P, cudaStream_t stream) {
     switch (p.npad / 8) {
         case 1: qmh_launch<type, 1>(p, device, P, stream); break;
