@@ -28,7 +28,6 @@ void ggml_ext_cpu_ssm_conv_tree(const struct ggml_compute_params * params, struc
     const struct ggml_tensor * parent = dst->src[2];
     const struct ggml_tensor * xin    = dst->src[3];   // split form: the new inputs [d_inner, n_t, n_s]
     const struct ggml_tensor * copy   = dst->src[4];   // ggml_gdn_conv_tree: where x is copied, or NULL
-
     const struct ggml_tensor * beta   = dst->src[5];   // ggml_gdn_conv_tree's gates, or NULL
 
     const int d_conv  = (int) c->ne[0];

@@ -199,9 +199,9 @@ class Qwen35Target(TargetRuntime):
         return linear(ctx, w[p + "attn_output.weight"], out, add=add, name=f"l{il}.attn_out")
 
     def _conv_norms_qk(self) -> bool:
-        """Whether a tree verify's conv op also norms q and k (ggml.gdn_conv_tree; CUDA takes heads of a power of
-        two up to 128 values: the 27B's 128). Not in bit-exact mode: the same bits, but its verify keeps the conv
-        node a decode has, which pydflash.probe compares."""
+        """Whether a tree verify's conv op also norms q and k, stores the conv inputs and computes the gates
+        (ggml.gdn_conv_tree; CUDA takes heads of a power of two up to 128 values: the 27B's 128). Not in bit-exact
+        mode: the same bits, but its verify keeps the conv node a decode has, which pydflash.probe compares."""
         d_k = self.hp.ssm_d_k
         return (layers.gdn_conv_fused_enabled() and not layers.bitexact_enabled() and d_k <= 128
                 and d_k & (d_k - 1) == 0)
@@ -217,10 +217,10 @@ class Qwen35Target(TargetRuntime):
         qkv, z, beta, alpha = self.project(ctx, x, [p + "attn_qkv", p + "attn_gate", p + "ssm_beta", p + "ssm_alpha"])
         # log-decay g = softplus(alpha + dt_bias) * a (<= 0) and sigmoid(beta), from the row ranges as they are
         gate_inputs = (beta, alpha, w[p + "ssm_dt.bias"], w[p + "ssm_a"])
-        gates = None   # (g, sigmoid(beta)) where ggml.gdn_conv_tree computes them; else gdn_gates' (below)
+        gates = None        # (g, sigmoid(beta)) where ggml.gdn_conv_tree computes them; else gdn_gates' (below)
+        qk_normed = False   # (ggml.gdn_conv_tree norms q and k itself)
 
         # causal depthwise conv over (last d_conv-1 inputs ‖ this batch), then keep the newest d_conv-1 inputs
-        qk_normed = False   # (ggml.gdn_conv_tree norms q and k itself)
         conv_state = cache.conv[il]
         conv_w = w[p + "ssm_conv1d.weight"]
         state_3d = ctx.reshape_3d(conv_state, hp.ssm_d_conv - 1, hp.conv_dim, 1)
