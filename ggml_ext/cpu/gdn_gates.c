@@ -6,15 +6,12 @@
 #include "ggml-impl.h"
 #include "../src/gdn-gates.h"
 
-void ggml_ext_cpu_gdn_gates(const struct ggml_compute_params * params, struct ggml_tensor * dst) {
-    const struct ggml_tensor * beta  = dst->src[0];
-    const struct ggml_tensor * alpha = dst->src[1];
-    const float * dt_bias = (const float *) dst->src[2]->data;
-    const float * a       = (const float *) dst->src[3]->data;
+void ggml_ext_cpu_gdn_gates_into(const struct ggml_compute_params * params, const struct ggml_tensor * beta,
+                                 const struct ggml_tensor * alpha, const float * dt_bias, const float * a, float * out) {
     const int64_t H = beta->ne[0];
     const int64_t n = beta->ne[1];
-    float * g_out    = (float *) dst->data;
-    float * beta_out = g_out + H * n;
+    float * g_out    = out;
+    float * beta_out = out + H * n;
 
     for (int64_t t = params->ith; t < n; t += params->nth) {
         const float * b  = (const float *) ((const char *) beta->data + t * beta->nb[1]);
@@ -24,4 +21,9 @@ void ggml_ext_cpu_gdn_gates(const struct ggml_compute_params * params, struct gg
             beta_out[t * H + h] = ggml_ext_gdn_beta(b[h]);
         }
     }
+}
+
+void ggml_ext_cpu_gdn_gates(const struct ggml_compute_params * params, struct ggml_tensor * dst) {
+    ggml_ext_cpu_gdn_gates_into(params, dst->src[0], dst->src[1], (const float *) dst->src[2]->data,
+                                (const float *) dst->src[3]->data, (float *) dst->data);
 }

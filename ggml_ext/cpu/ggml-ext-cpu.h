@@ -39,6 +39,10 @@ size_t ggml_ext_cpu_flash_attn_ordered_work_size(const struct ggml_tensor * node
 void ggml_ext_cpu_argmax_first(const struct ggml_compute_params * params, struct ggml_tensor * dst);
 void ggml_ext_cpu_top_k_logp(const struct ggml_compute_params * params, struct ggml_tensor * dst);
 void ggml_ext_cpu_gdn_gates(const struct ggml_compute_params * params, struct ggml_tensor * dst);
+// The gates of beta, alpha [H, n] (rows contiguous) into out: g [H, n] then sigmoid(beta) [H, n] (threads split the
+// tokens; ggml_gdn_gates, and ggml_gdn_conv_tree after its conv's values)
+void ggml_ext_cpu_gdn_gates_into(const struct ggml_compute_params * params, const struct ggml_tensor * beta,
+                                 const struct ggml_tensor * alpha, const float * dt_bias, const float * a, float * out);
 
 // CPU type traits of GGML_TYPE_TQ3_0 (vec_dot_type F32: the rotated query stays in full precision)
 void ggml_ext_cpu_quantize_row_tq3_0(const float * GGML_RESTRICT x, void * GGML_RESTRICT y, int64_t k);

@@ -6,7 +6,6 @@
 #include "ggml-ext-cpu.h"
 #include "ggml-cpu-impl.h"
 #include "ggml-impl.h"
-#include "../src/gdn-gates.h"
 #include "../src/tree-walk.h"
 #include "vec.h"
 
@@ -80,21 +79,9 @@ void ggml_ext_cpu_ssm_conv_tree(const struct ggml_compute_params * params, struc
             ggml_vec_silu_f32(d_inner, row, row);
         }
     }
-    if (beta != NULL) {   // the gates (ggml_gdn_gates' values and layout) after the conv's values; tokens split
-        const struct ggml_tensor * alpha = dst->src[6];
-        const float * dt_bias = (const float *) dst->src[7]->data;
-        const float * a       = (const float *) dst->src[8]->data;
-        const int64_t H = beta->ne[0];
-        float * g_out    = (float *) dst->data + (int64_t) d_inner * n_t;
-        float * beta_out = g_out + H * n_t;
-        for (int64_t t = params->ith; t < n_t; t += params->nth) {
-            const float * b  = (const float *) ((const char *) beta->data + t * beta->nb[1]);
-            const float * al = (const float *) ((const char *) alpha->data + t * alpha->nb[1]);
-            for (int64_t h = 0; h < H; ++h) {
-                g_out[t * H + h]    = ggml_ext_gdn_decay(al[h], dt_bias[h], a[h]);
-                beta_out[t * H + h] = ggml_ext_gdn_beta(b[h]);
-            }
-        }
+    if (beta != NULL) {   // the gates (ggml_gdn_gates' values and layout) after the conv's values
+        ggml_ext_cpu_gdn_gates_into(params, beta, dst->src[6], (const float *) dst->src[7]->data,
+                                    (const float *) dst->src[8]->data, (float *) dst->data + (int64_t) d_inner * n_t);
     }
     const int qk = ggml_get_op_params_i32(dst, 1);
     if (qk > 0) {   // ggml_gdn_conv_tree: the groups of the first qk channels of every column, normed
