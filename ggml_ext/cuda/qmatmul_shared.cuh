@@ -11,12 +11,13 @@
 //
 // The work: T row tiles (of a block's rows) times S stages of K (U 256-value units each, the last what is left) are
 // T * S items in tile-major order; CUDA block p of P runs items [p T S / P, (p + 1) T S / P), so every block gets
-// the same share (no tail wave: P is the SM count). A block's run of items within one tile is a segment; a tile cut
-// into several segments is finished by the block that completes it last: the partial sums of its segments, from a
-// workspace, added in segment (K) order. Every output is thus an f32 MMA chain over K units in order within each
-// segment, then the segments' sums in order: the cut depends on M, K, P and the type's block shape only, so a
-// column's bits do not depend on N. (They are not the int8 kernels' bits: decode and verify agree only if both take
-// this kernel.)
+// the same share (no tail wave: P is as many blocks as the SMs hold at once). A block's run of items within one tile
+// is a segment; a tile cut into several segments is finished by the block holding its first segment (the one that
+// ends its run there, while the others start theirs with the tile): the other segments' partial sums, from a
+// workspace, added to its own in segment (K) order. Every output is thus an f32 MMA chain over K units in order
+// within each segment, then the segments' sums in order: the cut depends on M, K, P and the type's block shape only,
+// so a column's bits do not depend on N. (They are not the int8 kernels' bits: decode and verify agree only if both
+// take this kernel.)
 //
 // Stages: each warp copies its own rows of a stage with cp.async (16 bytes a lane), and starts the next copy into a
 // stage as soon as it is done with it; the activations of a stage (one bulk copy, counted on the stage's mbarrier)
