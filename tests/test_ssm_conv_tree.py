@@ -173,7 +173,8 @@ def test_gdn_conv_tree_is_the_conv_norm_copy_and_gates(backend, rng, head_dim, n
               "proj": (rng.standard_normal((n_s, n_t, width + 2 * H)) * 2.0).astype(np.float32),
               "c": rng.standard_normal((d_inner, d_conv)).astype(np.float32), "parent": parents}
     if n_s == 1:   # (the gates are computed for one sequence)
-        inputs.update(dt_bias=rng.standard_normal(H).astype(np.float32), a=-np.exp(rng.standard_normal(H)).astype(np.float32))
+        inputs.update(dt_bias=rng.standard_normal(H).astype(np.float32),
+                      a=-np.exp(rng.standard_normal(H)).astype(np.float32))
     inputs["proj"][..., d_inner + 7 + H] = 30.0   # an alpha past softplus's threshold
     store_ctx = ggml.Context(n_tensors=1)
     store = store_ctx.new_tensor(np.float32, (d_inner, n_t, n_s))

@@ -7,7 +7,8 @@
 #include "../src/gdn-gates.h"
 
 void ggml_ext_cpu_gdn_gates_into(const struct ggml_compute_params * params, const struct ggml_tensor * beta,
-                                 const struct ggml_tensor * alpha, const float * dt_bias, const float * a, float * out) {
+                                 const struct ggml_tensor * alpha, const float * dt_bias, const float * a,
+                                 float * out) {
     const int64_t H = beta->ne[0];
     const int64_t n = beta->ne[1];
     float * g_out    = out;

@@ -450,7 +450,8 @@ template <ggml_type type> static int qmh_per_sm(int M, int device) {
 // must get one). Depends on the shape and the GPU, never on N.
 template <ggml_type type> static int qmh_grid(int M, int K, int n_sm, int per_sm) {
     constexpr int U = qmh_run_units<type>();
-    return (int) std::min<int64_t>((int64_t) n_sm * per_sm, (int64_t) qmh_tiles<type>(M) * ((K / QMM_UNIT + U - 1) / U));
+    const int64_t items = (int64_t) qmh_tiles<type>(M) * ((K / QMM_UNIT + U - 1) / U);
+    return (int) std::min<int64_t>((int64_t) n_sm * per_sm, items);
 }
 
 // Workspace floats for nt column tiles and a grid of P blocks

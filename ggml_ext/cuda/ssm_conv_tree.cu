@@ -89,7 +89,8 @@ ssm_conv_tree_kernel(const char * sx, const char * xin, const float * c, const i
     if (gates.beta != nullptr && blockIdx.x == gridDim.x - 1) {   // (the whole block)
         for (int i = threadIdx.x; i < gates.H * tc; i += SSM_CONV_TREE_THREADS) {
             const int h = i % gates.H, t = t0 + i / gates.H;
-            gates.out[t * gates.H + h] = ggml_ext_gdn_decay(gates.alpha[t * gates.s_alpha + h], gates.dt_bias[h], gates.a[h]);
+            const float alpha = gates.alpha[t * gates.s_alpha + h];
+            gates.out[t * gates.H + h] = ggml_ext_gdn_decay(alpha, gates.dt_bias[h], gates.a[h]);
             gates.out[(n_t + t) * gates.H + h] = ggml_ext_gdn_beta(gates.beta[t * gates.s_beta + h]);
         }
         return;
@@ -204,8 +205,10 @@ void ggml_ext_cuda_ssm_conv_tree(ggml_backend_cuda_context & ctx, ggml_tensor * 
     const int qk = ggml_get_op_params_i32(dst, 1);
     const int g  = qk > 0 ? ggml_get_op_params_i32(dst, 2) : 0;
     const ggml_tensor * copy = dst->src[4];   // ggml_gdn_conv_tree's copy of x, or NULL
-    const auto kernel = xin ? (silu ? ssm_conv_tree_kernel_for<true, true>(g) : ssm_conv_tree_kernel_for<true, false>(g))
-                            : (silu ? ssm_conv_tree_kernel_for<false, true>(g) : ssm_conv_tree_kernel_for<false, false>(g));
+    const auto kernel = xin ? (silu ? ssm_conv_tree_kernel_for<true, true>(g)
+                                    : ssm_conv_tree_kernel_for<true, false>(g))
+                            : (silu ? ssm_conv_tree_kernel_for<false, true>(g)
+                                    : ssm_conv_tree_kernel_for<false, false>(g));
     ggml_cuda_kernel_launch(kernel, params,
         (const char *) sx->data, x, (const float *) c->data, (const int *) parent->data, (float *) dst->data,
         d_inner, n_t, sx->nb[1], sx->nb[2], x_nb1, x_nb2, c->nb[1], parent->nb[1], dst_nb1, dst_nb2, qk,
