@@ -401,7 +401,8 @@ AUTO_DRAFT_TYPES = ("q8_0",)
 def _best_options(target, draft, vram, n_ubatch, budget, draft_type, state_type, args) -> tuple:
     """(draft_type, state_type) for plan_for_load: each "auto" one chosen among its candidates, in the order of
     preference the draft as stored, then the q8_0 draft (with replayed states, or the state type asked for); the
-    first of the best fits is taken. When nothing fits, the PlanError of the most compact choice (the closest to fitting)."""
+    first of the best fits is taken. When nothing fits, the PlanError of the most compact choice (the closest to
+    fitting)."""
     speculative = draft is not None and args.get("mode") != "ar"
     if not speculative:
         return None, "f32" if state_type == "auto" else state_type

@@ -36,6 +36,16 @@ void ggml_ext_log_no_debug(enum ggml_log_level level, const char * text, void * 
     fflush(stderr);
 }
 
+// ggml_gdn_gates' inputs (and ggml_gdn_conv_tree's): beta, alpha f32 [H, n] rows contiguous, dt_bias, a f32 [H]
+static void ggml_ext_check_gates(const struct ggml_tensor * beta, const struct ggml_tensor * alpha,
+                                 const struct ggml_tensor * dt_bias, const struct ggml_tensor * a) {
+    const int64_t H = beta->ne[0];
+    GGML_ASSERT(ggml_ext_is_f32_rows(beta) && ggml_ext_is_f32_rows(alpha));
+    GGML_ASSERT(alpha->ne[0] == H && alpha->ne[1] == beta->ne[1]);
+    GGML_ASSERT(dt_bias->type == GGML_TYPE_F32 && ggml_is_contiguous(dt_bias) && ggml_nelements(dt_bias) == H);
+    GGML_ASSERT(a->type == GGML_TYPE_F32 && ggml_is_contiguous(a) && ggml_nelements(a) == H);
+}
+
 // Both forms of ggml_ssm_conv_tree: the kernel and parent checks, and the result [d_inner, n_t, n_s] over src0 (the
 // concatenated inputs, or the split form's state); with extra > 0 one f32 vector of the conv's values and then
 // `extra` more (ggml_gdn_conv_tree's gates)
@@ -112,13 +122,9 @@ struct ggml_tensor * ggml_gdn_conv_tree(
     GGML_ASSERT(group >= 1 && qk >= 0 && qk % group == 0 && qk <= c->ne[1]);
     int64_t extra = 0;
     if (beta != NULL) {   // the gates after the conv's values, in one f32 vector
-        const int64_t H = beta->ne[0], n_t = x->ne[1];
-        GGML_ASSERT(x->ne[2] == 1);
-        GGML_ASSERT(ggml_ext_is_f32_rows(beta) && ggml_ext_is_f32_rows(alpha));
-        GGML_ASSERT(beta->ne[1] == n_t && alpha->ne[0] == H && alpha->ne[1] == n_t);
-        GGML_ASSERT(dt_bias->type == GGML_TYPE_F32 && ggml_is_contiguous(dt_bias) && ggml_nelements(dt_bias) == H);
-        GGML_ASSERT(a->type == GGML_TYPE_F32 && ggml_is_contiguous(a) && ggml_nelements(a) == H);
-        extra = 2 * H * n_t;
+        ggml_ext_check_gates(beta, alpha, dt_bias, a);
+        GGML_ASSERT(x->ne[2] == 1 && beta->ne[1] == x->ne[1]);
+        extra = 2 * beta->ne[0] * x->ne[1];
     }
     struct ggml_tensor * result = ggml_ext_conv_tree_split_op(ctx, state, x, c, parent, true, extra);
     if (beta != NULL) {
@@ -496,15 +502,9 @@ struct ggml_tensor * ggml_gdn_gates(
         struct ggml_tensor  * alpha,
         struct ggml_tensor  * dt_bias,
         struct ggml_tensor  * a) {
-    const int64_t H = beta->ne[0];
-    const int64_t n = beta->ne[1];
-    GGML_ASSERT(ggml_ext_is_f32_rows(beta));
-    GGML_ASSERT(ggml_ext_is_f32_rows(alpha));
-    GGML_ASSERT(alpha->ne[0] == H && alpha->ne[1] == n);
-    GGML_ASSERT(dt_bias->type == GGML_TYPE_F32 && ggml_is_contiguous(dt_bias) && ggml_nelements(dt_bias) == H);
-    GGML_ASSERT(a->type == GGML_TYPE_F32 && ggml_is_contiguous(a) && ggml_nelements(a) == H);
+    ggml_ext_check_gates(beta, alpha, dt_bias, a);
 
-    struct ggml_tensor * result = ggml_new_tensor_3d(ctx, GGML_TYPE_F32, H, n, 2);
+    struct ggml_tensor * result = ggml_new_tensor_3d(ctx, GGML_TYPE_F32, beta->ne[0], beta->ne[1], 2);
     result->op     = GGML_OP_GDN_GATES;
     result->src[0] = beta;
     result->src[1] = alpha;

@@ -185,8 +185,9 @@ def conv_split_enabled() -> bool:
 def gdn_conv_fused_enabled() -> bool:
     """A tree verify's recurrent conv also L2-norms the q and k heads, stores the slots' conv inputs and computes
     the gates (ggml.gdn_conv_tree: the bits of the separate conv, norm, copy and gdn_gates; three kernels fewer per
-    recurrent layer). PYDFLASH_GDN_CONV_FUSED=0 keeps the four ops apart."""
-    return env_switch("PYDFLASH_GDN_CONV_FUSED", default="1")
+    recurrent layer). PYDFLASH_GDN_CONV_FUSED=0 keeps the four ops apart; bit-exact mode does too (the same bits,
+    but its verify keeps the conv node a decode has, which pydflash.probe compares)."""
+    return env_switch("PYDFLASH_GDN_CONV_FUSED", default="1") and not bitexact_enabled()
 
 
 def gdn_chunk_enabled() -> bool:

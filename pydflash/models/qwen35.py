@@ -200,11 +200,10 @@ class Qwen35Target(TargetRuntime):
 
     def _conv_norms_qk(self) -> bool:
         """Whether a tree verify's conv op also norms q and k, stores the conv inputs and computes the gates
-        (ggml.gdn_conv_tree; CUDA takes heads of a power of two up to 128 values: the 27B's 128). Not in bit-exact
-        mode: the same bits, but its verify keeps the conv node a decode has, which pydflash.probe compares."""
+        (ggml.gdn_conv_tree, layers.gdn_conv_fused_enabled; CUDA takes heads of a power of two up to 128 values: the
+        27B's 128)."""
         d_k = self.hp.ssm_d_k
-        return (layers.gdn_conv_fused_enabled() and not layers.bitexact_enabled() and d_k <= 128
-                and d_k & (d_k - 1) == 0)
+        return layers.gdn_conv_fused_enabled() and d_k <= 128 and d_k & (d_k - 1) == 0
 
     def _gdn(self, ctx, x, il: int, g: GraphInputs, add=None):
         """In a tree verify (g.parent set) the conv and delta rule follow parent pointers, the conv state is left
