@@ -553,11 +553,7 @@ template <int S_v, int NN>
 static void launch_chunk(const gdn_tree_args & a, int device, cudaStream_t stream) {
     constexpr auto   kernel = gdn_tree_chunk_kernel<S_v, NN>;
     constexpr size_t smem   = sizeof(gdn_chunk_smem<S_v, NN>);
-    static bool smem_allowed[GGML_CUDA_MAX_DEVICES] = {};
-    if (!smem_allowed[device]) {
-        CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int) smem));
-        smem_allowed[device] = true;
-    }
+    ggml_ext_cuda_allow_smem<kernel>(smem, device);
     ggml_cuda_kernel_launch(kernel, ggml_cuda_kernel_launch_params(dim3(a.H, 1, S_v / 32),
                                                                    dim3(WARP_SIZE, GDN_CHUNK_WARPS), smem, stream), a);
 }

@@ -7,6 +7,16 @@
 void ggml_ext_cuda_compute_forward(ggml_backend_cuda_context & ctx, ggml_tensor * dst);
 bool ggml_ext_cuda_supports_op(int device, const ggml_tensor * op);
 
+// Lets kernel KERNEL take `smem` bytes of dynamic shared memory on `device`: the attribute is set once per kernel,
+// device and larger size (each call is a driver round trip, and launchers run for every product without CUDA graphs)
+template <auto KERNEL> static void ggml_ext_cuda_allow_smem(size_t smem, int device) {
+    static size_t allowed[GGML_CUDA_MAX_DEVICES] = {};
+    if (smem > allowed[device]) {
+        CUDA_CHECK(cudaFuncSetAttribute(KERNEL, cudaFuncAttributeMaxDynamicSharedMemorySize, (int) smem));
+        allowed[device] = smem;
+    }
+}
+
 // one function per op
 void ggml_ext_cuda_ssm_conv_tree(ggml_backend_cuda_context & ctx, ggml_tensor * dst);
 bool ggml_ext_cuda_ssm_conv_tree_supported(const ggml_tensor * op);

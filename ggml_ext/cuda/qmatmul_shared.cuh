@@ -430,7 +430,7 @@ template <ggml_type type, int NW, int MINB> static int qmh_occupancy(int device)
     static int blocks[GGML_CUDA_MAX_DEVICES] = {};
     if (blocks[device] == 0) {
         int n = 0;
-        CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int) smem));
+        ggml_ext_cuda_allow_smem<kernel>(smem, device);   // (the occupancy query counts on it)
         CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, NW * WARP_SIZE, smem));
         GGML_ASSERT(n >= 1 && "ggml_qmatmul: the f16 kernel does not fit on an SM");
         blocks[device] = std::min(n, MINB);
@@ -464,11 +464,7 @@ template <ggml_type type, int NT, int NW, int MINB> static void qmh_launch(const
     constexpr int U = qmh_run_units<type>();
     constexpr auto kernel = qmm_half_shared<type, NT, QMH_RUN_RT, NW, QMH_RUN_STAGES, U, MINB>;
     constexpr size_t smem = qmh_smem_bytes<type, NT, QMH_RUN_RT, NW, QMH_RUN_STAGES, U>();
-    static bool smem_allowed[GGML_CUDA_MAX_DEVICES] = {};
-    if (!smem_allowed[device]) {
-        CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int) smem));
-        smem_allowed[device] = true;
-    }
+    ggml_ext_cuda_allow_smem<kernel>(smem, device);
     ggml_cuda_kernel_launch(kernel, ggml_cuda_kernel_launch_params(dim3(P), dim3(WARP_SIZE, NW), smem, stream), p);
 }
 

@@ -152,11 +152,7 @@ template <ggml_type type, int NT, int RT>
 static void qmm_staged_launch(const qmm_args & p, int device, cudaStream_t stream) {
     constexpr auto kernel = qmm_mma_staged<type, NT, RT>;
     constexpr size_t smem = qmm_staged_smem<NT>();
-    static bool smem_allowed[GGML_CUDA_MAX_DEVICES] = {};
-    if (!smem_allowed[device]) {
-        CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int) smem));
-        smem_allowed[device] = true;
-    }
+    ggml_ext_cuda_allow_smem<kernel>(smem, device);
     const dim3 grid((p.M + QMM_MMA_ROWS * RT - 1) / (QMM_MMA_ROWS * RT));
     ggml_cuda_kernel_launch(kernel, ggml_cuda_kernel_launch_params(grid, dim3(WARP_SIZE, QMM_MMA_WARPS), smem, stream),
                             p.W, p.yq, p.yds, p.dst, p.nb, p.K, p.M, p.N, p.stride_col_dst, p.add, p.stride_col_add);

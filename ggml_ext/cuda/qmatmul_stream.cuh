@@ -386,11 +386,7 @@ void qms_run(const qmm_args & m, int device, cudaStream_t stream) {
     constexpr int threads = WARP_SIZE * QMS_RUN_WARPS;
     const qms_args p = {m.W, m.yq, m.yds, m.dst, m.nb, m.M, m.npad, QMS_RUN_CHUNK, qms_pitch<type>(QMS_RUN_CHUNK), m.add};
     const size_t smem = qms_smem_bytes<QMS_RUN_WARPS, QMS_RUN_STAGES>(p);
-    static size_t smem_allowed[GGML_CUDA_MAX_DEVICES] = {};   // what the kernel may take, per device
-    if (smem > smem_allowed[device]) {
-        CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int) smem));
-        smem_allowed[device] = smem;
-    }
+    ggml_ext_cuda_allow_smem<kernel>(smem, device);
     // persistent: as many CUDA blocks as fit at once, each warp taking a contiguous range of the row groups (asked
     // of the runtime once per device and shared-memory size: without CUDA graphs this runs for every product)
     static std::unordered_map<size_t, int> blocks_per_sm[GGML_CUDA_MAX_DEVICES];
