@@ -263,8 +263,9 @@ class _Progress:
 
 
 def upload(gf: GGUFFile, pairs: list[tuple[TensorInfo, ggml.Tensor]], *, chunk_bytes: int = 64 << 20,
-           progress: bool | None = None) -> None:
-    """Copy tensors from the file into allocated device tensors, in chunks of at most `chunk_bytes`."""
+           progress: bool | None = None, row_orders: dict[str, np.ndarray] | None = None) -> None:
+    """Copy tensors from the file into allocated device tensors, in chunks of at most `chunk_bytes`.
+    row_orders: tensor name -> the file's row for each of the device tensor's rows (a permutation)."""
     total = sum(info.nbytes for info, _ in pairs)
     bar = _Progress(total, f"loading {os.path.basename(gf.path)}",
                     total >= (1 << 30) if progress is None else progress)
@@ -272,6 +273,12 @@ def upload(gf: GGUFFile, pairs: list[tuple[TensorInfo, ggml.Tensor]], *, chunk_b
         raw = gf.data(info)
         if raw.nbytes != info.nbytes:
             raise GGUFError(f"{gf.path}: tensor {info.name} is truncated")
+        order = (row_orders or {}).get(info.name)
+        if order is not None:
+            rows = int(np.prod(info.ne[1:]))
+            if not np.array_equal(np.sort(order), np.arange(rows)):
+                raise ValueError(f"{info.name}: the row order is not a permutation of its {rows} rows")
+            raw = np.ascontiguousarray(raw.reshape(rows, -1)[order]).reshape(-1)
         for start in range(0, info.nbytes, chunk_bytes):
             piece = raw[start: start + chunk_bytes]
             tensor.set_bytes(piece, start)

@@ -87,12 +87,15 @@ def test_fused_weights_give_the_unfused_logits(tmp_path, monkeypatch, case, devi
         assert sorted(k for k in fused.weights.fused if k.startswith(f"blk.{il}.") and k.endswith(".weight")) == \
             sorted(f"blk.{il}.{name}.weight" for name in names)
     assert plain.weights.fused == {}
-    # each fused weight is a view of its rows, holding the file's bytes
-    gf = GGUFFile(path)
+    # each fused weight is a view of its rows, holding the file's bytes (in the target's row order, if it has one)
+    gf, row_orders = GGUFFile(path), fused.row_orders()
     for merged, members in fused.weights.fused.items():
         for name in members:
             on_device = np.ascontiguousarray(fused.weights[name].numpy()).reshape(-1).view(np.uint8)
-            assert np.array_equal(on_device, gf.data(gf.tensors[name]).reshape(-1)), name
+            info = gf.tensors[name]
+            expected = gf.data(info).reshape(int(np.prod(info.ne[1:])), -1)
+            expected = expected[row_orders[name]] if name in row_orders else expected
+            assert np.array_equal(on_device, expected.reshape(-1)), name
     # a group of k matrices is one matmul instead of k (the verify graph), except FFN gate+up for one token, which
     # stay two products (ggml-cuda fuses them with the GLU; the decode graph)
     saved = sum(len(members) - 1 for merged, members in fused.weights.fused.items() if merged.endswith(".weight"))
@@ -219,13 +222,20 @@ def test_swiglu_inside_qmatmul_gives_the_same_logits(tmp_path, monkeypatch, case
     """Where ggml_qmatmul takes a layer's FFN down product (and a qwen35 GDN layer's output projection, whose input
     is silu(z) * the normed output) it gates the columns as it quantises them (layers.Gated, ggml_qmatmul_fused's
     up): no GLU node is left, and the logits are those of ggml's swiglu followed by the same product, bit for
-    bit."""
-    def swiglu_first(product, ctx, w, x, row_tiles=0, up=None, **fusions):
-        return product(ctx, w, x if up is None else ctx.swiglu_split(x, up), row_tiles, **fusions)
+    bit. A qwen35 attention layer's output projection likewise takes sigmoid(gate) * its input
+    (ggml_qmatmul_sigmoid_gated): no SIGMOID node left, the bits of ggml's sigmoid and mul."""
+    def gate_first(product, ctx, w, x, row_tiles=0, up=None, gate="silu", **fusions):
+        if up is not None:
+            x = ctx.mul(up, ctx.sigmoid(x)) if gate == "sigmoid" else ctx.swiglu_split(x, up)
+        return product(ctx, w, x, row_tiles, **fusions)
     monkeypatch.setenv("PYDFLASH_HEAD_NORM_IN_QMATMUL", "0")   # (the GDN head norm as ggml's ops in both runs)
-    fused, got, plain, ref = _fused_and_separate(tmp_path, monkeypatch, case, swiglu_first)
-    gated = fused.hp.n_layer + sum(getattr(fused.hp, "recurrent", ()))
-    assert _count(fused, ggml.Op.GLU, 4) == (gated, 0) and _count(plain, ggml.Op.GLU, 4) == (0, gated)
+    fused, got, plain, ref = _fused_and_separate(tmp_path, monkeypatch, case, gate_first)
+    recurrent = getattr(fused.hp, "recurrent", ())
+    swiglu = fused.hp.n_layer + sum(recurrent)
+    sigmoid = sum(not r for r in recurrent) if case.startswith("qwen35") else 0   # (gated attention)
+    assert _count(fused, ggml.Op.GLU, 4) == (swiglu + sigmoid, 0) and _count(plain, ggml.Op.GLU, 4) == (0, swiglu)
+    unary = [sum(n.op == ggml.Op.UNARY for n in t._last.graph.nodes()) for t in (fused, plain)]
+    assert unary[1] - unary[0] == sigmoid
     assert np.array_equal(got, ref)
 
 

@@ -137,6 +137,32 @@ def test_rope_multi_imrope(backend, rng):
     assert rel_err(y, imrope_reference(x, np.stack([p, p, p, p]), n_dims, sections, base)) < 1e-5
 
 
+# (n_dims, sections, whether every rotated pair reads one of the three axes that hold a text token's position)
+TEXT_ROPE_CASES = [(64, (11, 11, 10, 0), True), (32, (6, 5, 5, 0), True), (16, (3, 3, 2, 0), True),
+                   (16, (4, 2, 2, 0), False), (128, (24, 20, 20, 0), False)]
+
+
+@pytest.mark.parametrize("n_dims,sections,neox", TEXT_ROPE_CASES, ids=[str(c[1]) for c in TEXT_ROPE_CASES])
+def test_imrope_at_text_positions_is_neox_rope_where_the_target_says(backend, rng, n_dims, sections, neox):
+    """ggml's IMROPE at text positions (p, p, p, 0) against its NEOX rope at p: bit for bit the same exactly
+    where Qwen35HParams.text_rope_is_neox says so (the qwen35 target then ropes with NEOX, which ggml-cuda fuses
+    with the norm before it and the cache write after it); where a pair reads the fourth axis (0), different."""
+    from types import SimpleNamespace
+
+    from pydflash.models.qwen35 import Qwen35HParams
+    hp = SimpleNamespace(n_rot=n_dims, rope_sections=sections)
+    assert Qwen35HParams.text_rope_is_neox.fget(hp) == neox
+    n_tok, n_head, head_dim, base = 7, 2, 2 * n_dims, 1e6
+    x = rng.standard_normal((n_tok, n_head, head_dim)).astype(np.float32)
+    p = (np.arange(n_tok) * 37 + 5).astype(np.int32)
+    imrope = run_graph(backend, lambda ctx, t: ctx.rope_multi(t["x"], t["pos"], None, n_dims, list(sections),
+                                                              GGML_ROPE_TYPE_IMROPE, 0, base, 1.0, 0.0, 1.0, 0.0, 0.0),
+                       {"x": x, "pos": np.concatenate([p, p, p, np.zeros_like(p)])})
+    neox_rope = run_graph(backend, lambda ctx, t: ctx.rope_ext(t["x"], t["pos"], None, n_dims, 2, 0, base, 1.0,
+                                                               0.0, 1.0, 0.0, 0.0), {"x": x, "pos": p})
+    assert np.array_equal(imrope, neox_rope) == neox
+
+
 # --- flash_attn_ext with a mask ----------------------------------------------------------------------------
 
 @pytest.mark.parametrize("n_q,n_kv", [(1, 37), (5, 128)])

@@ -91,11 +91,11 @@ class QMatmul:
         return graph.outputs[0].numpy().reshape(n, self.M)
 
     def run_gated(self, x: np.ndarray, u: np.ndarray, row_tiles: int = 0, separate: bool = False,
-                  norm: np.ndarray | None = None) -> np.ndarray:
+                  norm: np.ndarray | None = None, act: str = "silu") -> np.ndarray:
         """qmatmul(w, silu(x) * u) for x, u [N, K] (numpy order), both views of one [N, 2K] tensor as a fused
         gate/up product's halves: gated inside the product (ggml_qmatmul_fused's up), or by ggml's swiglu_split
         before it (separate). norm [G]: u RMS-normed in groups of G values first (inside the product, or by ggml's
-        rms_norm and mul)."""
+        rms_norm and mul). act="sigmoid": sigmoid(x) * u (ggml_qmatmul_sigmoid_gated, or ggml's sigmoid and mul)."""
         n = x.shape[0]
         ctx = ggml.Context(n_tensors=16, graph_size=16)
         w = ctx.new_tensor(self.wtype, (self.K, self.M), name="w").mark_input()
@@ -107,9 +107,14 @@ class QMatmul:
             if norm is not None:
                 heads = ctx.reshape_3d(ctx.cont(up), norm.size, self.K // norm.size, n)
                 up = ctx.reshape_2d(ctx.mul(ctx.rms_norm(heads, EPS), g), self.K, n)
-            out = ggml.qmatmul(ctx, w, ctx.swiglu_split(gate, up), row_tiles)
+            if act == "sigmoid":   # (up first: the sigmoid and the mul neighbours, which ggml-cuda fuses)
+                gated = ctx.mul(up, ctx.sigmoid(gate if self.backend.is_cpu else ctx.cont(gate)))
+            else:
+                gated = ctx.swiglu_split(gate, up)
+            out = ggml.qmatmul(ctx, w, gated, row_tiles)
         else:
-            out = ggml.qmatmul(ctx, w, gate, row_tiles, up=up, norm=g if norm is not None else None, eps=EPS)
+            out = ggml.qmatmul(ctx, w, gate, row_tiles, up=up, norm=g if norm is not None else None, eps=EPS,
+                               gate=act)
         graph = ctx.graph(out)
         ggml.Allocator(self.backend).allocate(graph)
         w.set(self.w_data)
@@ -221,6 +226,31 @@ def test_qmatmul_gated_is_ggml_swiglu_then_the_product(backend, rng, wtype):
         gated = xd / (1.0 + np.exp(-xd)) * u
         err = rel_err(fused, (gated if backend.is_cpu else as_q8(gated.astype(np.float32))) @ w_ref.T)
         assert err < (1e-5 if backend.is_cpu else 1e-3), f"{wtype.name} N={n}: relative error {err:.2e}"
+
+
+@pytest.mark.parametrize("wtype", TYPES, ids=[t.name for t in TYPES])
+def test_qmatmul_sigmoid_gated_is_ggml_sigmoid_and_mul_then_the_product(backend, rng, wtype):
+    """ggml_qmatmul_sigmoid_gated: the columns sigmoid(gate) * up (an attention's output gate), gated as they are
+    quantised, give the bits of ggml's sigmoid and mul followed by the product at every column count (and on CUDA
+    every row-tile count, and through the f16 kernel where it runs), and the product matches float64."""
+    op, w_ref = make(backend, rng, wtype, SHAPES_TALL)
+    tiles = [0] if backend.is_cpu else [0] + ROW_TILES
+    if not backend.is_cpu and wtype in (ggml.Type.Q4_K, ggml.Type.Q6_K) and ggml.qmatmul_streams(backend._dev):
+        tiles.append(ggml.QMATMUL_F16)
+    for n in (1, 3, 16, 23, 48):
+        x = (rng.standard_normal((n, op.K)) * 3.0).astype(np.float32)
+        u = rng.standard_normal((n, op.K)).astype(np.float32)
+        for rt in tiles:
+            fused = op.run_gated(x, u, row_tiles=rt, act="sigmoid")
+            separate = op.run_gated(x, u, row_tiles=rt, separate=True, act="sigmoid")
+            assert np.array_equal(fused, separate), f"{wtype.name} N={n} row_tiles={rt}: not ggml's sigmoid and mul"
+        xd = x.astype(np.float64)
+        gated = u / (1.0 + np.exp(-xd))
+        fused = op.run_gated(x, u, act="sigmoid")
+        err = rel_err(fused, (gated if backend.is_cpu else as_q8(gated.astype(np.float32))) @ w_ref.T)
+        assert err < (1e-5 if backend.is_cpu else 1e-3), f"{wtype.name} N={n}: relative error {err:.2e}"
+    with pytest.raises(ValueError, match="sigmoid"):
+        op.run_gated(x, u, norm=np.ones(32, np.float32), act="sigmoid")
 
 
 @pytest.mark.parametrize("wtype", TYPES, ids=[t.name for t in TYPES])

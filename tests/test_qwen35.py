@@ -14,7 +14,7 @@ import pytest
 from pydflash import ggml
 from pydflash.generate import generate_greedy
 from pydflash.gguf_io import GGUFError
-from pydflash.models.qwen35 import Qwen35Target
+from pydflash.models.qwen35 import Qwen35HParams, Qwen35Target
 from pydflash.testing import write_qwen35_gguf
 from conftest import llama_cpp_plain
 
@@ -163,6 +163,28 @@ def test_micro_batch_size_does_not_change_logits(models):
     assert_logits_close(a, ref, "F32")
     assert_logits_close(b, ref, "F32")
     assert np.abs(a - b).max() <= LOGIT_ATOL["F32"]
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_neox_rope_at_text_positions_gives_the_imrope_logits(models, monkeypatch, device):
+    """The target ropes with NEOX where IMROPE's text positions make it the same rotation
+    (Qwen35HParams.text_rope_is_neox), with one position per token: a prefill's and a verify's logits bit for bit
+    those of IMROPE over four position axes (the oracle: ggml's own rope_multi, llama.cpp's choice)."""
+    path = models[("B", "Q8_0")]
+    prompt = _prompt(seed=5, n=40)
+
+    def logits():
+        target = Qwen35Target(path, device, n_ctx=N_CTX)
+        prefill = target.prefill(prompt)
+        target.enable_verify(4, tree=True)
+        target.verify([7, 9, 11, 13], [-1, 0, 0, 1], [0, 1, 1, 2])
+        return target.POS_PER_TOKEN, prefill, target.logits_of_slots()
+
+    neox = logits()
+    monkeypatch.setattr(Qwen35HParams, "text_rope_is_neox", property(lambda hp: False))
+    imrope = logits()
+    assert (neox[0], imrope[0]) == (1, 4)
+    assert np.array_equal(neox[1], imrope[1]) and np.array_equal(neox[2], imrope[2])
 
 
 def test_context_overflow_is_a_clear_error(models):

@@ -80,3 +80,24 @@ def test_draft_reads_the_public_capture_count(deep_model):
     assert draft.n_ctx == 7
     with pytest.raises(ValueError, match=r"0\.\.6"):
         draft.append_from_target([7])
+
+
+def test_qwen35_attn_q_is_loaded_as_every_head_q_then_every_gate(deep_model, tmp_path):
+    """attn_q's file rows interleave each head's Q and output gate (llama.cpp's layout); the target loads every
+    head's Q rows first, then every gate's (Qwen35Target.row_orders), so the gate is a column slice of the
+    product; an order that is not a permutation of the rows is refused by name."""
+    path, _ = deep_model
+    target = Qwen35Target(path, "cpu", n_ctx=64)
+    hp, gf = target.hp, gguf_io.GGUFFile(path)
+    il = hp.recurrent.index(False)
+    name = f"blk.{il}.attn_q.weight"
+    hd, n_head = hp.head_dim, hp.n_head
+    file_rows = gf.data(gf.tensors[name]).reshape(2 * hd * n_head, -1)
+    loaded = target.weights[name].numpy().reshape(2 * hd * n_head, -1).view(np.uint8)
+    for h in range(n_head):
+        assert np.array_equal(loaded[h * hd:(h + 1) * hd], file_rows[2 * h * hd:(2 * h + 1) * hd]), f"head {h}: Q"
+        assert np.array_equal(loaded[(n_head + h) * hd:(n_head + h + 1) * hd],
+                              file_rows[(2 * h + 1) * hd:(2 * h + 2) * hd]), f"head {h}: gate"
+    info = gf.tensors[name]
+    with pytest.raises(ValueError, match=name):
+        gguf_io.upload(gf, [(info, target.weights[name])], row_orders={name: np.zeros(2 * hd * n_head, int)})

@@ -2,9 +2,9 @@
 // (ggml's own to_float of its type) and dotted with every column of x in float, in index order. With a norm
 // (ggml_qmatmul_rms_norm) each column is first scaled as ggml's CPU rms_norm and mul would: squares summed in
 // double, scale = 1 / sqrtf(mean + eps), value = x * scale * norm. ggml_qmatmul_fused: with up, the columns are
-// ggml's CPU swiglu of x and up (its own vector function, computed once into the work buffer, a column per thread),
-// with a norm of up's groups first (ggml's rms_norm and mul of each group, as above); with an added tensor each
-// output is sum + add, ggml's CPU add.
+// ggml's CPU swiglu of x and up (its own vector function, computed once into the work buffer, a column per thread)
+// or its sigmoid of x times up (ggml_qmatmul_sigmoid_gated), with a norm of up's groups first (ggml's rms_norm and
+// mul of each group, as above); with an added tensor each output is sum + add, ggml's CPU add.
 
 #include "ggml-ext.h"
 #include "ggml-ext-cpu.h"
@@ -68,7 +68,14 @@ void ggml_ext_cpu_qmatmul(const struct ggml_compute_params * params, struct ggml
                 }
                 u = row;
             }
-            ggml_vec_swiglu_f32((int) K, gated + j * K, column(x, j), u);
+            if (dst->op_params[2] == GGML_EXT_QMATMUL_GATE_SIGMOID) {   // ggml's CPU sigmoid, then its mul
+                const float * xj = column(x, j);
+                for (int64_t k = 0; k < K; ++k) {
+                    gated[j * K + k] = 1.f / (1.f + expf(-xj[k])) * u[k];
+                }
+            } else {
+                ggml_vec_swiglu_f32((int) K, gated + j * K, column(x, j), u);
+            }
         }
         ggml_barrier(params->threadpool);
     }

@@ -250,13 +250,20 @@ static __device__ __forceinline__ float qmm_group_normed(const float * __restric
     return __fmul_rn(__fmul_rn(upc[k], factor), norm[k - k0]);
 }
 
-// The activations: one warp per column and 32 values. With up (ggml_qmatmul_fused) the gated values silu(x) * up,
-// by ggml-cuda's own swiglu expression (its silu times up, as its gated-op kernel: the same bits); with a norm as
-// well, up's groups normed first (qmm_group_normed).
+// x gating up (ggml_qmatmul_fused, ggml_qmatmul_sigmoid_gated) by ggml-cuda's own expressions: its silu or sigmoid
+// of x times up, as its gated-op kernels compute them (the same bits)
+static __device__ __forceinline__ float qmm_gated(float x, float up, int gate) {
+    const float act = gate == GGML_EXT_QMATMUL_GATE_SIGMOID ? 1.0f / (1.0f + expf(-x)) : ggml_cuda_op_silu_single(x);
+    return act * up;
+}
+
+// The activations: one warp per column and 32 values. With up the gated values (qmm_gated); with a norm as well,
+// up's groups normed first (qmm_group_normed).
 static __global__ void qmm_quantize_x(const float * __restrict__ x, const float * __restrict__ up,
-                                      const float * __restrict__ norm, int G, float eps, int8_t * __restrict__ yq,
-                                      float2 * __restrict__ yds, int K, int N, int npad, int64_t stride_col_x,
-                                      int64_t stride_col_up, qmm_x_layout layout, bool early_launch) {
+                                      const float * __restrict__ norm, int G, float eps, int gate,
+                                      int8_t * __restrict__ yq, float2 * __restrict__ yds, int K, int N, int npad,
+                                      int64_t stride_col_x, int64_t stride_col_up, qmm_x_layout layout,
+                                      bool early_launch) {
     if (early_launch) {
         ggml_cuda_pdl_lc();   // the product after it may start (its blocks wait for us before reading yq)
     }
@@ -275,7 +282,7 @@ static __global__ void qmm_quantize_x(const float * __restrict__ x, const float 
         if (up != nullptr) {
             const float * upc = up + col * stride_col_up;
             const float u = norm != nullptr ? qmm_group_normed(upc, norm, G, eps, k, lane) : upc[k];
-            v = ggml_cuda_op_silu_single(x[col * stride_col_x + k]) * u;
+            v = qmm_gated(x[col * stride_col_x + k], u, gate);
         } else {
             v = x[col * stride_col_x + k];
         }
@@ -376,10 +383,10 @@ static __global__ void qmm_add_after(float * __restrict__ dst, const float * __r
     }
 }
 
-// The gated columns silu(x) * up as floats, [K, N] contiguous (grid: N columns; a warp per 32 values), for the
+// The gated columns (qmm_gated) as floats, [K, N] contiguous (grid: N columns; a warp per 32 values), for the
 // vector kernel of older GPUs; with a norm, up's groups normed first as qmm_quantize_x does.
 static __global__ void qmm_glu_x(const float * __restrict__ x, const float * __restrict__ up,
-                                 const float * __restrict__ norm, int G, float eps, float * __restrict__ out,
+                                 const float * __restrict__ norm, int G, float eps, int gate, float * __restrict__ out,
                                  int K, int64_t stride_col_x, int64_t stride_col_up) {
     const int col  = blockIdx.x;
     const int lane = threadIdx.x % WARP_SIZE;
@@ -387,7 +394,7 @@ static __global__ void qmm_glu_x(const float * __restrict__ x, const float * __r
     ggml_cuda_pdl_sync();
     for (int k = threadIdx.x; k < K; k += blockDim.x) {   // (K a multiple of 32: whole warps stay in the loop)
         const float u = norm != nullptr ? qmm_group_normed(upc, norm, G, eps, k, lane) : upc[k];
-        out[(int64_t) col * K + k] = ggml_cuda_op_silu_single(x[col * stride_col_x + k]) * u;
+        out[(int64_t) col * K + k] = qmm_gated(x[col * stride_col_x + k], u, gate);
     }
 }
 
@@ -468,7 +475,7 @@ static void qmm_prepare_x(ggml_backend_cuda_context & ctx, const ggml_tensor * x
     ggml_cuda_kernel_launch(qmm_quantize_x, ggml_cuda_kernel_launch_params(dim3((n_warps + 7) / 8), dim3(8 * WARP_SIZE), 0, stream),
                             (const float *) x->data, up ? (const float *) up->data : nullptr,
                             unorm ? (const float *) unorm->data : nullptr, unorm ? (int) ggml_nelements(unorm) : 0,
-                            qmm_norm_eps(dst), yq, yds, K, N, npad, stride_col_x,
+                            qmm_norm_eps(dst), dst->op_params[2], yq, yds, K, N, npad, stride_col_x,
                             up ? (int64_t) (up->nb[1] / sizeof(float)) : 0, layout, qmm_early_launch());
 }
 
@@ -603,7 +610,8 @@ void ggml_ext_cuda_qmatmul(ggml_backend_cuda_context & ctx, ggml_tensor * dst) {
         normed.alloc(N * K);
         ggml_cuda_kernel_launch(qmm_glu_x, ggml_cuda_kernel_launch_params(dim3(N), dim3(256), 0, stream),
                                 xf, (const float *) up->data, unorm ? (const float *) unorm->data : nullptr,
-                                unorm ? (int) ggml_nelements(unorm) : 0, qmm_norm_eps(dst), normed.get(), (int) K,
+                                unorm ? (int) ggml_nelements(unorm) : 0, qmm_norm_eps(dst), dst->op_params[2],
+                                normed.get(), (int) K,
                                 stride_col_x, (int64_t) (up->nb[1] / sizeof(float)));
         xf = normed.get();
         stride_col_x = K;

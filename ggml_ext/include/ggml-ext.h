@@ -10,7 +10,7 @@ extern "C" {
 #endif
 
 // Bumped whenever an op's signature or semantics change; the Python bindings check it at load.
-#define GGML_EXT_ABI_VERSION 17
+#define GGML_EXT_ABI_VERSION 18
 
 // The number of ops in ggml-ext-ops.def.
 enum {
@@ -310,6 +310,25 @@ GGML_API struct ggml_tensor * ggml_qmatmul_fused(
         float                 eps,
         struct ggml_tensor  * add,
         int                   row_tiles);
+
+// ggml_qmatmul of the gated columns sigmoid(x) * up (ggml_sigmoid(x) then ggml_mul with up: an attention's output
+// gate, x the gate's rows and up the attention's output), gated where the activations are quantised, plus add where
+// given (as ggml_qmatmul_fused's); x and up f32 [K, N], rows contiguous. The bits of those ggml ops on the same
+// backend, with a kernel fewer (on CUDA two: ggml-cuda fuses the sigmoid and the multiplication).
+GGML_API struct ggml_tensor * ggml_qmatmul_sigmoid_gated(
+        struct ggml_context * ctx,
+        struct ggml_tensor  * w,
+        struct ggml_tensor  * x,
+        struct ggml_tensor  * up,
+        struct ggml_tensor  * add,
+        int                   row_tiles);
+
+// How ggml_qmatmul's up gates x (op_params[2])
+enum ggml_ext_qmatmul_gate {
+    GGML_EXT_QMATMUL_GATE_SILU    = 0,   // silu(x) * up (ggml_qmatmul_fused)
+    GGML_EXT_QMATMUL_GATE_SIGMOID = 1,   // sigmoid(x) * up (ggml_qmatmul_sigmoid_gated)
+};
+
 // --- Sampling: filter each row of logits and draw one token (docs/sampling.md) ----------------------------------
 //   logits f32 [n_vocab, n_rows]  rows contiguous (nb[0] = 4)
 //   hist   i32 [n_hist, n_rows]   each row's most recent tokens for the penalties (-1: no token), contiguous

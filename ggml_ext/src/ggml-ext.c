@@ -361,7 +361,7 @@ struct ggml_tensor * ggml_qmatmul_rms_norm(
 }
 
 // src[2]: the norm (op_params[1]: eps; with up, of up's groups), src[3]: the added tensor, src[4]: up (the gated
-// columns silu(x) * up)
+// columns silu(x) * up, or sigmoid(x) * up: op_params[2], enum ggml_ext_qmatmul_gate)
 struct ggml_tensor * ggml_qmatmul_fused(
         struct ggml_context * ctx,
         struct ggml_tensor  * w,
@@ -390,6 +390,19 @@ struct ggml_tensor * ggml_qmatmul_fused(
         GGML_ASSERT(add->ne[0] == result->ne[0] && add->ne[1] == result->ne[1]);
         result->src[3] = add;
     }
+    return result;
+}
+
+struct ggml_tensor * ggml_qmatmul_sigmoid_gated(
+        struct ggml_context * ctx,
+        struct ggml_tensor  * w,
+        struct ggml_tensor  * x,
+        struct ggml_tensor  * up,
+        struct ggml_tensor  * add,
+        int                   row_tiles) {
+    GGML_ASSERT(up != NULL);
+    struct ggml_tensor * result = ggml_qmatmul_fused(ctx, w, x, up, NULL, 0.0f, add, row_tiles);
+    result->op_params[2] = GGML_EXT_QMATMUL_GATE_SIGMOID;
     return result;
 }
 

@@ -304,8 +304,11 @@ def qmatmul_streams(device) -> bool:
     return _streams[key]
 
 
+QMATMUL_GATES = ("silu", "sigmoid")   # how qmatmul's up gates x (ggml-ext.h: enum ggml_ext_qmatmul_gate)
+
+
 def qmatmul(ctx: Context, w: Tensor, x: Tensor, row_tiles: int = 0, norm: Tensor | None = None,
-            eps: float = 0.0, add: Tensor | None = None, up: Tensor | None = None) -> Tensor:
+            eps: float = 0.0, add: Tensor | None = None, up: Tensor | None = None, gate: str = "silu") -> Tensor:
     """W * X for a quantised weight w [K, M] (Q4_K, Q5_K, Q6_K, Q8_0, or BF16, contiguous) and f32 x [K, N] with
     1 <= N <= 48 columns -> f32 [M, N], the product `ctx.mul_mat(w, x)` computes. On CUDA column j of the result
     is bit-identical whatever N is (ggml-ext.h says how); the CPU kernel is a float reference.
@@ -323,7 +326,9 @@ def qmatmul(ctx: Context, w: Tensor, x: Tensor, row_tiles: int = 0, norm: Tensor
     up (f32 [K, N], rows contiguous): multiply the gated columns silu(x) * up instead, gated as they are quantised
     (ggml_qmatmul_fused: the bits of `ctx.swiglu_split(x, up)` before the product). With up, norm (f32 [G], G
     dividing K; on CUDA a multiple of 32) norms up in groups of G values first: silu(x) * (rms_norm(up group, eps)
-    * norm), a per-head norm (on the CPU the bits of ggml's rms_norm and mul on [G, K/G, N])."""
+    * norm), a per-head norm (on the CPU the bits of ggml's rms_norm and mul on [G, K/G, N]). gate="sigmoid"
+    gates sigmoid(x) * up instead, without a norm (ggml_qmatmul_sigmoid_gated: the bits of `ctx.sigmoid(x)` times
+    up; an attention's output gate)."""
     if row_tiles not in QMATMUL_ROW_TILES:
         raise ValueError(f"qmatmul row_tiles must be one of {QMATMUL_ROW_TILES}, got {row_tiles}")
     if w.type not in QMATMUL_TYPES + QMATMUL_F16_FAMILY_TYPES:
@@ -338,6 +343,10 @@ def qmatmul(ctx: Context, w: Tensor, x: Tensor, row_tiles: int = 0, norm: Tensor
     _expect_rows(x, "qmatmul x")
     if not 1 <= n <= QMATMUL_MAX_COLS:
         raise ValueError(f"qmatmul takes 1 to {QMATMUL_MAX_COLS} columns of x, got {n}")
+    if gate not in QMATMUL_GATES:
+        raise ValueError(f"qmatmul gate must be one of {QMATMUL_GATES}, got {gate!r}")
+    if gate == "sigmoid" and (up is None or norm is not None):
+        raise ValueError("qmatmul gate='sigmoid' needs up and takes no norm")
     if norm is None and add is None and up is None:
         return Tensor(lib.ggml_qmatmul(ctx._ptr, w._ptr, x._ptr, row_tiles), ctx)
     if up is not None:
@@ -353,6 +362,9 @@ def qmatmul(ctx: Context, w: Tensor, x: Tensor, row_tiles: int = 0, norm: Tensor
     if add is not None:
         _expect(add, "qmatmul add", Type.F32, (M, n))
         _expect_rows(add, "qmatmul add")
+    if gate == "sigmoid":
+        return Tensor(lib.ggml_qmatmul_sigmoid_gated(ctx._ptr, w._ptr, x._ptr, up._ptr, _ptr_or_null(add), row_tiles),
+                      ctx)
     return Tensor(lib.ggml_qmatmul_fused(ctx._ptr, w._ptr, x._ptr, _ptr_or_null(up), _ptr_or_null(norm), eps,
                                          _ptr_or_null(add), row_tiles), ctx)
 

@@ -249,15 +249,19 @@ class Normed(_Deferred):
 class Gated(_Deferred):
     """silu(gate) * up (ggml's swiglu_split) as the input of a projection (linear): a product that ggml_qmatmul
     takes gates the columns where it quantises them (ggml_qmatmul_fused's up: the same bits, one kernel fewer).
+    act="sigmoid": sigmoid(gate) * up instead (ggml's sigmoid then mul: an attention's output gate;
+    ggml_qmatmul_sigmoid_gated), without head_norm.
 
     head_norm (weight, eps, name): up is first RMS-normed per head of len(weight) values and scaled by the weight
     (rms_norm over [head, heads, n], named `name` where built): with PYDFLASH_HEAD_NORM_IN_QMATMUL=1 inside the
     product as well (ggml_qmatmul_fused's up with a norm), else as ggml's ops before the gated product."""
 
     def __init__(self, ctx: ggml.Context, gate: ggml.Tensor, up: ggml.Tensor,
-                 head_norm: tuple[ggml.Tensor, float, str] | None = None):
+                 head_norm: tuple[ggml.Tensor, float, str] | None = None, act: str = "silu", name: str | None = None):
+        if act not in ggml.QMATMUL_GATES or (act == "sigmoid" and head_norm is not None):
+            raise ValueError(f"Gated takes act silu (with or without head_norm) or sigmoid, got {act!r}")
         super().__init__(ctx, gate)
-        self.gate, self.up, self.head_norm = gate, up, head_norm
+        self.gate, self.up, self.head_norm, self.act, self.name = gate, up, head_norm, act, name
         self._normed_up = None
 
     def _up(self) -> ggml.Tensor:
@@ -271,7 +275,14 @@ class Gated(_Deferred):
         return self._normed_up
 
     def _build(self) -> ggml.Tensor:
-        return self.ctx.swiglu_split(self.gate, self._up())
+        if self.act == "sigmoid":
+            # up first, so that the sigmoid and the mul are neighbours in the graph (ggml-cuda fuses them, reading a
+            # strided gate; its lone sigmoid takes contiguous tensors only)
+            gate = self.gate if self.gate.is_contiguous else self.ctx.cont(self.gate)
+            out = self.ctx.mul(self.up, self.ctx.sigmoid(gate))
+        else:
+            out = self.ctx.swiglu_split(self.gate, self._up())
+        return out if self.name is None else out.named(self.name)
 
     def _norm_inside(self) -> bool:
         if self.head_norm is None or not head_norm_in_qmatmul_enabled():
@@ -290,7 +301,7 @@ class Gated(_Deferred):
         if self._norm_inside():
             weight, eps, _ = self.head_norm
             return ggml.qmatmul(ctx, w, self.gate, row_tiles, up=self.up, norm=weight, eps=eps, add=add)
-        return ggml.qmatmul(ctx, w, self.gate, row_tiles, up=self._up(), add=add)
+        return ggml.qmatmul(ctx, w, self.gate, row_tiles, up=self._up(), add=add, gate=self.act)
 
 
 def uses_qmatmul(w: ggml.Tensor, x: ggml.Tensor) -> bool:

@@ -113,6 +113,16 @@ class Qwen35HParams:
         if problems:
             raise GGUFError(f"{path}: " + "; ".join(problems))
 
+    @property
+    def text_rope_is_neox(self) -> bool:
+        """Whether IMROPE at a text token's positions (p, p, p, 0) is NEOX rope at p: ggml's rope_multi gives the
+        rotated pair i the angle of position axis a = s % 3 (s = i % sum(sections)) where s < 3 sections[a], else of
+        axis 3, which holds 0. When every pair takes one of the three axes that hold p, the angles, and so the
+        values, are NEOX's (ggml's CPU and CUDA rope compute them by the same expressions), and ggml-cuda fuses a
+        NEOX rope with the norm before it and the KV-cache write after it (IMROPE it does not)."""
+        pairs = range(self.n_rot // 2)
+        return all((s := i % sum(self.rope_sections)) < 3 * self.rope_sections[s % 3] for i in pairs)
+
     def tensors(self) -> dict[str, TensorSpec]:
         """Every tensor the model reads, name -> (ne in ggml order, role), as llama.cpp's loader expects them."""
         E, hd = self.n_embd, self.head_dim
@@ -152,10 +162,17 @@ class Qwen35Target(TargetRuntime):
 
     ARCH = ARCH
     HParams = Qwen35HParams
-    POS_PER_TOKEN = 4              # IMROPE: four position axes per token
     GRAPH_TENSORS_PER_LAYER = 64   # ~45 used (GDN or attention + FFN, views included), ~55 with rotated KV
 
+    @property
+    def POS_PER_TOKEN(self) -> int:
+        """IMROPE's four position axes per token, or one where its text positions make it NEOX rope
+        (Qwen35HParams.text_rope_is_neox)."""
+        return 1 if self.hp.text_rope_is_neox else 4
+
     def rope_positions(self, pos: np.ndarray) -> np.ndarray:
+        if self.hp.text_rope_is_neox:
+            return pos
         return np.concatenate([pos, pos, pos, np.zeros(pos.size, np.int32)])   # axis-major (p, p, p, 0)
 
     def build_layer(self, ctx, il: int, h, g: GraphInputs):
@@ -179,23 +196,35 @@ class Qwen35Target(TargetRuntime):
             else [(p + "attn_q", p + "attn_k", p + "attn_v")]
         return runs + [(p + "ffn_gate", p + "ffn_up")]
 
+    def row_orders(self) -> dict[str, np.ndarray]:
+        """attn_q's rows interleave each head's Q and output gate; loaded as every head's Q, then every gate, the gate
+        is a column slice of the product, which ggml-cuda's sigmoid-and-multiply kernel reads where it is (no copy)."""
+        hd, n_head = self.hp.head_dim, self.hp.n_head
+        head_rows = np.arange(n_head)[:, None] * 2 * hd + np.arange(hd)[None, :]   # each head's Q rows in the file
+        order = np.concatenate([head_rows.ravel(), (head_rows + hd).ravel()])
+        return {f"blk.{il}.attn_q.weight": order for il in range(self.hp.n_layer) if not self.hp.recurrent[il]}
+
     def _attention(self, ctx, x, il: int, g: GraphInputs, add=None):
         hp, w = self.hp, self.weights
         p, hd, n = f"blk.{il}.", hp.head_dim, g.n_tokens
         q_full, k, v = self.project(ctx, x, [p + "attn_q", p + "attn_k", p + "attn_v"])   # q_full: [Q | gate]
-        q = ctx.view_3d(q_full, hd, hp.n_head, n, 2 * hd * 4, q_full.nb[1], 0)
+        q = ctx.view_3d(q_full, hd, hp.n_head, n, hd * 4, q_full.nb[1], 0)                # (row_orders)
         q = rms_norm(ctx, q, w[p + "attn_q_norm.weight"], hp.rms_eps, f"l{il}.q_norm")     # [hd, n_head, n]
-        gate = ctx.view_3d(q_full, hd, hp.n_head, n, 2 * hd * 4, q_full.nb[1], hd * 4)
-        gate = ctx.cont_2d(gate, hd * hp.n_head, n)
+        gate = ctx.view_2d(q_full, hd * hp.n_head, n, q_full.nb[1], hd * hp.n_head * 4)
         k = layers.heads(ctx, k, hd, hp.n_head_kv, n)
         k = rms_norm(ctx, k, w[p + "attn_k_norm.weight"], hp.rms_eps, f"l{il}.k_norm")
         v = layers.heads(ctx, v, hd, hp.n_head_kv, n)
-        rope = (hp.n_rot, list(hp.rope_sections), layers.ROPE_TYPE_IMROPE, hp.n_ctx_train, hp.rope_base, 1.0, 0.0,
-                1.0, 32.0, 1.0)
-        q = ctx.rope_multi(q, g.pos, None, *rope).named(f"l{il}.q")
-        k = ctx.rope_multi(k, g.pos, None, *rope).named(f"l{il}.k")
+        if hp.text_rope_is_neox:
+            rope = dict(n_rot=hp.n_rot, mode=layers.ROPE_TYPE_NEOX, base=hp.rope_base, n_ctx_train=hp.n_ctx_train)
+            q = layers.rope(ctx, q, g.pos, **rope).named(f"l{il}.q")
+            k = layers.rope(ctx, k, g.pos, **rope).named(f"l{il}.k")
+        else:
+            rope = (hp.n_rot, list(hp.rope_sections), layers.ROPE_TYPE_IMROPE, hp.n_ctx_train, hp.rope_base, 1.0,
+                    0.0, 1.0, 32.0, 1.0)
+            q = ctx.rope_multi(q, g.pos, None, *rope).named(f"l{il}.q")
+            k = ctx.rope_multi(k, g.pos, None, *rope).named(f"l{il}.k")
         out = layers.attention(ctx, self.cache, il, q, k, v, g)     # [hd n_head, n]
-        out = ctx.mul(out, ctx.sigmoid(gate)).named(f"l{il}.attn_gated")
+        out = layers.Gated(ctx, gate, out, act="sigmoid", name=f"l{il}.attn_gated")   # sigmoid(gate) * out
         return linear(ctx, w[p + "attn_output.weight"], out, add=add, name=f"l{il}.attn_out")
 
     def _conv_norms_qk(self) -> bool:

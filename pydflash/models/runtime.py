@@ -65,8 +65,10 @@ class TargetWeights:
     nodes (ggml-cuda's gate/up/GLU at one token) still apply."""
 
     def __init__(self, gf: GGUFFile, specs: dict[str, TensorSpec], backend: ggml.Backend,
-                 progress: bool | None = None, infos: list | None = None, fused: dict | None = None):
-        """infos: what `check(gf, specs, backend)` returned, when the caller already ran it."""
+                 progress: bool | None = None, infos: list | None = None, fused: dict | None = None,
+                 row_orders: dict | None = None):
+        """infos: what `check(gf, specs, backend)` returned, when the caller already ran it; row_orders: tensors
+        loaded with their rows reordered (gguf_io.upload)."""
         if infos is None:
             infos = self.check(gf, specs, backend)
         fused = fused or {}
@@ -88,7 +90,7 @@ class TargetWeights:
             for m in members:
                 self.buffer.alias(self.t[m], self.t[merged], offset)
                 offset += by_name[m].nbytes
-        upload(gf, [(info, self.t[info.name]) for info in infos], progress=progress)
+        upload(gf, [(info, self.t[info.name]) for info in infos], progress=progress, row_orders=row_orders)
         if "output.weight" not in self.t:
             self.t["output.weight"] = self.t["token_embd.weight"]
 
@@ -320,7 +322,8 @@ class TargetRuntime:
         # fails here with the numbers, not in the allocator (or by exhausting the host)
         check_memory(self.backend, self.memory_plan(infos, n_cells, kv_type, n_ubatch),
                      f"{self.gguf.path} with n_ctx {n_ctx}")
-        self.weights = TargetWeights(self.gguf, specs, self.backend, progress, infos, self.fused_weights(infos))
+        self.weights = TargetWeights(self.gguf, specs, self.backend, progress, infos, self.fused_weights(infos),
+                                     self.row_orders())
         self.cache = HybridCache(self.backend, hp, n_cells, kv_type)
         self._capture_ctx = ggml.Context(n_tensors=1)
         self.captured = None
@@ -363,6 +366,11 @@ class TargetRuntime:
         """Groups of layer il's weights (names without '.weight') that read the same input, in row order: each run
         of neighbours of one type and row length is loaded as one matrix (fused_weights); none by default."""
         return []
+
+    def row_orders(self) -> dict[str, np.ndarray]:
+        """Weights whose rows the graphs want in another order than the file's: name -> the file's row for each
+        loaded row (TargetWeights); none by default."""
+        return {}
 
     def fused_weights(self, infos) -> dict[str, tuple[str, ...]]:
         """TargetWeights' `fused` from the file's TensorInfos: every layer's fusion_candidates, each cut into the
