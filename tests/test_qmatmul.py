@@ -405,8 +405,10 @@ def f16_kernel_or_skip(backend):
 # Shapes of the f16 kernel's cases: few row tiles of 256 rows, each cut over many CUDA blocks (every tile finished
 # from several blocks' partial sums); and more items than SMs (blocks running parts of two tiles), rows ending in
 # a partial tile. Q6_K: 11 and 5 units a row, so rows start at every even offset from a 16-byte boundary and the
-# matrix ends past its last one.
+# matrix ends past its last one. And a Q4_K matrix tall enough for the kernel's 12-warp (192-row) tiles
+# (QMH_Q4_K_WIDE_ROWS), ending in a tile of one row.
 F16_SHAPES = ((2816, 301), (1280, 7001))
+F16_WIDE_SHAPES = {ggml.Type.Q4_K: ((1280, 24577),), ggml.Type.Q6_K: ()}
 
 
 @pytest.mark.cuda
@@ -418,7 +420,7 @@ def test_qmatmul_f16_kernel_matches_its_rounding_and_keeps_columns_apart(rng, wt
     backend = ggml.Backend("cuda")
     f16_kernel_or_skip(backend)
     F16 = ggml.QMATMUL_F16
-    for K, M in F16_SHAPES:
+    for K, M in F16_SHAPES + F16_WIDE_SHAPES[wtype]:
         op, w_ref = make(backend, rng, wtype, {wtype: (K, M)})
         w16, dm = F16_PARTS[wtype](op.w_data, K, M)
         assert rel_err(w16 - np.repeat(dm, 32, axis=1), w_ref) < 1e-3   # the decoder reads the blocks right

@@ -9,12 +9,14 @@
 //   /tmp/qmm_lab [shape ...]        (shapes: the names in SHAPES below; default all)
 //
 // QMM_LAB_SHARED=1 with QMM_LAB_COLS: the f16 kernel of qmatmul_shared.cuh (Q4_K and Q6_K shapes) at each column
-// count, in the shape ggml_qmatmul runs and one other (warps, stages, K units a stage, blocks per SM), beside the best of qmm_mma / its staged form (and the streaming
-// kernel at one column), on the same activation values rounded to f16; checking that its column 0 has the same bits
-// at every N and how far it is from qmm_mma's result (the f16 roundings of the weights and activations); and where
-// one call's time goes (QMH_TRACE: the CUDA blocks' start, first stage in, last item done, exit, us from the
-// first start: median and latest); QMM_LAB_NARROW=1 also times Q4_K and BF16 in 8 warps of one unit, two blocks an SM. With QMM_LAB_ADD=1 the shape ggml_qmatmul runs is also timed with a residual
-// added as its outputs are stored (checked: the sum of the plain result and the residual, bit for bit).
+// count, in the shape ggml_qmatmul runs and two others (warps, stages, K units a stage, blocks per SM), beside the
+// best of qmm_mma / its staged form (and the streaming kernel at one column), on the same activation values rounded
+// to f16; checking that its column 0 has the same bits at every N and how far it is from qmm_mma's result (the f16
+// roundings of the weights and activations); and where one call's time goes (QMH_TRACE: the CUDA blocks' start,
+// first stage in, last item done, exit, us from the first start: median and latest). QMM_LAB_WARPS=1 also times
+// tiles of 8 and 6 warps at two blocks an SM and of 12 at one. With QMM_LAB_ADD=1 the shape ggml_qmatmul runs is
+// also timed with a residual added as its outputs are stored (checked: the sum of the plain result and the
+// residual, bit for bit).
 //
 // QMM_LAB_COLS=1,8,23,48 times the tensor-core kernel instead, at those column counts and each row-tile count,
 // checking that a column's result does not depend on how many columns come with it (and from 9 columns, at 1 and 2
@@ -582,28 +584,22 @@ template <ggml_type type> static void run_shared(const shape & sh, const std::ve
             }
             ++v;
         };
-        // (row tiles per warp, warps, stages, blocks per SM): the shape ggml_qmatmul runs for this M, and beside it
-        // the runner-up of the last sweep (docs/benchmarks.md, seventeenth and twentieth sessions)
+        // (row tiles per warp, warps, stages, blocks per SM): the shape ggml_qmatmul runs for this M (qmh_with_shape),
+        // and beside it 8 warps at one block an SM, one K unit a stage in 16 warps, and on request the other widths
         constexpr int RU = qmh_run_units<type>();
-        const int RW = qmh_run_warps<type>(sh.M), MB = qmh_run_minb<type>(sh.M);
-        char run_name[32];
-        snprintf(run_name, sizeof run_name, "run w%d s%d u%d x%d", RW, QMH_RUN_STAGES, RU, MB);
-        if constexpr (type == GGML_TYPE_Q6_K) {
-            auto narrow = [&](const qmh_args & a, int P) { shared_any<type, 1, 8, QMH_RUN_STAGES, 1, 2>(a, P, st); };
-            auto wide = [&](const qmh_args & a, int P) { shared_any<type, 1, 16, QMH_RUN_STAGES, 1, 1>(a, P, st); };
-            if (qmh_narrow<type>(sh.M)) {
-                variant(run_name, 2, 128, 1, narrow);
-                variant("f16 w16 s2 u1", 1, 256, 1, wide);
-            } else {
-                variant(run_name, 1, 256, 1, wide);
-                variant("f16 w8 s2 u1 x2", 2, 128, 1, narrow);
-            }
-        } else {
-            variant(run_name, 1, 16 * RW, RU, [&](const qmh_args & a, int P) { shared_any<type, 1, 8, QMH_RUN_STAGES, RU, 1>(a, P, st); });
-            variant("f16 w16 s2 u1", 1, 256, 1, [&](const qmh_args & a, int P) { shared_any<type, 1, 16, 2, 1, 1>(a, P, st); });
-            if (getenv("QMM_LAB_NARROW") != nullptr) {   // two blocks an SM, one unit a stage (what fits twice)
-                variant("f16 w8 s2 u1 x2", 2, 128, 1, [&](const qmh_args & a, int P) { shared_any<type, 1, 8, 2, 1, 2>(a, P, st); });
-            }
+        qmh_with_shape<type>(sh.M, [&](auto nw, auto minb) {
+            constexpr int NW = decltype(nw)::value, MB = decltype(minb)::value;
+            char run_name[32];
+            snprintf(run_name, sizeof run_name, "run w%d s%d u%d x%d", NW, QMH_RUN_STAGES, RU, MB);
+            variant(run_name, MB, 16 * NW, RU,
+                    [&](const qmh_args & a, int P) { shared_any<type, 1, NW, QMH_RUN_STAGES, RU, MB>(a, P, st); });
+        });
+        variant("f16 w8 s2", 1, 128, RU, [&](const qmh_args & a, int P) { shared_any<type, 1, 8, 2, RU, 1>(a, P, st); });
+        variant("f16 w16 s2 u1", 1, 256, 1, [&](const qmh_args & a, int P) { shared_any<type, 1, 16, 2, 1, 1>(a, P, st); });
+        if (getenv("QMM_LAB_WARPS") != nullptr) {   // other tile heights (item counts per block), two blocks an SM
+            variant("f16 w8 s2 x2", 2, 128, RU, [&](const qmh_args & a, int P) { shared_any<type, 1, 8, 2, RU, 2>(a, P, st); });
+            variant("f16 w12 s2", 1, 192, RU, [&](const qmh_args & a, int P) { shared_any<type, 1, 12, 2, RU, 1>(a, P, st); });
+            variant("f16 w6 s2 x2", 2, 96, RU, [&](const qmh_args & a, int P) { shared_any<type, 1, 6, 2, RU, 2>(a, P, st); });
         }
         fflush(stdout);
         CK(cudaFree(hx));

@@ -29,6 +29,8 @@
 #include "qmatmul_stream.cuh"
 #include "qmatmul_half.cuh"
 
+#include <type_traits>
+
 // A weight type's K unit: its bytes; and the 16-byte chunks a row's U units are copied in (from the boundary at or
 // before their first byte: Q4_K rows and units start at 16-byte boundaries, Q6_K's at even bytes)
 template <ggml_type type> struct qmh_type;
@@ -389,29 +391,43 @@ template <ggml_type type, int NT, int RT, int NW, int STAGES, int U> constexpr s
 }
 
 // The shape ggml_qmatmul runs, from the H100 sweeps of tools/qmm_lab.cu (docs/benchmarks.md, "An f16 kernel for
-// verify", "Fewer instructions around the f16 kernel's items" and the twentieth session): 2 stages; Q4_K 8 warps
-// (128-row tiles), 2 K units a stage (a row's stage one 288-byte read; 16 warps of one unit were 1-18% slower), one
-// block per SM; Q6_K one unit, 16 warps and one block per SM for matrices of QMH_Q6_K_NARROW_ROWS rows or more (the
-// LM head), else 8 warps and two blocks per SM (the FFN down: 2-5% faster at 9-48 columns; tiles of half the rows,
-// so a tile's K is cut over as many blocks but each partial sum is half as large); BF16 8 warps, one unit, one block
-// per SM (two stages of 256 rows of 512-byte units would not fit). Chosen by type and M only: never by N.
+// verify", "Fewer instructions around the f16 kernel's items" and the twentieth and twenty-first sessions): 2
+// stages; Q4_K 2 K units a stage (a row's stage one 288-byte read; 16 warps of one unit were 1-18% slower), one block
+// per SM, 12 warps (192-row tiles) for matrices of QMH_Q4_K_WIDE_ROWS rows or more (the FFN gate/up: 2-5% faster at
+// 9-48 columns than 8), else 8; Q6_K one unit, 16 warps and one block per SM for matrices of QMH_Q6_K_NARROW_ROWS rows
+// or more (the LM head), else 6 warps and two blocks per SM (the FFN down: 3-6% faster at 9-48 columns than 8 warps,
+// 2-5% than 16 warps at one block); BF16 8 warps, one unit, one block per SM (two stages of 256 rows of 512-byte
+// units would not fit). Chosen by type and M only: never by N.
 #define QMH_RUN_RT     1
 #define QMH_RUN_STAGES 2
+#define QMH_Q4_K_WIDE_ROWS   24576
 #define QMH_Q6_K_NARROW_ROWS 32768
 
 template <ggml_type type> constexpr int qmh_run_units() {
     return type == GGML_TYPE_Q4_K ? 2 : 1;
 }
 
-// Warps and CUDA blocks per SM of the shape for M rows
-template <ggml_type type> static constexpr bool qmh_narrow(int M) {
-    return type == GGML_TYPE_Q6_K && M < QMH_Q6_K_NARROW_ROWS;
+template <int V> using qmh_int = std::integral_constant<int, V>;
+
+// f(warps, blocks per SM) (as qmh_int constants) of the shape for M rows: the one place that maps type and M to it
+template <ggml_type type, typename F> static auto qmh_with_shape(int M, F && f) {
+    if constexpr (type == GGML_TYPE_Q6_K) {
+        if (M < QMH_Q6_K_NARROW_ROWS) {
+            return f(qmh_int<6>{}, qmh_int<2>{});
+        }
+        return f(qmh_int<16>{}, qmh_int<1>{});
+    } else if constexpr (type == GGML_TYPE_Q4_K) {
+        if (M >= QMH_Q4_K_WIDE_ROWS) {
+            return f(qmh_int<12>{}, qmh_int<1>{});
+        }
+        return f(qmh_int<8>{}, qmh_int<1>{});
+    } else {
+        return f(qmh_int<8>{}, qmh_int<1>{});
+    }
 }
-template <ggml_type type> static constexpr int qmh_run_warps(int M) {
-    return type == GGML_TYPE_Q6_K && !qmh_narrow<type>(M) ? 16 : 8;
-}
-template <ggml_type type> static constexpr int qmh_run_minb(int M) {
-    return qmh_narrow<type>(M) ? 2 : 1;
+
+template <ggml_type type> static int qmh_run_warps(int M) {
+    return qmh_with_shape<type>(M, [](auto nw, auto) { return decltype(nw)::value; });
 }
 
 // Row tiles of the f16 kernel for M rows (at most QMH_MAX_TILES)
@@ -439,11 +455,9 @@ template <ggml_type type, int NW, int MINB> static int qmh_occupancy(int device)
 }
 
 template <ggml_type type> static int qmh_per_sm(int M, int device) {
-    if constexpr (type == GGML_TYPE_Q6_K) {
-        return qmh_narrow<type>(M) ? qmh_occupancy<type, 8, 2>(device) : qmh_occupancy<type, 16, 1>(device);
-    } else {
-        return qmh_occupancy<type, 8, 1>(device);
-    }
+    return qmh_with_shape<type>(M, [&](auto nw, auto minb) {
+        return qmh_occupancy<type, decltype(nw)::value, decltype(minb)::value>(device);
+    });
 }
 
 // CUDA blocks of its grid: as many as the SMs hold at once (qmh_per_sm), no more than there are items (each block
@@ -469,15 +483,9 @@ template <ggml_type type, int NT, int NW, int MINB> static void qmh_launch(const
 }
 
 template <ggml_type type, int NT> static void qmh_launch(const qmh_args & p, int device, int P, cudaStream_t stream) {
-    if constexpr (type == GGML_TYPE_Q6_K) {
-        if (qmh_narrow<type>(p.M)) {
-            qmh_launch<type, NT, 8, 2>(p, device, P, stream);
-        } else {
-            qmh_launch<type, NT, 16, 1>(p, device, P, stream);
-        }
-    } else {
-        qmh_launch<type, NT, 8, 1>(p, device, P, stream);
-    }
+    qmh_with_shape<type>(p.M, [&](auto nw, auto minb) {
+        qmh_launch<type, NT, decltype(nw)::value, decltype(minb)::value>(p, device, P, stream);
+    });
 }
 
 // W * X (Q4_K, Q6_K or BF16, K a multiple of 256) through the f16 kernel: p.x in qmatmul_half.cuh's layout (bf16 for
