@@ -166,11 +166,12 @@ def test_micro_batch_size_does_not_change_logits(models):
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
-def test_neox_rope_at_text_positions_gives_the_imrope_logits(models, monkeypatch, device):
+def test_neox_rope_at_text_positions_gives_the_imrope_logits(tmp_path, monkeypatch, device):
     """The target ropes with NEOX where IMROPE's text positions make it the same rotation
     (Qwen35HParams.text_rope_is_neox), with one position per token: a prefill's and a verify's logits bit for bit
     those of IMROPE over four position axes (the oracle: ggml's own rope_multi, llama.cpp's choice)."""
-    path = models[("A", "Q8_0")]   # (B's conv of width 3 has no CUDA tree kernel)
+    path = tmp_path / "b4.gguf"   # B with a conv of width 4 (CUDA's tree ops take heads of 128 and that width)
+    write_qwen35_gguf(path, weight_type="Q8_0", **{**SHAPES["B"], "ssm_d_conv": 4})
     prompt = _prompt(seed=5, n=40)
 
     def logits():

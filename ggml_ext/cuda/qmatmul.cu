@@ -257,11 +257,9 @@ static __device__ __forceinline__ float qmm_gated(float x, float up, int gate) {
     return act * up;
 }
 
-// The activations: one warp per column and QMM_QUANT_BLOCKS 32-value blocks (all its values asked for at once;
-// fewer, fuller CUDA blocks than a warp per 32 values: one wave of them for the 27B's 17,408-value FFN columns). With
-// up the gated values (qmm_gated); with a norm as well, up's groups normed first (qmm_group_normed).
-#define QMM_QUANT_BLOCKS 4
-
+// The activations: one warp per column and 32 values. With up the gated values (qmm_gated); with a norm as well,
+// up's groups normed first (qmm_group_normed). (A warp per four such blocks, fewer and fuller CUDA blocks, was
+// slower: H100, twenty-first session.)
 static __global__ void qmm_quantize_x(const float * __restrict__ x, const float * __restrict__ up,
                                       const float * __restrict__ norm, int G, float eps, int gate,
                                       int8_t * __restrict__ yq, float2 * __restrict__ yds, int K, int N, int npad,
@@ -273,34 +271,24 @@ static __global__ void qmm_quantize_x(const float * __restrict__ x, const float 
     const int warp = blockIdx.x * (blockDim.x / WARP_SIZE) + threadIdx.x / WARP_SIZE;
     const int lane = threadIdx.x % WARP_SIZE;
     const int blocks_per_col = K / QK8_1;
-    const int warps_per_col  = (blocks_per_col + QMM_QUANT_BLOCKS - 1) / QMM_QUANT_BLOCKS;
-    if (warp >= warps_per_col * npad) {
+    if (warp >= blocks_per_col * npad) {
         return;
     }
-    const int col = warp / warps_per_col;
-    const int kb0 = warp % warps_per_col * QMM_QUANT_BLOCKS;
+    const int col = warp / blocks_per_col;
+    const int kb  = warp % blocks_per_col;
     ggml_cuda_pdl_sync();   // x is the previous kernel's output: with programmatic dependent launch, wait for it
-    float v[QMM_QUANT_BLOCKS];
-#pragma unroll
-    for (int i = 0; i < QMM_QUANT_BLOCKS; ++i) {
-        v[i] = 0.0f;
-        if (col < N && kb0 + i < blocks_per_col) {
-            const int k = (kb0 + i) * QK8_1 + lane;
-            if (up != nullptr) {
-                const float * upc = up + col * stride_col_up;
-                const float u = norm != nullptr ? qmm_group_normed(upc, norm, G, eps, k, lane) : upc[k];
-                v[i] = qmm_gated(x[col * stride_col_x + k], u, gate);
-            } else {
-                v[i] = x[col * stride_col_x + k];
-            }
+    float v = 0.0f;
+    if (col < N) {
+        const int k = kb * QK8_1 + lane;
+        if (up != nullptr) {
+            const float * upc = up + col * stride_col_up;
+            const float u = norm != nullptr ? qmm_group_normed(upc, norm, G, eps, k, lane) : upc[k];
+            v = qmm_gated(x[col * stride_col_x + k], u, gate);
+        } else {
+            v = x[col * stride_col_x + k];
         }
     }
-#pragma unroll
-    for (int i = 0; i < QMM_QUANT_BLOCKS; ++i) {
-        if (kb0 + i < blocks_per_col) {   // (the same for the whole warp: its shuffles)
-            qmm_quantize_block(v[i], lane, col, kb0 + i, K, npad, layout, yq, yds);
-        }
-    }
+    qmm_quantize_block(v, lane, col, kb, K, npad, layout, yq, yds);
 }
 
 // ggml_qmatmul_rms_norm: a column's factor 1 / sqrt(mean(x^2) + eps), computed by a whole CUDA block of
@@ -484,7 +472,7 @@ static void qmm_prepare_x(ggml_backend_cuda_context & ctx, const ggml_tensor * x
         return;
     }
     const ggml_tensor * unorm = qmm_up_norm(dst);
-    const int n_warps = npad * ((K / QK8_1 + QMM_QUANT_BLOCKS - 1) / QMM_QUANT_BLOCKS);
+    const int n_warps = npad * (K / QK8_1);
     ggml_cuda_kernel_launch(qmm_quantize_x, ggml_cuda_kernel_launch_params(dim3((n_warps + 7) / 8), dim3(8 * WARP_SIZE), 0, stream),
                             (const float *) x->data, up ? (const float *) up->data : nullptr,
                             unorm ? (const float *) unorm->data : nullptr, unorm ? (int) ggml_nelements(unorm) : 0,
