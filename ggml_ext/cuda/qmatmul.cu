@@ -612,8 +612,7 @@ void ggml_ext_cuda_qmatmul(ggml_backend_cuda_context & ctx, ggml_tensor * dst) {
         ggml_cuda_kernel_launch(qmm_glu_x, ggml_cuda_kernel_launch_params(dim3(N), dim3(256), 0, stream),
                                 xf, (const float *) up->data, unorm ? (const float *) unorm->data : nullptr,
                                 unorm ? (int) ggml_nelements(unorm) : 0, qmm_norm_eps(dst), dst->op_params[2],
-                                normed.get(), (int) K,
-                                stride_col_x, (int64_t) (up->nb[1] / sizeof(float)));
+                                normed.get(), (int) K, stride_col_x, (int64_t) (up->nb[1] / sizeof(float)));
         xf = normed.get();
         stride_col_x = K;
     }

@@ -197,8 +197,9 @@ class Qwen35Target(TargetRuntime):
         return runs + [(p + "ffn_gate", p + "ffn_up")]
 
     def row_orders(self) -> dict[str, np.ndarray]:
-        """attn_q's rows interleave each head's Q and output gate; loaded as every head's Q, then every gate, the gate
-        is a column slice of the product, which ggml-cuda's sigmoid-and-multiply kernel reads where it is (no copy)."""
+        """attn_q's rows interleave each head's Q and output gate; loaded as every head's Q, then every gate, the
+        gate is a column slice of the product, which the output projection (ggml_qmatmul_sigmoid_gated) or
+        ggml-cuda's sigmoid-and-multiply kernel reads where it is (no copy)."""
         hd, n_head = self.hp.head_dim, self.hp.n_head
         head_rows = np.arange(n_head)[:, None] * 2 * hd + np.arange(hd)[None, :]   # each head's Q rows in the file
         order = np.concatenate([head_rows.ravel(), (head_rows + hd).ravel()])
