@@ -151,7 +151,7 @@ def test_imrope_at_text_positions_is_neox_rope_where_the_target_says(backend, rn
 
     from pydflash.models.qwen35 import Qwen35HParams
     hp = SimpleNamespace(n_rot=n_dims, rope_sections=sections)
-    assert Qwen35HParams.text_rope_is_neox.fget(hp) == neox
+    assert Qwen35HParams.text_rope_is_neox.func(hp) == neox
     n_tok, n_head, head_dim, base = 7, 2, 2 * n_dims, 1e6
     x = rng.standard_normal((n_tok, n_head, head_dim)).astype(np.float32)
     p = (np.arange(n_tok) * 37 + 5).astype(np.int32)

@@ -276,8 +276,8 @@ class Gated(_Deferred):
 
     def _build(self) -> ggml.Tensor:
         if self.act == "sigmoid":
-            # up first, so that the sigmoid and the mul are neighbours in the graph (ggml-cuda fuses them, reading a
-            # strided gate; its lone sigmoid takes contiguous tensors only)
+            # up first, so that the sigmoid and the mul are neighbours in the graph (ggml-cuda fuses them); a strided
+            # gate copied first (ggml-cuda's sigmoid alone, where it does not fuse, takes contiguous tensors only)
             gate = self.gate if self.gate.is_contiguous else self.ctx.cont(self.gate)
             out = self.ctx.mul(self.up, self.ctx.sigmoid(gate))
         else:

@@ -7,6 +7,7 @@ The runtime (cache, graphs, prefill/decode, verify/commit, capture) is pydflash/
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -113,7 +114,7 @@ class Qwen35HParams:
         if problems:
             raise GGUFError(f"{path}: " + "; ".join(problems))
 
-    @property
+    @functools.cached_property
     def text_rope_is_neox(self) -> bool:
         """Whether IMROPE at a text token's positions (p, p, p, 0) is NEOX rope at p: ggml's rope_multi gives the
         rotated pair i the angle of position axis a = s % 3 (s = i % sum(sections)) where s < 3 sections[a], else of
@@ -216,14 +217,14 @@ class Qwen35Target(TargetRuntime):
         k = rms_norm(ctx, k, w[p + "attn_k_norm.weight"], hp.rms_eps, f"l{il}.k_norm")
         v = layers.heads(ctx, v, hd, hp.n_head_kv, n)
         if hp.text_rope_is_neox:
-            rope = dict(n_rot=hp.n_rot, mode=layers.ROPE_TYPE_NEOX, base=hp.rope_base, n_ctx_train=hp.n_ctx_train)
-            q = layers.rope(ctx, q, g.pos, **rope).named(f"l{il}.q")
-            k = layers.rope(ctx, k, g.pos, **rope).named(f"l{il}.k")
+            def rope(t):
+                return layers.rope(ctx, t, g.pos, n_rot=hp.n_rot, mode=layers.ROPE_TYPE_NEOX, base=hp.rope_base,
+                                   n_ctx_train=hp.n_ctx_train)
         else:
-            rope = (hp.n_rot, list(hp.rope_sections), layers.ROPE_TYPE_IMROPE, hp.n_ctx_train, hp.rope_base, 1.0,
-                    0.0, 1.0, 32.0, 1.0)
-            q = ctx.rope_multi(q, g.pos, None, *rope).named(f"l{il}.q")
-            k = ctx.rope_multi(k, g.pos, None, *rope).named(f"l{il}.k")
+            def rope(t):
+                return ctx.rope_multi(t, g.pos, None, hp.n_rot, list(hp.rope_sections), layers.ROPE_TYPE_IMROPE,
+                                      hp.n_ctx_train, hp.rope_base, 1.0, 0.0, 1.0, 32.0, 1.0)
+        q, k = rope(q).named(f"l{il}.q"), rope(k).named(f"l{il}.k")
         out = layers.attention(ctx, self.cache, il, q, k, v, g)     # [hd n_head, n]
         out = layers.Gated(ctx, gate, out, act="sigmoid", name=f"l{il}.attn_gated")   # sigmoid(gate) * out
         return linear(ctx, w[p + "attn_output.weight"], out, add=add, name=f"l{il}.attn_out")
