@@ -18,11 +18,16 @@ A draft is any object with
                                                      first_position, first_position + 1, ...
     propose(tokens, k) -> (logp [B-1, k], ids [B-1, k])   tokens: every committed token, the root last
     truncate(n) -> bool   (optional, for prefix reuse) keep context positions 0..n-1; False if it cannot
-The DFlash draft (pydflash.models.dflash_draft.DFlashDraft) is adapted to it by `engine_draft`.
+The DFlash draft (pydflash.models.dflash_draft.DFlashDraft) is adapted to it by `engine_draft`; the adapter also
+queues its context appends and takes propose(tokens, k, then), so that one step waits for the device once after
+the verify (for the proposals): the target's commit of the accepted path is queued behind the next draft forward
+(`then`) and runs while the host builds the tree.
 """
 from __future__ import annotations
 
+import functools
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -38,6 +43,8 @@ class _Run:
     """What one generation accumulates: committed ids, and the counters the stats come from."""
     context: list[int]                       # prompt + everything committed so far (the root last)
     sampler: Sampler | None = None           # None: greedy (argmax) decoding
+    uncommitted: list[int] | None = None     # the last step's accepted path, until the target commits it (the
+                                             # next draft_step queues it, or the end of the run)
     new: list[int] = field(default_factory=list)
     done: bool = False
     steps: int = 0
@@ -51,7 +58,10 @@ class _Run:
 
 class _DFlashAdapter:
     """The engine's draft interface over a DFlashDraft: features come from the target's captured rows on the
-    device (append_from_target), proposals from its on-device top-K."""
+    device (append_from_target, queued: the draft's next forward is ordered after it on the same stream), proposals
+    from its on-device top-K."""
+
+    takes_then = True    # propose(tokens, k, then): `then` queued behind the forward, before the wait
 
     def __init__(self, draft):
         self.draft = draft
@@ -66,12 +76,12 @@ class _DFlashAdapter:
     def append_context(self, target, first_position: int, slots) -> None:
         if first_position != self.draft.n_ctx:
             raise RuntimeError(f"draft context holds {self.draft.n_ctx} positions, got features for {first_position}")
-        self.draft.append_from_target(list(slots))
+        self.draft.append_from_target(list(slots), wait=False)
 
-    def propose(self, tokens, k: int):
+    def propose(self, tokens, k: int, then=None):
         if k > self.draft.top_k:
             raise ValueError(f"the draft was built for top_k {self.draft.top_k}, the engine asks for {k}")
-        ids, logp = self.draft.propose(tokens[-1])
+        ids, logp = self.draft.propose(tokens[-1], then)
         return logp[:, :k], ids[:, :k]
 
 
@@ -108,8 +118,15 @@ def prefill(target, draft, prompt_ids: list[int], prefix=None, sampler: Sampler 
     return (int(target.sampled()[0]) if sampler is not None else target.argmax()), reused
 
 
-def draft_step(draft, context: list[int], k: int) -> tuple[np.ndarray, np.ndarray]:
-    logp, ids = draft.propose(context, k)
+def draft_step(draft, context: list[int], k: int, then: Callable[[], None] | None = None
+               ) -> tuple[np.ndarray, np.ndarray]:
+    """The draft's top-k proposals (log-probs, ids) for the block after context[-1]. then: work to queue on the
+    device before the proposals are waited for (a deferred target commit, commit_step): behind the draft's forward
+    where the draft takes it (takes_then), else before propose."""
+    if then is not None and not getattr(draft, "takes_then", False):
+        then()
+        then = None
+    logp, ids = draft.propose(context, k) if then is None else draft.propose(context, k, then)
     return np.asarray(logp, np.float32), np.asarray(ids, np.int64)
 
 
@@ -130,12 +147,15 @@ def verify_step(target, tree: ddtree.Tree, context: list[int], sampler: Sampler 
     return target.verify(tokens, parents, depths)
 
 
-def commit_step(target, draft, path: list[int]) -> None:
-    """Commit the accepted slots on the device and hand their features to the draft's context."""
+def commit_step(target, draft, path: list[int], commit_target: bool = True) -> None:
+    """Commit the accepted slots on the device and hand their features to the draft's context (the verify's
+    captured rows, which the target's commit does not change). commit_target=False leaves the target's commit to
+    the caller (before the next verify: the engine queues it as the next draft_step's `then`)."""
     first = target.n_past
-    target.commit(path)
     if draft is not None:
         draft.append_context(target, first, path)
+    if commit_target:
+        target.commit(path)
 
 
 # --- the engine ---
@@ -255,7 +275,8 @@ class Decoder:
                 (sampler is None or not sampler.params.penalised):
             ahead = self.target.decode_ahead(root, max_tokens - 1, sampler)
         t_yield = 0.0        # time spent in the consumer between steps is not decode time
-        settled = True       # the cache holds run.context[:-1] (false while a step is under way)
+        settled = True       # the cache holds run.context[:-1], once run.uncommitted is committed (false while a
+                             # step is under way)
         try:
             ty = time.perf_counter()
             yield self._take(run, [root], max_tokens)
@@ -274,6 +295,9 @@ class Decoder:
             # also when the consumer stops early (generator closed at a yield) or a step raised
             if ahead is not None:
                 ahead.close()        # takes the queued step back: the cache holds run.context[:-1]
+            path, run.uncommitted = run.uncommitted, None
+            if path is not None and settled:
+                self.target.commit(path)     # the last step's, waited for (the prefix cache copies the states)
             if self.prefix is not None:
                 if settled:
                     self.prefix.save(run.context[:-1])
@@ -299,7 +323,9 @@ class Decoder:
 
     def _spec_step(self, run: _Run, max_tokens: int) -> list[int]:
         t0 = time.perf_counter()
-        logp, ids = draft_step(self.draft, run.context, self.top_k)
+        path, run.uncommitted = run.uncommitted, None     # (taken first: committed once, even if the draft raises)
+        then = None if path is None else functools.partial(self.target.commit, path, wait=False)
+        logp, ids = draft_step(self.draft, run.context, self.top_k, then=then)
         t1 = time.perf_counter()
         tree = make_tree(self.mode, logp, ids, self.budget, self.seed_chain)
         t2 = time.perf_counter()
@@ -311,7 +337,8 @@ class Decoder:
         # prompt and the output but its last token, a state the next turn of a chat can resume from
         path, new = path[:len(taken)], taken
         t4 = time.perf_counter()
-        commit_step(self.target, self.draft, path)
+        commit_step(self.target, self.draft, path, commit_target=False)
+        run.uncommitted = path
         t5 = time.perf_counter()
         run.context.extend(new)
         run.steps += 1

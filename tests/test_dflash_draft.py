@@ -207,11 +207,12 @@ def test_append_from_target_device_path(models, backend, target_cache, rng):
     target.reset()
 
 
-def test_fused_attention_projections_change_nothing(models, backend, target_cache, rng, monkeypatch):
-    """Q, K and V of a layer load as the rows of one matrix (qkv_proj; K and V also as kv_proj), each a tensor on its
-    own rows: the rows hold the file's matrices in that order, and the draft's logits and proposals (step and
-    context appends through the fused products) are the ones of separate matrices (PYDFLASH_FUSED_WEIGHTS=0): bit
-    for bit on the CPU, where a row's product does not depend on its neighbours."""
+def test_fused_projections_change_nothing(models, backend, target_cache, rng, monkeypatch):
+    """Q, K and V of a layer load as the rows of one matrix (qkv_proj; K and V also as kv_proj), the FFN's gate and
+    up as another (gateup_proj), each a tensor on its own rows: the rows hold the file's matrices in that order,
+    and the draft's logits and proposals (step and context appends through the fused products) are the ones of
+    separate matrices (PYDFLASH_FUSED_WEIGHTS=0): bit for bit on the CPU, where a row's product does not depend on
+    its neighbours."""
     target = _target(models, backend, target_cache)
     fused = DFlashDraft(models["odd"], target, window=WINDOW, top_k=4)
     monkeypatch.setenv("PYDFLASH_FUSED_WEIGHTS", "0")
@@ -223,6 +224,10 @@ def test_fused_attention_projections_change_nothing(models, backend, target_cach
     parts = [rows(apart.weights[p + f"{m}_proj.weight"]) for m in "qkv"]
     np.testing.assert_array_equal(rows(w[p + "qkv_proj.weight"]), np.concatenate(parts))   # each read into its rows
     np.testing.assert_array_equal(rows(w[p + "kv_proj.weight"]), np.concatenate(parts[1:]))
+    p = "layers.1.mlp."
+    assert p + "gateup_proj.weight" in w and p + "gateup_proj.weight" not in apart.weights
+    np.testing.assert_array_equal(rows(w[p + "gateup_proj.weight"]),
+                                  np.concatenate([rows(apart.weights[p + f"{m}_proj.weight"]) for m in ("gate", "up")]))
     features = rng.standard_normal((40, len(CAPTURE), 64)).astype(np.float32)
     for draft in (fused, apart):
         draft.append_features(features)
@@ -232,6 +237,20 @@ def test_fused_attention_projections_change_nothing(models, backend, target_cach
             np.testing.assert_array_equal(a, b)
     else:   # a GPU may pick another kernel for a matrix of other rows (its rounding of the activations)
         assert _max_rel(fused.logits(7), apart.logits(7)) < LOGIT_TOL / 10
+
+
+def test_propose_runs_then_once_between_queueing_and_waiting(models, backend, target_cache, rng):
+    """propose(token, then): `then` runs once, after the forward is queued and before its proposals are read, so
+    work it queues (the engine's target commit) overlaps the host's; the proposals are those without it."""
+    target = _target(models, backend, target_cache)
+    draft = DFlashDraft(models["full"], target, window=WINDOW, top_k=5)
+    draft.append_features(rng.standard_normal((20, len(CAPTURE), 64)).astype(np.float32))
+    want = draft.propose(42)
+    calls = []
+    got = draft.propose(42, then=lambda: calls.append(draft.n_ctx))
+    assert calls == [20]
+    for a, b in zip(got, want):
+        np.testing.assert_array_equal(a, b)
 
 
 def test_propose_top_k_on_device(models, backend, target_cache, rng):

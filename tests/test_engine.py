@@ -155,6 +155,20 @@ def test_stop_token_inside_accepted_path(target, prompt, reference):
     assert target.n_past == len(prompt) + len(out) - 1
 
 
+def test_a_run_stopped_early_commits_its_last_path(model, target, prompt, reference):
+    """The engine commits a step's path in the target behind the next draft forward; a consumer that stops after
+    a few steps still leaves the cache holding the prompt and every token it was given but the last, with AR's
+    states (the next turn of a chat resumes there)."""
+    steps = Decoder(target, oracle(prompt, reference, target), mode="ddtree", budget=22).iter_generate(prompt, N_GEN)
+    got = [t for _, batch in zip(range(4), steps) for t in batch]
+    assert target.n_past < len(prompt) + len(got) - 1        # the last step's path is not committed yet
+    steps.close()
+    assert got == reference[0][:len(got)] and target.n_past == len(prompt) + len(got) - 1
+    ar = Qwen35Target(model, "cpu", n_ctx=512, n_ubatch=64)
+    ar.prefill(prompt + got[:-1], return_logits=False)
+    states_close(cache_state(target), cache_state(ar))
+
+
 def cache_state(target):
     """Everything the committed tokens determine: per GDN layer S and conv window, per attention layer the KV
     rows of the committed positions."""
@@ -177,9 +191,10 @@ STATE_ATOL = 1e-4
 def follow_with_ar(ar, target, prompt, compare):
     """An on_tokens callback for a speculative run on `target`, and the list it fills: after each batch of
     committed tokens, `ar` (a second target over the same model, prefilled with `prompt`) decodes the tokens the
-    speculative target has run (all committed ones but the newest, the next root), and compare(got, want) gets
-    the two cache states. The list holds the positions compared, None for a last step cut at max_tokens (the
-    output then lacks tokens the target ran)."""
+    speculative target's cache holds (n_past: during a run the step before the last, whose path the engine
+    commits behind the next draft forward), and compare(got, want) gets the two cache states. Call it with []
+    after the run for the final state. The list holds the positions compared, None where the cache holds every
+    committed token (the output then lacks tokens the target ran)."""
     committed, checked = list(prompt), []
 
     def check(tokens):
@@ -209,7 +224,9 @@ def test_state_equals_ar_after_every_step(model, target, prompt, reference, mode
     engine = Decoder(target, oracle(prompt, reference, target), mode=mode, budget=budget)
     out, stats = engine.generate_ids(prompt, 100, on_tokens=check)
     assert out == reference[0][:100]
-    assert len(checked) == stats["steps"] + 1 and None not in checked[:-1] and len(checked) > 8
+    check([])                        # the last step's path, committed as the run ended
+    assert checked[-1] == target.n_past == len(prompt) + len(out) - 1
+    assert len(checked) == stats["steps"] + 2 and None not in checked and len(checked) > 8
     if mode == "ddtree":   # the oracle's second-rank answers make paths leave the chain: KV rows were moved
         assert stats["off_chain_steps"] > 0
 
@@ -395,4 +412,5 @@ def test_real_draft_ring_wraps_state_equals_ar(model, dflash, prompt, reference,
 
     out, _ = Decoder(target, draft, mode=mode, budget=22).generate_ids(prompt, N_GEN, on_tokens=check)
     assert_lossless(out, reference)
+    check([])
     assert draft.n_ctx == target.n_past > 4 * 32

@@ -333,6 +333,8 @@ def test_replay_state_equals_ar_bit_for_bit(engine_model, mode, budget):
         target.hp.key_dim + target.hp.value_dim + target.hp.ssm_n_v_heads)
     out, stats = decoder.generate_ids(prompt, 100, on_tokens=check)
     assert ENGINE_N_GEN >= 100 and out == reference[0][:100]
+    check([])
+    assert checked[-1] == target.n_past == len(prompt) + len(out) - 1
     assert sum(c is not None for c in checked) > 8 and stats["acceptance_length"] > 4
     if mode == "ddtree":
         assert stats["off_chain_steps"] > 0

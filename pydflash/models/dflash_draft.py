@@ -31,7 +31,7 @@ import numpy as np
 from .. import ggml
 from ..gguf_io import GGUFError, GGUFFile, regular_file_size
 from ..validate import check_float
-from .layers import Gated, heads, linear, row_ranges
+from .layers import Gated, Normed, heads, linear, row_ranges
 from .runtime import fusing_enabled
 
 KV_BUCKET = 256             # attended rows are padded to this (what the GPU flash attention kernels want)
@@ -480,7 +480,7 @@ class DFlashWeights:
     q4_k: 28%, its matrices with rows that are not whole 256-value blocks in q8_0: draft_matrix_type; the draft's
     proposals change slightly, the verified output does not); the 1-D norm weights are widened to f32 on the host
     because ggml's elementwise ops want f32 operands. A layer's Q, K and V are also one matrix, qkv_proj (K and V:
-    kv_proj), unless PYDFLASH_FUSED_WEIGHTS=0 or their types differ.
+    kv_proj), and its FFN gate and up one, gateup_proj, unless PYDFLASH_FUSED_WEIGHTS=0 or their types differ.
     """
 
     def __init__(self, hp: DFlashHParams, backend: ggml.Backend, sources: dict, read, path: str,
@@ -519,21 +519,30 @@ class DFlashWeights:
             plan.append((name, src_type, dst_type))
         types = {name: dst_type for name, _, dst_type in plan}
         # per layer, Q, K and V back to back as the rows of one matrix (one product, one read of the activations:
-        # at the 27B shape its 6,144 rows take the f16 kernel, the three apart did not), K and V also seen as one.
+        # at the 27B shape its 6,144 rows take the f16 kernel, the three apart did not), K and V also seen as one;
+        # the FFN's gate and up likewise (gateup_proj: one product and one activation preparation, not two).
         # Each is its own tensor placed on its rows (Buffer.alias), as TargetWeights' fused members.
         placed = {}   # name -> (fused matrix, first row)
+
+        def fuse(fused: str, members: list[str]) -> None:
+            row = 0
+            for m in members:
+                placed[m] = (fused, row)
+                row += shapes[m][1]
+            shapes[fused], types[fused] = (hp.n_embd, row), types[members[0]]
+
         for il in range(hp.n_layer):
             p = f"layers.{il}.self_attn."
             q, k, v = (p + f"{m}_proj.weight" for m in "qkv")
-            if not fusing_enabled() or len({types[q], types[k], types[v]}) != 1:
+            gate, up = (f"layers.{il}.mlp.{m}_proj.weight" for m in ("gate", "up"))
+            if not fusing_enabled():
                 continue
-            q_rows, kv_rows = shapes[q][1], shapes[k][1]
-            shapes[p + "qkv_proj.weight"] = (hp.n_embd, q_rows + 2 * kv_rows)
-            shapes[p + "kv_proj.weight"] = (hp.n_embd, 2 * kv_rows)
-            types[p + "qkv_proj.weight"] = types[p + "kv_proj.weight"] = types[q]
-            placed.update({q: (p + "qkv_proj.weight", 0), k: (p + "qkv_proj.weight", q_rows),
-                           v: (p + "qkv_proj.weight", q_rows + kv_rows),
-                           p + "kv_proj.weight": (p + "qkv_proj.weight", q_rows)})
+            if len({types[q], types[k], types[v]}) == 1:
+                fuse(p + "qkv_proj.weight", [q, k, v])
+                shapes[p + "kv_proj.weight"], types[p + "kv_proj.weight"] = (hp.n_embd, 2 * shapes[k][1]), types[k]
+                placed[p + "kv_proj.weight"] = (p + "qkv_proj.weight", shapes[q][1])
+            if types[gate] == types[up]:
+                fuse(f"layers.{il}.mlp.gateup_proj.weight", [gate, up])
         self._ctx = ggml.Context(n_tensors=len(shapes) - len(placed))
         self._member_ctx = ggml.Context(n_tensors=max(len(placed), 1))
         self.t = {}
@@ -794,6 +803,8 @@ class DFlashDraft:
         self.token_embd = target.weights["token_embd.weight"]
         self.lm_head = target.weights["output.weight"]
         self._graphs: dict[tuple, _Graph] = {}
+        self._top_host = None     # page-locked host memory the proposals are copied into (propose)
+        self._top_ready = None    # an event behind that copy (None on the CPU: copied on return)
 
     @property
     def block_size(self) -> int:
@@ -828,13 +839,15 @@ class DFlashDraft:
             g.inputs["feat"].set(chunk)
             self._run_append(g, first + start, len(chunk))
 
-    def append_from_target(self, rows=None) -> None:
+    def append_from_target(self, rows=None, wait: bool = True) -> None:
         """Append context positions from the target's captured features on the device (no host copy).
 
         rows: indices into the target's last forward (default: all of its tokens), e.g. the accepted path of a
         verify step. The target must capture exactly this draft's target_layer_ids, in that order: the output
         of decoder layer lid, which is z-lab's `hidden_states[lid + 1]`. (Hugging Face applies the
-        final norm to the last entry, so a draft reading the target's last layer would need it; none do.)"""
+        final norm to the last entry, so a draft reading the target's last layer would need it; none do.)
+        wait=False queues the append on the backend's stream and returns: the draft's next forward is ordered after
+        it (the decoding engine's step), nothing else waits for it."""
         if tuple(self.target.capture_layers) != self.hp.target_layer_ids:
             raise ValueError(f"the target captures layers {self.target.capture_layers}, the draft needs "
                              f"{self.hp.target_layer_ids}")
@@ -851,14 +864,14 @@ class DFlashDraft:
         g = self._graph(("append_dev", rows.size), lambda: self._build_append(rows.size, src))
         self._activate(g)
         g.inputs["src_rows"].set(rows.astype(np.int32), self.backend)
-        self._run_append(g, first, rows.size)
+        self._run_append(g, first, rows.size, wait)
 
-    def _run_append(self, g: _Graph, first: int, m: int) -> None:
+    def _run_append(self, g: _Graph, first: int, m: int, wait: bool = True) -> None:
         positions = np.arange(first, first + m, dtype=np.int64)
         self._activate(g)
         g.inputs["pos"].set(positions.astype(np.int32), self.backend)
         g.inputs["rows"].set(self.cache.rows_for(positions), self.backend)
-        self.backend.compute(g.graph)
+        (self.backend.compute if wait else self.backend.compute_async)(g.graph)
         self.cache.commit(positions)
 
     # --- a draft step ---
@@ -876,20 +889,36 @@ class DFlashDraft:
         g.inputs["block_rows"].set(np.arange(B, dtype=np.int64), self.backend)
         for (causal, window), t in g.masks.items():
             t.set(self.cache.mask(n_attn, causal, window), self.backend)
-        self.backend.compute(g.graph)
+        self.backend.compute_async(g.graph)
         return g
 
-    def propose(self, last_token: int) -> tuple[np.ndarray, np.ndarray]:
+    def propose(self, last_token: int, then=None) -> tuple[np.ndarray, np.ndarray]:
         """One draft forward for the block after `last_token` (at position n_ctx).
 
-        Returns (ids, log-probs), each [B-1, top_k], best first; only these cross to the host."""
-        g = self._step(last_token)
-        top = g.outputs["top"].numpy().reshape(self.hp.block_size - 1, 2, self.top_k)   # log-probs, ids; best first
-        return top[:, 1].astype(np.int64), top[:, 0]
+        Returns (ids, log-probs), each [B-1, top_k], best first; only these cross to the host. then: a callable
+        that queues more work on the backend once the forward and the proposals' copy are queued (the engine's
+        deferred target commit): it runs on the device while the host takes the proposals, and is not waited for."""
+        top = self._step(last_token).outputs["top"]
+        if self._top_host is None:
+            self._top_host = ggml.HostBuffer(self.backend, top.nbytes)
+            self._top_ready = self.backend.event()
+        self._top_host.download(top, 0)
+        if self._top_ready is not None:
+            self._top_ready.record()
+        if then is not None:
+            then()
+        if self._top_ready is not None:
+            self._top_ready.synchronize()
+        else:   # (the CPU: the copy was made when it was asked for; a backend without events: wait for all)
+            self.backend.synchronize()
+        top = self._top_host.array[:top.nbytes].view(np.float32).reshape(self.hp.block_size - 1, 2, self.top_k)
+        return top[:, 1].astype(np.int64), top[:, 0].copy()                   # log-probs, ids; best first
 
     def logits(self, last_token: int) -> np.ndarray:
         """The full draft logits f32 [B-1, n_vocab] of one step (tests and diagnostics: a large copy)."""
-        return self._step(last_token).outputs["logits"].numpy()
+        g = self._step(last_token)
+        self.backend.synchronize()
+        return g.outputs["logits"].numpy()
 
     # --- graphs ---
 
@@ -914,15 +943,22 @@ class DFlashDraft:
     def _norm(self, ctx, x, weight, name):
         return ctx.mul(ctx.rms_norm(x, self.hp.rms_eps), weight).named(name)
 
+    def _normed(self, ctx, x, weight, name) -> Normed:
+        """_norm(x) as the input of products: normed where a product that ggml_qmatmul takes prepares its activations
+        (layers.Normed: one kernel fewer), else built once as _norm."""
+        return Normed(ctx, x, weight, self.hp.rms_eps, name)
+
     def _rope(self, ctx, x, pos):
         hp = self.hp
         # NEOX (rotate_half) pairing over the whole head, as Qwen3's rotary embedding
         return ctx.rope_ext(x, pos, None, hp.head_dim, 2, 0, hp.rope_theta, 1.0, 0.0, 1.0, 0.0, 0.0)
 
-    def _project(self, ctx: ggml.Context, x: ggml.Tensor, prefix: str, parts: tuple[str, ...]) -> list[ggml.Tensor]:
-        """x through the attention projections `parts` ('q', 'k', 'v'; prefix 'layers.N.self_attn.'): one product
-        of the fused matrix that holds them where the weights have one (qkv_proj, kv_proj), each result a row range
-        of its output (a view, contiguous for one column only); else a product each."""
+    def _project(self, ctx: ggml.Context, x: ggml.Tensor | Normed, prefix: str, parts: tuple[str, ...]
+                 ) -> list[ggml.Tensor]:
+        """x through the projections `parts` ('q', 'k', 'v' with prefix 'layers.N.self_attn.'; 'gate', 'up' with
+        'layers.N.mlp.'): one product of the fused matrix that holds them where the weights have one (qkv_proj,
+        kv_proj, gateup_proj), each result a row range of its output (a view, contiguous for one column only); else
+        a product each."""
         w = self.weights
         fused = prefix + "".join(parts) + "_proj.weight"
         if fused not in w:
@@ -944,7 +980,7 @@ class DFlashDraft:
             feat = ctx.get_rows(src, idx).named("draft.ctx.feat")                  # [n_feat E, m]
         pos = g.inputs["pos"] = ctx.new_tensor(ggml.Type.I32, (m,), name="draft.inp.ctx_pos").mark_input()
         rows = g.inputs["rows"] = ctx.new_tensor(ggml.Type.I64, (m,), name="draft.inp.ctx_rows").mark_input()
-        c = self._norm(ctx, linear(ctx, w["fc.weight"], feat), w["hidden_norm.weight"], "draft.ctx.c")  # [E, m]
+        c = self._normed(ctx, linear(ctx, w["fc.weight"], feat), w["hidden_norm.weight"], "draft.ctx.c")  # [E, m]
         writes = []
         for il in range(hp.n_layer):
             p = f"layers.{il}.self_attn."
@@ -976,7 +1012,7 @@ class DFlashDraft:
         row = hd * hp.n_head_kv
         for il in range(hp.n_layer):
             p = f"layers.{il}."
-            x = self._norm(ctx, h, w[p + "input_layernorm.weight"], f"draft.l{il}.attn_norm")
+            x = self._normed(ctx, h, w[p + "input_layernorm.weight"], f"draft.l{il}.attn_norm")
             q, k, v = self._project(ctx, x, p + "self_attn.", ("q", "k", "v"))
             q = self._rope(ctx, self._norm(ctx, heads(ctx, q, hd, hp.n_head, B), w[p + "self_attn.q_norm.weight"],
                                            f"draft.l{il}.q_norm"), pos)
@@ -993,13 +1029,12 @@ class DFlashDraft:
             att.accumulate_f32()
             att = ctx.reshape_2d(att, hd * hp.n_head, B).named(f"draft.l{il}.attn")
             h = linear(ctx, w[p + "self_attn.o_proj.weight"], att, add=h).named(f"draft.l{il}.attn_res")
-            x = self._norm(ctx, h, w[p + "post_attention_layernorm.weight"], f"draft.l{il}.ffn_norm")
-            gate = linear(ctx, w[p + "mlp.gate_proj.weight"], x)
-            up = linear(ctx, w[p + "mlp.up_proj.weight"], x)
+            x = self._normed(ctx, h, w[p + "post_attention_layernorm.weight"], f"draft.l{il}.ffn_norm")
+            gate, up = self._project(ctx, x, p + "mlp.", ("gate", "up"))
             h = linear(ctx, w[p + "mlp.down_proj.weight"], Gated(ctx, gate, up), add=h).named(f"draft.l{il}.out")
 
         tail = ctx.view_2d(h, E, B - 1, h.nb[1], h.nb[1])                           # block positions 1..B-1
-        hn = self._norm(ctx, tail, w["norm.weight"], "draft.out.norm")
+        hn = self._normed(ctx, tail, w["norm.weight"], "draft.out.norm")
         logits = linear(ctx, self.lm_head, hn)                                      # [V, B-1]
         if hp.logit_scale != 1.0:
             logits = ctx.scale(logits, hp.logit_scale)

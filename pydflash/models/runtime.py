@@ -730,9 +730,13 @@ class TargetRuntime:
         out = g.sampler.tokens if self._last_sampled else g.argmax
         return out.numpy().reshape(-1)[:n].astype(np.int64)
 
-    def commit(self, path) -> None:
+    def commit(self, path, wait: bool = True) -> None:
         """Make the accepted slots `path` (root first, each the parent of the next) the committed tokens: state
-        of the last one, conv window along the path, KV rows of the path moved to consecutive cells."""
+        of the last one, conv window along the path, KV rows of the path moved to consecutive cells.
+
+        wait=False queues the commit on the backend's stream and returns: the next forward (verify, decode) is
+        ordered after it, but a host read or copy of the cache (Tensor.numpy, copy_to) is not: synchronize the
+        backend first."""
         path = [int(s) for s in path]
         n, n_past = self.n_slots, self.cache.n_past
         if not path or path[0] != 0 or len(path) > n:
@@ -746,6 +750,7 @@ class TargetRuntime:
         if cg is None:
             cg = self._commit_graphs[key] = self._build_commit(compact, steps, inputs_only)
         if cg.graph is not None and self._commit_allocator.current is not cg.graph:
+            self.backend.synchronize()    # a queued commit may still use the compute buffer this allocation reuses
             self._commit_allocator.allocate(cg.graph)
         if cg.conv_cols is not None:   # (the same picks for every recurrent layer)
             n_rec = cg.conv_cols.ne[1]
@@ -765,7 +770,7 @@ class TargetRuntime:
             cg.kv_src.set(np.tile(src, (cg.kv_src.ne[1], 1)), self.backend)   # (the same rows in every layer)
             cg.kv_dst.set(dst, self.backend)
         if cg.graph is not None:
-            self.backend.compute(cg.graph)
+            (self.backend.compute if wait else self.backend.compute_async)(cg.graph)
         self.cache.n_past = n_past + len(path)
 
     # --- forward ---
