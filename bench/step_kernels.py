@@ -9,8 +9,10 @@ Loads the pair, prefills a random prompt and warms the phase up; only the `--rep
 cudaProfilerStart and cudaProfilerStop, so with `--profile-from-start off` the profiler sees nothing else.
 Phases: `ar` (one single-token target step), `verify` (a forward over --slots tree slots, a random best-first
 tree), `draft` (one draft proposal), `commit` (the target's commit of the tree's deepest path after one verify:
-state, conv window, KV rows moved), `append` (the draft taking that path's features into its context). Without a
-profiler it prints the median wall time of the phase (CUDA graphs on unless disabled).
+state, conv window, KV rows moved), `append` (the draft taking that path's features into its context), `steps` (a whole generation of --n-gen
+tokens by the engine, budget slots - 1: for a timeline profiler, e.g. `nsys profile --capture-range=cudaProfilerApi
+--cuda-graph-trace=node`, where the device waits between a step's graphs). Without a profiler it prints the median
+wall time of the phase (CUDA graphs on unless disabled).
 """
 from __future__ import annotations
 
@@ -45,10 +47,11 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("target")
     p.add_argument("--draft", required=True, help="DFlash draft directory (its target layers are captured)")
-    p.add_argument("--phase", choices=("ar", "verify", "draft", "commit", "append"), required=True)
+    p.add_argument("--phase", choices=("ar", "verify", "draft", "commit", "append", "steps"), required=True)
     p.add_argument("--slots", type=int, default=23, help="verify slots (budget + 1)")
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--n-prompt", type=int, default=512)
+    p.add_argument("--n-gen", type=int, default=64, help="tokens a `steps` repetition generates")
     p.add_argument("--device", default="cuda")
     p.add_argument("--state-type", default="replay", choices=("f32", "f16", "replay"),
                    help="the verify's node states (TargetRuntime.enable_verify)")
@@ -56,6 +59,7 @@ def main(argv=None) -> int:
 
     from pydflash import ddtree
     from pydflash.api import _load_draft, draft_layer_ids
+    from pydflash.engine import Decoder
     from pydflash.models import load_target
 
     target = load_target(args.target, args.device, n_ctx=args.n_prompt + 1024, n_ubatch=512,
@@ -80,6 +84,8 @@ def main(argv=None) -> int:
     n_past, n_ctx = target.cache.n_past, draft.n_ctx
     if args.phase in ("commit", "append"):
         target.verify(tokens, parents, depths)
+    if args.phase == "steps":
+        decoder = Decoder(target, draft, mode="ddtree", budget=budget, state_type=args.state_type)
 
     def run():
         if args.phase == "ar":
@@ -93,6 +99,8 @@ def main(argv=None) -> int:
         elif args.phase == "append":
             draft.truncate(n_ctx)
             draft.append_from_target(path)
+        elif args.phase == "steps":
+            decoder.generate_ids(prompt, args.n_gen)
         else:
             draft.propose(prompt[-1])
 
@@ -108,6 +116,8 @@ def main(argv=None) -> int:
         times.append(1e3 * (time.perf_counter() - t0))
     if cudart is not None:
         cudart.cudaProfilerStop()
+    if args.phase == "steps":
+        print(f"steps: {decoder.last_stats['steps']} speculative steps a repetition", file=sys.stderr)
     what = f" ({args.slots} slots)" if args.phase == "verify" else f" (path of {len(path)} slots)" \
         if args.phase in ("commit", "append") else ""
     print(f"{args.phase}{what}: median "
