@@ -344,9 +344,9 @@ class Decoder:
         run.steps += 1
         run.committed_per_step.append(len(new))
         run.off_chain_steps += path != list(range(len(path)))
-        run.draft_s += t1 - t0
+        run.draft_s += t1 - t0           # (with the previous path's target commit queued behind the forward)
         run.verify_s += t3 - t2
-        run.commit_s += t5 - t4
+        run.commit_s += t5 - t4          # (the draft's append queued; the target's commit is the next step's)
         run.host_s += (t2 - t1) + (t4 - t3) + (time.perf_counter() - t5)
         return taken
 
