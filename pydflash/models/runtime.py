@@ -349,6 +349,8 @@ class TargetRuntime:
         self.sample_inputs = None         # sampling.StepInputs of the next prefill/step/verify (then cleared)
         self._last_sampled = False        # the last forward's sampler drew from given inputs
         self._ahead = None                # decode_ahead's staging buffers (_AheadIO), made on first use
+        self._readback = None             # page-locked memory a verify's tokens are copied into, and an event
+        self._readback_done = None        # behind the copy (made on first use)
         self._fed_token = None            # i32 [1] on the device: the token of decode_ahead's next step
 
     def memory_plan(self, infos, n_cells: int, kv_type, n_ubatch: int) -> dict[str, int]:
@@ -724,11 +726,25 @@ class TargetRuntime:
                 g.kq_mask_swa.set(g.window_mask(n_past, n_past + depths, self.hp.n_swa), self.backend)
         self._set_sampler(g)
         self.sample_inputs = None
-        self.backend.compute(g.graph)
+        self.backend.compute_async(g.graph)
         self._last = g
         self.n_captured = n
-        out = g.sampler.tokens if self._last_sampled else g.argmax
-        return out.numpy().reshape(-1)[:n].astype(np.int64)
+        return self._read_i32(g.sampler.tokens if self._last_sampled else g.argmax)[:n].astype(np.int64)
+
+    def _read_i32(self, t: ggml.Tensor) -> np.ndarray:
+        """An i32 result of the forward just queued, copied behind it on the backend's stream into page-locked
+        memory, then waited for: one wait (a synchronous compute, then Tensor.numpy's own copy and wait, took
+        ~0.1 ms more a verify on the H100: docs/benchmarks.md, twenty-second session)."""
+        if self._readback is None or self._readback.array.nbytes < t.nbytes:
+            self._readback = ggml.HostBuffer(self.backend, max(t.nbytes, 1024))
+            self._readback_done = self.backend.event()
+        self._readback.download(t, 0)
+        if self._readback_done is not None:
+            self._readback_done.record()
+            self._readback_done.synchronize()
+        else:   # (the CPU computed and copied on the calls above)
+            self.backend.synchronize()
+        return self._readback.array[:t.nbytes].view(np.int32).copy()
 
     def commit(self, path, wait: bool = True) -> None:
         """Make the accepted slots `path` (root first, each the parent of the next) the committed tokens: state
