@@ -31,8 +31,8 @@ class Tree:
     def children(self) -> list[dict[int, int]]:
         """Per slot, token -> child slot (tokens of siblings are distinct: they are different ranks)."""
         kids: list[dict[int, int]] = [{} for _ in range(self.n_nodes + 1)]
-        for slot in range(1, self.n_nodes + 1):
-            kids[int(self.parents[slot])].setdefault(int(self.tokens[slot - 1]), slot)
+        for slot, (parent, token) in enumerate(zip(self.parents[1:].tolist(), self.tokens.tolist()), start=1):
+            kids[parent].setdefault(token, slot)
         return kids
 
 
@@ -54,38 +54,41 @@ def build_tree(logp: np.ndarray, ids: np.ndarray, budget: int, *, seed_chain: bo
     if budget < 1:
         raise ValueError("budget must be at least 1")
     budget = min(budget, _count_prefixes(n_depth, k, budget))
-    tokens, parents, depths, scores = [], [-1], [0], []
+    # (Python lists and floats from here, the heap operations written out: the tree is built on the host while the
+    # device waits for the verify, and numpy scalars or helper calls per candidate double the time; the same float64
+    # sums, so the same tree)
+    lp, tok = logp.tolist(), ids.tolist()
+    tokens, parents, depths = [], [-1], [0]
+    score = [0.0]      # per slot, the root's 0 first
     heap: list = []    # (-score, depth, rank, parent slot): a candidate prefix
+    push, pop = heapq.heappush, heapq.heappop
 
-    def score_of(slot):
-        return scores[slot - 1] if slot else 0.0
-
-    def push(depth, rank, parent_slot):
-        if depth <= n_depth and rank < k:
-            heapq.heappush(heap, (-(score_of(parent_slot) + logp[depth - 1, rank]), depth, rank, parent_slot))
-
-    def add(depth, rank, parent_slot):
-        tokens.append(int(ids[depth - 1, rank]))
+    def add(depth, rank, parent_slot, s):
+        tokens.append(tok[depth - 1][rank])
         parents.append(parent_slot)
         depths.append(depth)
-        scores.append(score_of(parent_slot) + logp[depth - 1, rank])
+        score.append(s)
         return len(tokens)
 
     if seed_chain:
         slot = 0
         for depth in range(1, min(n_depth, budget) + 1):
-            push(depth, 1, slot)               # the chain node's next sibling stays a candidate
-            slot = add(depth, 0, slot)
-        push(depths[slot] + 1, 0, slot)        # and the chain's own continuation past the budget's reach
+            if k > 1:                          # the chain node's next sibling stays a candidate
+                push(heap, (-(score[slot] + lp[depth - 1][1]), depth, 1, slot))
+            slot = add(depth, 0, slot, score[slot] + lp[depth - 1][0])
+        if depths[slot] < n_depth:             # and the chain's own continuation past the budget's reach
+            push(heap, (-(score[slot] + lp[depths[slot]][0]), depths[slot] + 1, 0, slot))
     else:
-        push(1, 0, 0)
+        push(heap, (-(0.0 + lp[0][0]), 1, 0, 0))
     while len(tokens) < budget and heap:
-        _, depth, rank, parent = heapq.heappop(heap)
-        slot = add(depth, rank, parent)
-        push(depth + 1, 0, slot)               # its first child
-        push(depth, rank + 1, parent)          # its next sibling
+        neg, depth, rank, parent = pop(heap)
+        slot = add(depth, rank, parent, -neg)
+        if depth < n_depth:                    # its first child
+            push(heap, (neg - lp[depth][0], depth + 1, 0, slot))
+        if rank + 1 < k:                       # its next sibling
+            push(heap, (-(score[parent] + lp[depth - 1][rank + 1]), depth, rank + 1, parent))
     return Tree(np.asarray(tokens, np.int32), np.asarray(parents, np.int32), np.asarray(depths, np.int32),
-                np.asarray(scores, np.float32))
+                np.asarray(score[1:], np.float32))
 
 
 def _count_prefixes(n_depth: int, k: int, cap: int) -> int:
@@ -145,9 +148,10 @@ def accept(tree: Tree, argmax: np.ndarray) -> tuple[list[int], list[int]]:
     followed by the target's own token after the last accepted node (the bonus token, always one), so every step
     commits at least one token."""
     kids = tree.children()
+    drawn = np.asarray(argmax).tolist()
     slot, path, new = 0, [0], []
     while True:
-        nxt = int(argmax[slot])
+        nxt = int(drawn[slot])
         new.append(nxt)
         child = kids[slot].get(nxt)
         if child is None:

@@ -18,10 +18,15 @@ A draft is any object with
                                                      first_position, first_position + 1, ...
     propose(tokens, k) -> (logp [B-1, k], ids [B-1, k])   tokens: every committed token, the root last
     truncate(n) -> bool   (optional, for prefix reuse) keep context positions 0..n-1; False if it cannot
-The DFlash draft (pydflash.models.dflash_draft.DFlashDraft) is adapted to it by `engine_draft`; the adapter also
-queues its context appends and takes propose(tokens, k, then), so that one step waits for the device once after
-the verify (for the proposals): the target's commit of the accepted path is queued behind the next draft forward
-(`then`) and runs while the host builds the tree.
+    queue_propose(tokens, k, then) -> take   (optional) propose queued on the device: take() waits and returns
+                          what propose would; then() queues more work behind the draft's forward first
+    stage_context(target, first_position, depths)   (optional) start on the context of every slot of the verify
+                          just queued (slot s at first_position + depths[s]) before the accepted ones are known
+The DFlash draft (pydflash.models.dflash_draft.DFlashDraft) is adapted to it by `engine_draft`, with all three.
+Then a step keeps the device busy from one verify to the next: the verify's slots are staged into the draft's
+context while the host waits for the verify's tokens; the accepted path's context append (a copy of staged rows),
+the next draft forward and, behind it, the target's commit of the path are queued before the step returns its
+tokens, so they run while the consumer takes them and while the host builds the next tree.
 """
 from __future__ import annotations
 
@@ -43,8 +48,9 @@ class _Run:
     """What one generation accumulates: committed ids, and the counters the stats come from."""
     context: list[int]                       # prompt + everything committed so far (the root last)
     sampler: Sampler | None = None           # None: greedy (argmax) decoding
-    uncommitted: list[int] | None = None     # the last step's accepted path, until the target commits it (the
-                                             # next draft_step queues it, or the end of the run)
+    uncommitted: list[int] | None = None     # the last step's accepted path, until the target commits it (queued
+                                             # behind the next draft forward, or at the end of the run)
+    proposals: Callable[[], tuple[np.ndarray, np.ndarray]] | None = None   # the next step's, queued (take())
     new: list[int] = field(default_factory=list)
     done: bool = False
     steps: int = 0
@@ -58,10 +64,8 @@ class _Run:
 
 class _DFlashAdapter:
     """The engine's draft interface over a DFlashDraft: features come from the target's captured rows on the
-    device (append_from_target, queued: the draft's next forward is ordered after it on the same stream), proposals
-    from its on-device top-K."""
-
-    takes_then = True    # propose(tokens, k, then): `then` queued behind the forward, before the wait
+    device (staged while a verify runs, appended queued: the draft's next forward is ordered after it on the same
+    stream), proposals from its on-device top-K, queued."""
 
     def __init__(self, draft):
         self.draft = draft
@@ -78,11 +82,21 @@ class _DFlashAdapter:
             raise RuntimeError(f"draft context holds {self.draft.n_ctx} positions, got features for {first_position}")
         self.draft.append_from_target(list(slots), wait=False)
 
-    def propose(self, tokens, k: int, then=None):
+    def stage_context(self, target, first_position: int, depths) -> None:
+        self.draft.stage_from_target(first_position, depths, wait=False)
+
+    def queue_propose(self, tokens, k: int, then=None):
         if k > self.draft.top_k:
             raise ValueError(f"the draft was built for top_k {self.draft.top_k}, the engine asks for {k}")
-        ids, logp = self.draft.propose(tokens[-1], then)
-        return logp[:, :k], ids[:, :k]
+        wait = self.draft.queue_propose(tokens[-1], then)
+
+        def take():
+            ids, logp = wait()
+            return logp[:, :k], ids[:, :k]
+        return take
+
+    def propose(self, tokens, k: int):
+        return self.queue_propose(tokens, k)()
 
 
 def engine_draft(draft):
@@ -118,16 +132,29 @@ def prefill(target, draft, prompt_ids: list[int], prefix=None, sampler: Sampler 
     return (int(target.sampled()[0]) if sampler is not None else target.argmax()), reused
 
 
+def queue_draft_step(draft, context: list[int], k: int, then: Callable[[], None] | None = None
+                     ) -> Callable[[], tuple[np.ndarray, np.ndarray]]:
+    """Queue the draft's top-k proposals for the block after context[-1]; returns the call that waits for them and
+    returns (log-probs, ids). then: work to queue on the device before the proposals are waited for (a deferred
+    target commit): behind the draft's forward where the draft queues (queue_propose), else at once (and the
+    draft's propose runs when its proposals are asked for)."""
+    if hasattr(draft, "queue_propose"):
+        take = draft.queue_propose(context, k, then)
+    else:
+        if then is not None:
+            then()
+        take = functools.partial(draft.propose, list(context), k)
+
+    def proposals():
+        logp, ids = take()
+        return np.asarray(logp, np.float32), np.asarray(ids, np.int64)
+    return proposals
+
+
 def draft_step(draft, context: list[int], k: int, then: Callable[[], None] | None = None
                ) -> tuple[np.ndarray, np.ndarray]:
-    """The draft's top-k proposals (log-probs, ids) for the block after context[-1]. then: work to queue on the
-    device before the proposals are waited for (a deferred target commit, commit_step): behind the draft's forward
-    where the draft takes it (takes_then), else before propose."""
-    if then is not None and not getattr(draft, "takes_then", False):
-        then()
-        then = None
-    logp, ids = draft.propose(context, k) if then is None else draft.propose(context, k, then)
-    return np.asarray(logp, np.float32), np.asarray(ids, np.int64)
+    """The draft's top-k proposals (log-probs, ids) for the block after context[-1] (queue_draft_step, waited for)."""
+    return queue_draft_step(draft, context, k, then)()
 
 
 def make_tree(mode: str, logp, ids, budget: int, seed_chain: bool) -> ddtree.Tree:
@@ -136,21 +163,25 @@ def make_tree(mode: str, logp, ids, budget: int, seed_chain: bool) -> ddtree.Tre
     return ddtree.build_tree(logp, ids, budget, seed_chain=seed_chain)
 
 
-def verify_step(target, tree: ddtree.Tree, context: list[int], sampler: Sampler | None = None) -> np.ndarray:
+def verify_step(target, tree: ddtree.Tree, context: list[int], sampler: Sampler | None = None,
+                then: Callable[[np.ndarray], None] | None = None) -> np.ndarray:
     """One target forward over the root (context[-1]) and the tree (padded to the target's fixed slots): the
     target's token per slot, its argmax, or with `sampler` a draw from the slot's filtered distribution (each
-    slot's penalties see its own path)."""
+    slot's penalties see its own path). then(depths): work to queue behind the forward before its tokens are
+    waited for, given the padded slots' depths (the draft's staging of their context)."""
     tokens, parents, depths = ddtree.padded(tree, target.n_slots)
     tokens[0] = context[-1]
     if sampler is not None:
         target.sample_inputs = sampler.for_tree(context, tokens, parents)
-    return target.verify(tokens, parents, depths)
+    if then is None:
+        return target.verify(tokens, parents, depths)
+    return target.verify(tokens, parents, depths, then=functools.partial(then, depths))
 
 
 def commit_step(target, draft, path: list[int], commit_target: bool = True) -> None:
     """Commit the accepted slots on the device and hand their features to the draft's context (the verify's
     captured rows, which the target's commit does not change). commit_target=False leaves the target's commit to
-    the caller (before the next verify: the engine queues it as the next draft_step's `then`)."""
+    the caller (before the next verify: the engine queues it behind the next draft forward)."""
     first = target.n_past
     if draft is not None:
         draft.append_context(target, first, path)
@@ -295,6 +326,9 @@ class Decoder:
             # also when the consumer stops early (generator closed at a yield) or a step raised
             if ahead is not None:
                 ahead.close()        # takes the queued step back: the cache holds run.context[:-1]
+            if run.proposals is not None:      # a stop before the run's end: the next step's draft forward and this
+                run.proposals = None           # step's target commit behind it are queued; let them finish
+                self.target.backend.synchronize()
             path, run.uncommitted = run.uncommitted, None
             if path is not None and settled:
                 self.target.commit(path)     # the last step's, waited for (the prefix cache copies the states)
@@ -323,13 +357,14 @@ class Decoder:
 
     def _spec_step(self, run: _Run, max_tokens: int) -> list[int]:
         t0 = time.perf_counter()
-        path, run.uncommitted = run.uncommitted, None     # (taken first: committed once, even if the draft raises)
-        then = None if path is None else functools.partial(self.target.commit, path, wait=False)
-        logp, ids = draft_step(self.draft, run.context, self.top_k, then=then)
+        take, run.proposals = run.proposals or self._queue_proposals(run), None   # (a run's first step queues its own)
+        logp, ids = take()
         t1 = time.perf_counter()
         tree = make_tree(self.mode, logp, ids, self.budget, self.seed_chain)
         t2 = time.perf_counter()
-        drawn = verify_step(self.target, tree, run.context, run.sampler)
+        stage = getattr(self.draft, "stage_context", None)
+        stage = None if stage is None else functools.partial(stage, self.target, self.target.n_past)
+        drawn = verify_step(self.target, tree, run.context, run.sampler, stage)
         t3 = time.perf_counter()
         path, new = ddtree.accept(tree, drawn)     # greedy: argmax per slot; sampling: sample-and-match
         taken = self._take(run, new, max_tokens)
@@ -339,16 +374,25 @@ class Decoder:
         t4 = time.perf_counter()
         commit_step(self.target, self.draft, path, commit_target=False)
         run.uncommitted = path
-        t5 = time.perf_counter()
         run.context.extend(new)
+        t5 = time.perf_counter()
+        if not run.done:         # the next step's draft forward, and this path's target commit behind it
+            run.proposals = self._queue_proposals(run)
+        t6 = time.perf_counter()
         run.steps += 1
         run.committed_per_step.append(len(new))
         run.off_chain_steps += path != list(range(len(path)))
-        run.draft_s += t1 - t0           # (with the previous path's target commit queued behind the forward)
-        run.verify_s += t3 - t2
-        run.commit_s += t5 - t4          # (the draft's append queued; the target's commit is the next step's)
-        run.host_s += (t2 - t1) + (t4 - t3) + (time.perf_counter() - t5)
+        run.draft_s += (t1 - t0) + (t6 - t5)   # queueing the next forward, and waiting for this step's
+        run.verify_s += t3 - t2                # (with the draft's staging of the slots queued behind the forward)
+        run.commit_s += t5 - t4                # (the draft's append queued; the target's commit is the next step's)
+        run.host_s += (t2 - t1) + (t4 - t3) + (time.perf_counter() - t6)
         return taken
+
+    def _queue_proposals(self, run: _Run) -> Callable[[], tuple[np.ndarray, np.ndarray]]:
+        """The draft's proposals after run.context, queued, with the target's commit of the last path behind them."""
+        path, run.uncommitted = run.uncommitted, None     # (taken first: committed once, even if the draft raises)
+        then = None if path is None else functools.partial(self.target.commit, path, wait=False)
+        return queue_draft_step(self.draft, run.context, self.top_k, then)
 
     def _stats(self, run: _Run, n_prompt: int, reused: int, prefill_s: float, decode_s: float) -> dict:
         n_decoded = len(run.new) - 1          # the first token comes out of the prefill

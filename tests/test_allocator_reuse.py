@@ -62,3 +62,22 @@ def test_every_allocation_renews_the_graph_uid():
     alloc.allocate(big)
     alloc.allocate(small)
     assert small.uid not in (0, first, big.uid)
+
+
+def test_a_constant_input_keeps_its_values_between_computes():
+    """An input's memory may serve later nodes of the graph once its readers ran (here the chain of adds after the
+    first one fits in x's bytes); mark_constant keeps it: set once, read by every compute."""
+    backend = ggml.Backend("cpu")
+    ctx = ggml.Context(n_tensors=16, graph_size=16)
+    x = ctx.new_tensor(ggml.Type.F32, (64,), name="x").mark_constant()
+    y = ctx.scale(x, 2.0)
+    for _ in range(6):
+        y = ctx.add(y, y)
+    graph = ctx.graph(y)
+    ggml.Allocator(backend).allocate(graph)
+    values = np.arange(64, dtype=np.float32)
+    x.set(values)
+    for _ in range(3):
+        backend.compute(graph)
+        np.testing.assert_array_equal(graph.outputs[0].numpy(), 128 * values)
+        np.testing.assert_array_equal(x.numpy(), values)

@@ -156,12 +156,12 @@ def test_stop_token_inside_accepted_path(target, prompt, reference):
 
 
 def test_a_run_stopped_early_commits_its_last_path(model, target, prompt, reference):
-    """The engine commits a step's path in the target behind the next draft forward; a consumer that stops after
-    a few steps still leaves the cache holding the prompt and every token it was given but the last, with AR's
-    states (the next turn of a chat resumes there)."""
+    """The engine queues a step's target commit behind the next draft forward, both before the step hands its
+    tokens over; a consumer that stops after a few steps still leaves the cache holding the prompt and every
+    token it was given but the last, with AR's states (the next turn of a chat resumes there)."""
     steps = Decoder(target, oracle(prompt, reference, target), mode="ddtree", budget=22).iter_generate(prompt, N_GEN)
     got = [t for _, batch in zip(range(4), steps) for t in batch]
-    assert target.n_past < len(prompt) + len(got) - 1        # the last step's path is not committed yet
+    assert target.n_past == len(prompt) + len(got) - 1      # queued (done, on the CPU) before the tokens came
     steps.close()
     assert got == reference[0][:len(got)] and target.n_past == len(prompt) + len(got) - 1
     ar = Qwen35Target(model, "cpu", n_ctx=512, n_ubatch=64)
@@ -191,10 +191,10 @@ STATE_ATOL = 1e-4
 def follow_with_ar(ar, target, prompt, compare):
     """An on_tokens callback for a speculative run on `target`, and the list it fills: after each batch of
     committed tokens, `ar` (a second target over the same model, prefilled with `prompt`) decodes the tokens the
-    speculative target's cache holds (n_past: during a run the step before the last, whose path the engine
-    commits behind the next draft forward), and compare(got, want) gets the two cache states. Call it with []
-    after the run for the final state. The list holds the positions compared, None where the cache holds every
-    committed token (the output then lacks tokens the target ran)."""
+    speculative target's cache holds (n_past: the committed tokens but the last, whose step's path the engine
+    commits behind the next draft forward before it hands the tokens over), and compare(got, want) gets the two
+    cache states. Call it with [] after the run for the final state. The list holds the positions compared, None
+    where the cache holds every committed token (the output then lacks tokens the target ran)."""
     committed, checked = list(prompt), []
 
     def check(tokens):
@@ -398,6 +398,27 @@ def test_real_draft_lossless(dflash, prompt, reference, mode, budget):
     out, stats = Decoder(target, draft, mode=mode, budget=budget).generate_ids(prompt, N_GEN)
     assert_lossless(out, reference)
     assert draft.n_ctx == target.n_past          # every committed position went into the draft's context
+
+
+def test_real_draft_context_equals_token_by_token(model, dflash, prompt, reference):
+    """The draft's context after a ddtree run (each step's slots staged during the verify, the accepted path's
+    rows copied from there) holds the K/V rows a draft fed token by token from single-token decodes gets."""
+    from pydflash.models.dflash_draft import DFlashDraft
+    path, target = dflash
+    draft = DFlashDraft(path, target, top_k=8)
+    out, _ = Decoder(target, draft, mode="ddtree", budget=22).generate_ids(prompt, N_GEN)
+    assert_lossless(out, reference)
+    assert any(k[0] == "step" and len(k) > 3 for k in draft._graphs)   # rows copied from the staging by the forwards
+    draft.settle()                                           # (the last path's rows wait for a next forward)
+    ar = Qwen35Target(model, "cpu", n_ctx=512, n_ubatch=64, capture_layers=target.capture_layers)
+    fed = DFlashDraft(path, ar, top_k=8)
+    ar.prefill(prompt, return_logits=False, on_ubatch=lambda first, n: fed.append_from_target())
+    for tok in out[:-1]:
+        ar.decode(tok)
+        fed.append_from_target()
+    assert fed.n_ctx == draft.n_ctx == len(prompt) + len(out) - 1
+    for got, want in zip(draft.cache.k + draft.cache.v, fed.cache.k + fed.cache.v):
+        np.testing.assert_array_equal(got.numpy()[16:16 + draft.n_ctx], want.numpy()[16:16 + fed.n_ctx])
 
 
 @pytest.mark.parametrize("mode", ["chain", "ddtree"])

@@ -29,6 +29,7 @@ Op.__doc__ = "ggml ops (GGML_OP_*), including pydflash's own."
 _NUMPY_OF_TYPE = {Type.F32: np.float32, Type.F16: np.float16, Type.I32: np.int32, Type.I16: np.int16,
                   Type.I8: np.int8, Type.F64: np.float64, Type.I64: np.int64}
 _TYPE_OF_NUMPY = {np.dtype(v): k for k, v in _NUMPY_OF_TYPE.items()}
+_DTYPE_OF_RAW_TYPE = {int(k): np.dtype(v) for k, v in _NUMPY_OF_TYPE.items()}   # (Tensor.set, once per input a step)
 
 _TENSOR_PTR = ffi.typeof("struct ggml_tensor *")
 _CONTEXT_PTR = ffi.typeof("struct ggml_context *")
@@ -356,8 +357,16 @@ class Tensor:
         return self
 
     def mark_input(self) -> "Tensor":
-        """Flag as a graph input, so the allocator gives it memory of its own that compute never reuses."""
+        """Flag as a graph input, so the allocator gives it memory before the graph's first node runs. (Its memory
+        may serve later nodes once the nodes reading it ran: set it before every compute, or use mark_constant.)"""
         lib.ggml_set_input(self._ptr)
+        return self
+
+    def mark_constant(self) -> "Tensor":
+        """Flag as a graph input whose values stay from one compute to the next (set once): also an output, which
+        the allocator never hands to a later node."""
+        lib.ggml_set_input(self._ptr)
+        lib.ggml_set_output(self._ptr)
         return self
 
     @property
@@ -385,7 +394,7 @@ class Tensor:
         the decode loop. `data` may be reused on return: CUDA stages pageable host memory before returning, and
         a backend without asynchronous copies copies synchronously."""
         arr = np.ascontiguousarray(data)
-        expected = _NUMPY_OF_TYPE.get(self.type)
+        expected = _DTYPE_OF_RAW_TYPE.get(self._ptr.type)
         if expected is not None and arr.dtype != expected:
             raise TypeError(f"tensor {self.name or '?'} is {self.type.name}; got a {arr.dtype} array")
         if expected is None and arr.dtype != np.uint8:

@@ -17,12 +17,20 @@ Context cache: the K/V of the context rows depend only on their own position, so
 projected (after k_norm and RoPE), in a ring of W slots; a commit appends only the new positions, and a draft
 step attends over the ring plus the block. Attention is a weighted sum over keys, so the slot order inside the
 ring does not matter; only which positions it holds does (tracked on the host, for the masks).
+
+Staged appends: a verify's slots can have their K/V computed into staging rows before it is known which slots are
+accepted (`stage_from_target`, queued while the host waits for the verify's tokens); the append of the accepted
+path then only notes which staged rows go where, and the next draft forward copies them into the ring before its
+attention (or `settle`, for anything else that needs the ring first): the device does not wait for the host's
+append between the verify and the draft's next forward.
 """
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -747,11 +755,14 @@ class DraftContextCache:
         z-lab's rule (index distance = position distance, keys contiguous): causal layers see keys at or before
         the query; sliding layers see keys within `window` before (and, if non-causal, after) the query."""
         B = self.block
-        q = self.n_ctx + np.arange(B)[:, None]
         kpos = np.full(n_attn, -1, dtype=np.int64)
         kpos[:B] = self.n_ctx + np.arange(B)
         n_ring = min(n_attn - B, self.window)
         kpos[B: B + n_ring] = self.slot_pos[:n_ring]
+        if not causal and not window:   # every query sees every held key: one row, repeated (built per step)
+            row = np.where(kpos >= 0, 0.0, -np.inf).astype(np.float16)
+            return np.ascontiguousarray(np.broadcast_to(row, (B, n_attn)))
+        q = self.n_ctx + np.arange(B)[:, None]
         visible = np.broadcast_to(kpos >= 0, (B, n_attn)).copy()
         k = kpos[None, :]
         if causal:
@@ -761,6 +772,39 @@ class DraftContextCache:
             if not causal:
                 visible &= k - q < window
         return np.where(visible, 0.0, -np.inf).astype(np.float16)
+
+
+class _Staging:
+    """Per draft layer, K and V rows [head_dim * n_head_kv, capacity] f16 computed ahead of an append
+    (DFlashDraft.stage_from_target): the tokens of one target forward, at the positions they would be appended at."""
+
+    def __init__(self, backend: ggml.Backend, hp: DFlashHParams, capacity: int):
+        self.capacity = int(capacity)
+        row = hp.head_dim * hp.n_head_kv
+        self._ctx = ggml.Context(n_tensors=2 * hp.n_layer)
+        self.k = [self._ctx.new_tensor(ggml.Type.F16, (row, self.capacity), name=f"draft.stage_k_l{il}")
+                  for il in range(hp.n_layer)]
+        self.v = [self._ctx.new_tensor(ggml.Type.F16, (row, self.capacity), name=f"draft.stage_v_l{il}")
+                  for il in range(hp.n_layer)]
+        self.buffer = backend.alloc_tensors(self._ctx)
+
+
+@dataclass(frozen=True, eq=False)
+class _Staged:
+    """What the staging rows hold: the tokens of the target forward numbered `serial` (its capture_serial), token
+    i computed at position first + depths[i]."""
+    serial: int
+    first: int
+    depths: np.ndarray
+
+    @property
+    def n(self) -> int:
+        return self.depths.size
+
+    def holds(self, serial: int, first: int, rows: np.ndarray) -> bool:
+        """Whether appending `rows` of forward `serial` at positions first, first + 1, .. is a copy of staged rows."""
+        return serial == self.serial and first == self.first and \
+            bool(np.array_equal(self.depths[rows], np.arange(rows.size)))
 
 
 # --- the draft --------------------------------------------------------------------------------------------------
@@ -777,6 +821,7 @@ class _Graph:
         self.graph = None
         self.allocator = None
         self.inputs: dict[str, ggml.Tensor] = {}
+        self.constants: dict[str, np.ndarray] = {}     # inputs (mark_constant) set once, when the graph is allocated
         self.masks: dict[tuple, ggml.Tensor] = {}
         self.outputs: dict[str, ggml.Tensor] = {}
 
@@ -803,8 +848,11 @@ class DFlashDraft:
         self.token_embd = target.weights["token_embd.weight"]
         self.lm_head = target.weights["output.weight"]
         self._graphs: dict[tuple, _Graph] = {}
-        self._top_host = None     # page-locked host memory the proposals are copied into (propose)
+        self._top_host = None     # page-locked host memory the proposals are copied into (queue_propose)
         self._top_ready = None    # an event behind that copy (None on the CPU: copied on return)
+        self._stage: _Staging | None = None     # staging rows (stage_from_target), sized on first use
+        self._staged: _Staged | None = None     # what they hold, until an append takes them or they go stale
+        self._pending: np.ndarray | None = None  # an append's cache rows for the staged rows: the next step copies them
 
     @property
     def block_size(self) -> int:
@@ -816,15 +864,26 @@ class DFlashDraft:
 
     def reset(self) -> None:
         self.cache.reset()
+        self._staged = self._pending = None
 
     def truncate(self, n: int) -> bool:
         """Keep context positions 0..n-1 only; False (nothing changed) when the ring no longer holds them."""
+        self._copy_pending()
+        self._staged = None
         return self.cache.truncate(n)
+
+    def settle(self) -> None:
+        """Copy staged rows an append left for the next draft forward into the ring, and wait for the device: the
+        cache tensors then hold every appended position (for host reads of them)."""
+        self._copy_pending()
+        self.backend.synchronize()
 
     # --- context appends ---
 
     def append_features(self, features: np.ndarray) -> None:
         """Append context positions n_ctx.. from host features f32 [m, n_feat, n_embd] (or [m, n_feat*n_embd])."""
+        self._copy_pending()
+        self._staged = None
         feats = np.ascontiguousarray(features, dtype=np.float32).reshape(len(features), -1)
         if feats.shape[1] != self.hp.n_feat * self.hp.n_embd:
             raise ValueError(f"features have {feats.shape[1]} values per position, expected "
@@ -847,10 +906,10 @@ class DFlashDraft:
         of decoder layer lid, which is z-lab's `hidden_states[lid + 1]`. (Hugging Face applies the
         final norm to the last entry, so a draft reading the target's last layer would need it; none do.)
         wait=False queues the append on the backend's stream and returns: the draft's next forward is ordered after
-        it (the decoding engine's step), nothing else waits for it."""
-        if tuple(self.target.capture_layers) != self.hp.target_layer_ids:
-            raise ValueError(f"the target captures layers {self.target.capture_layers}, the draft needs "
-                             f"{self.hp.target_layer_ids}")
+        it (the decoding engine's step), nothing else waits for it. Where stage_from_target staged this forward at
+        this position and rows sit at depths 0, 1, 2, .., the staged rows are copied instead of computed, by the
+        next draft forward (or `settle`)."""
+        self._check_capture()
         n_last = self.target.n_captured
         rows = np.arange(n_last) if rows is None else np.asarray(rows, dtype=np.int64).reshape(-1)
         if rows.size == 0:
@@ -860,11 +919,52 @@ class DFlashDraft:
         first = self.cache.n_ctx
         if rows.size > self.cache.window:
             rows, first = rows[-self.cache.window:], first + rows.size - self.cache.window
+        staged, self._staged = self._staged, None
+        if staged is not None and staged.holds(self.target.capture_serial, first, rows):
+            positions = np.arange(first, first + rows.size, dtype=np.int64)
+            self._pending = np.zeros(staged.n, dtype=np.int64)   # the rows not taken: to the block's scratch row 0,
+            self._pending[rows] = self.cache.rows_for(positions)  # which every draft step writes before reading
+            self.cache.commit(positions)
+            return
+        self._copy_pending()
         src = self.target.captured
         g = self._graph(("append_dev", rows.size), lambda: self._build_append(rows.size, src))
         self._activate(g)
         g.inputs["src_rows"].set(rows.astype(np.int32), self.backend)
         self._run_append(g, first, rows.size, wait)
+
+    def stage_from_target(self, first_position: int, depths, wait: bool = True) -> None:
+        """Compute the context rows of every token of the target's last forward, token i at position
+        first_position + depths[i], into staging rows (not the context yet). The next append_from_target(rows) of
+        that same forward at first_position whose rows lie at depths 0, 1, 2, .. (a verify's accepted path) copies
+        its rows from there into the ring: one small graph in place of the append's products. The engine stages a
+        verify's slots while the host waits for its tokens. wait=False queues it (as append_from_target)."""
+        self._check_capture()
+        n = self.target.n_captured
+        depths = np.asarray(depths, dtype=np.int64).reshape(-1)
+        if depths.size != n:
+            raise ValueError(f"depths for {depths.size} tokens; the target's last forward has {n}")
+        if n == 0:
+            return
+        if first_position != self.cache.n_ctx:
+            raise ValueError(f"staging at position {first_position}: the draft context holds {self.cache.n_ctx}")
+        self._copy_pending()      # (it reads the staging rows this overwrites)
+        if self._stage is None or self._stage.capacity < n:
+            if self._stage is not None:
+                self.backend.synchronize()     # queued work may still read or write the rows being replaced
+            self._stage = _Staging(self.backend, self.hp, n)
+            self._graphs = {k: g for k, g in self._graphs.items()
+                            if k[0] not in ("stage", "gather") and not (k[0] == "step" and len(k) > 3)}
+        g = self._graph(("stage", n), lambda: self._build_stage(n))
+        self._activate(g)
+        g.inputs["pos"].set((first_position + depths).astype(np.int32), self.backend)
+        (self.backend.compute if wait else self.backend.compute_async)(g.graph)
+        self._staged = _Staged(self.target.capture_serial, int(first_position), depths.copy())
+
+    def _check_capture(self) -> None:
+        if tuple(self.target.capture_layers) != self.hp.target_layer_ids:
+            raise ValueError(f"the target captures layers {self.target.capture_layers}, the draft needs "
+                             f"{self.hp.target_layer_ids}")
 
     def _run_append(self, g: _Graph, first: int, m: int, wait: bool = True) -> None:
         positions = np.arange(first, first + m, dtype=np.int64)
@@ -874,19 +974,32 @@ class DFlashDraft:
         (self.backend.compute if wait else self.backend.compute_async)(g.graph)
         self.cache.commit(positions)
 
-    # --- a draft step ---
+    def _copy_pending(self) -> None:
+        """The staged rows an append left for the next draft forward, copied into the ring now (queued)."""
+        if self._pending is None:
+            return
+        dest, self._pending = self._pending, None
+        g = self._graph(("gather", dest.size), lambda: self._build_gather(dest.size))
+        self._activate(g)
+        g.inputs["dest"].set(dest, self.backend)
+        self.backend.compute_async(g.graph)
 
     def _step(self, last_token: int) -> _Graph:
         if not 0 <= int(last_token) < self.target.hp.n_vocab:
             raise ValueError(f"token id {last_token} outside the vocabulary")
         B, n_attn = self.hp.block_size, self.cache.n_attended()
-        g = self._graph(("step", n_attn, self.top_k), lambda: self._build_step(n_attn))
-        self._activate(g)
+        dest, self._pending = self._pending, None
+        if dest is None:
+            g = self._graph(("step", n_attn, self.top_k), lambda: self._build_step(n_attn))
+            self._activate(g)
+        else:   # the last append's staged rows are copied into the ring first, inside this forward
+            g = self._graph(("step", n_attn, self.top_k, dest.size), lambda: self._build_step(n_attn, dest.size))
+            self._activate(g)
+            g.inputs["dest"].set(dest, self.backend)
         tokens = np.full(B, self.hp.mask_token_id, dtype=np.int32)
         tokens[0] = last_token
         g.inputs["tokens"].set(tokens, self.backend)
         g.inputs["pos"].set((self.cache.n_ctx + np.arange(B)).astype(np.int32), self.backend)
-        g.inputs["block_rows"].set(np.arange(B, dtype=np.int64), self.backend)
         for (causal, window), t in g.masks.items():
             t.set(self.cache.mask(n_attn, causal, window), self.backend)
         self.backend.compute_async(g.graph)
@@ -895,9 +1008,16 @@ class DFlashDraft:
     def propose(self, last_token: int, then=None) -> tuple[np.ndarray, np.ndarray]:
         """One draft forward for the block after `last_token` (at position n_ctx).
 
-        Returns (ids, log-probs), each [B-1, top_k], best first; only these cross to the host. then: a callable
-        that queues more work on the backend once the forward and the proposals' copy are queued (the engine's
-        deferred target commit): it runs on the device while the host takes the proposals, and is not waited for."""
+        Returns (ids, log-probs), each [B-1, top_k], best first; only these cross to the host. then: as in
+        queue_propose."""
+        return self.queue_propose(last_token, then)()
+
+    def queue_propose(self, last_token: int, then=None) -> Callable[[], tuple[np.ndarray, np.ndarray]]:
+        """Queue propose's forward and the copy of its proposals into page-locked memory; returns the call that
+        waits for them and returns them (as propose). One at a time: a later call's copy takes the same memory.
+        then: a callable that queues more work on the backend once the forward and the copy are queued (the
+        engine's deferred target commit): it runs on the device while the host takes the proposals, and is not
+        waited for."""
         top = self._step(last_token).outputs["top"]
         if self._top_host is None:
             self._top_host = ggml.HostBuffer(self.backend, top.nbytes)
@@ -907,11 +1027,14 @@ class DFlashDraft:
             self._top_ready.record()
         if then is not None:
             then()
+        return functools.partial(self._proposals, top.nbytes)
+
+    def _proposals(self, nbytes: int) -> tuple[np.ndarray, np.ndarray]:
         if self._top_ready is not None:
             self._top_ready.synchronize()
         else:   # (the CPU: the copy was made when it was asked for; a backend without events: wait for all)
             self.backend.synchronize()
-        top = self._top_host.array[:top.nbytes].view(np.float32).reshape(self.hp.block_size - 1, 2, self.top_k)
+        top = self._top_host.array[:nbytes].view(np.float32).reshape(self.hp.block_size - 1, 2, self.top_k)
         return top[:, 1].astype(np.int64), top[:, 0].copy()                   # log-probs, ids; best first
 
     def logits(self, last_token: int) -> np.ndarray:
@@ -935,6 +1058,8 @@ class DFlashDraft:
         if g.allocator is None:
             g.allocator = ggml.Allocator(self.backend)
             g.allocator.allocate(g.graph)
+            for name, values in g.constants.items():
+                g.inputs[name].set(values)
 
     @property
     def n_graphs(self) -> int:
@@ -965,11 +1090,13 @@ class DFlashDraft:
             return [linear(ctx, w[prefix + f"{part}_proj.weight"], x) for part in parts]
         return row_ranges(ctx, linear(ctx, w[fused], x), [w[prefix + f"{part}_proj.weight"].ne[1] for part in parts])
 
-    def _build_append(self, m: int, src) -> _Graph:
-        """Context rows: c = rmsnorm(fc . features) * hidden_norm; per layer K, V of c into the ring."""
+    def _build_append(self, m: int, src, into=None) -> _Graph:
+        """Context rows: c = rmsnorm(fc . features) * hidden_norm; per layer K, V of c into the ring (or into
+        `into`: per-layer K and V tensor lists, the staging rows), at the rows the `rows` input names."""
         # the weight products go through `linear` (ggml_qmatmul for quantized CUDA weights where it is faster,
         # mul_mat elsewhere): the draft's weights are allocated before any graph is built, as linear needs
         hp, w, cache = self.hp, self.weights, self.cache
+        dest_k, dest_v = into if into is not None else (cache.k, cache.v)
         g = _Graph(16 * hp.n_layer + 32)
         ctx = g.ctx
         if src is None:
@@ -987,21 +1114,52 @@ class DFlashDraft:
             k, v = self._project(ctx, c, p, ("k", "v"))
             k = self._rope(ctx, self._norm(ctx, heads(ctx, k, hp.head_dim, hp.n_head_kv, m), w[p + "k_norm.weight"],
                                            f"draft.l{il}.ctx_k_norm"), pos)
-            writes.append(ctx.set_rows(cache.k[il], ctx.reshape_2d(k, hp.head_dim * hp.n_head_kv, m), rows)
+            writes.append(ctx.set_rows(dest_k[il], ctx.reshape_2d(k, hp.head_dim * hp.n_head_kv, m), rows)
                           .named(f"draft.l{il}.ctx_k_write"))
-            writes.append(ctx.set_rows(cache.v[il], v, rows).named(f"draft.l{il}.ctx_v_write"))
+            writes.append(ctx.set_rows(dest_v[il], v, rows).named(f"draft.l{il}.ctx_v_write"))
         g.graph = ctx.graph(writes)
         return g
 
-    def _build_step(self, n_attn: int) -> _Graph:
+    def _build_stage(self, n: int) -> _Graph:
+        """The append's graph over all n tokens of the target's last forward, into staging rows 0..n-1."""
+        g = self._build_append(n, self.target.captured, (self._stage.k, self._stage.v))
+        g.constants.update(src_rows=np.arange(n, dtype=np.int32), rows=np.arange(n, dtype=np.int64))
+        for name in g.constants:
+            g.inputs[name].mark_constant()     # (before the graph is allocated)
+        return g
+
+    @staticmethod
+    def _staged_rows(ctx: ggml.Context, staged: ggml.Tensor, n: int) -> ggml.Tensor:
+        return ctx.view_2d(staged, staged.ne[0], n, staged.nb[1], 0)
+
+    def _build_gather(self, n: int) -> _Graph:
+        """The first n staging rows of every layer's K and V written to the cache rows the `dest` input names."""
+        hp, stage, cache = self.hp, self._stage, self.cache
+        g = _Graph(4 * hp.n_layer + 8)
+        ctx = g.ctx
+        dest = g.inputs["dest"] = ctx.new_tensor(ggml.Type.I64, (n,), name="draft.inp.gather_rows").mark_input()
+        writes = []
+        for il in range(hp.n_layer):
+            for part, staged, cached in (("k", stage.k[il], cache.k[il]), ("v", stage.v[il], cache.v[il])):
+                writes.append(ctx.set_rows(cached, self._staged_rows(ctx, staged, n), dest)
+                              .named(f"draft.l{il}.ctx_{part}_gather"))
+        g.graph = ctx.graph(writes)
+        return g
+
+    def _build_step(self, n_attn: int, n_staged: int = 0) -> _Graph:
+        """The draft forward; with n_staged, the first n_staged staging rows go to the cache rows the `dest` input
+        names first (an append's, DFlashDraft.append_from_target)."""
         hp, w, cache = self.hp, self.weights, self.cache
         B, hd, E = hp.block_size, hp.head_dim, hp.n_embd
         g = _Graph(GRAPH_TENSORS_PER_LAYER * hp.n_layer + 64)
         ctx = g.ctx
         tokens = g.inputs["tokens"] = ctx.new_tensor(ggml.Type.I32, (B,), name="draft.inp.tokens").mark_input()
         pos = g.inputs["pos"] = ctx.new_tensor(ggml.Type.I32, (B,), name="draft.inp.pos").mark_input()
-        block_rows = ctx.new_tensor(ggml.Type.I64, (B,), name="draft.inp.block_rows").mark_input()
+        block_rows = ctx.new_tensor(ggml.Type.I64, (B,), name="draft.inp.block_rows").mark_constant()
         g.inputs["block_rows"] = block_rows
+        g.constants["block_rows"] = np.arange(B, dtype=np.int64)
+        if n_staged:
+            dest = g.inputs["dest"] = ctx.new_tensor(ggml.Type.I64, (n_staged,), name="draft.inp.gather_rows").mark_input()
         for kind in sorted(set(zip(hp.causal, hp.window))):
             g.masks[kind] = ctx.new_tensor(ggml.Type.F16, (n_attn, B),
                                            name=f"draft.inp.mask_c{int(kind[0])}_w{kind[1]}").mark_input()
@@ -1019,8 +1177,12 @@ class DFlashDraft:
             k = self._rope(ctx, self._norm(ctx, heads(ctx, k, hd, hp.n_head_kv, B), w[p + "self_attn.k_norm.weight"],
                                            f"draft.l{il}.k_norm"), pos)
             # the block's K/V go to the scratch rows 0..B-1; read the first n_attn rows through the writes
-            k_all = ctx.set_rows(cache.k[il], ctx.reshape_2d(k, row, B), block_rows)
-            v_all = ctx.set_rows(cache.v[il], v, block_rows)
+            ring_k, ring_v = cache.k[il], cache.v[il]
+            if n_staged:   # (set_rows reads its destination: the block's writes below come after these)
+                ring_k = ctx.set_rows(ring_k, self._staged_rows(ctx, self._stage.k[il], n_staged), dest)
+                ring_v = ctx.set_rows(ring_v, self._staged_rows(ctx, self._stage.v[il], n_staged), dest)
+            k_all = ctx.set_rows(ring_k, ctx.reshape_2d(k, row, B), block_rows)
+            v_all = ctx.set_rows(ring_v, v, block_rows)
             kt = ctx.view_3d(k_all, hd, hp.n_head_kv, n_attn, hd * 2, cache.k[il].nb[1], 0)
             vt = ctx.view_3d(v_all, hd, hp.n_head_kv, n_attn, hd * 2, cache.v[il].nb[1], 0)
             mask = g.masks[(hp.causal[il], hp.window[il])]

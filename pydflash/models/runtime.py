@@ -331,6 +331,7 @@ class TargetRuntime:
             self.captured = self._capture_ctx.new_tensor(
                 ggml.Type.F32, (hp.n_embd * len(self.capture_layers), n_ubatch), name="captured")
             self._capture_buffer = self.backend.alloc_tensors(self._capture_ctx)
+        self.capture_serial = 0          # counts the forwards that wrote `captured` (n_captured's setter)
         self.n_captured = 0              # tokens of the last forward whose features are in `captured`
         self._graphs: dict[tuple, GraphInputs] = {}
         self._allocator = ggml.Allocator(self.backend)
@@ -447,6 +448,17 @@ class TargetRuntime:
     @property
     def n_past(self) -> int:
         return self.cache.n_past
+
+    @property
+    def n_captured(self) -> int:
+        return self._n_captured
+
+    @n_captured.setter
+    def n_captured(self, n: int) -> None:
+        # every forward sets it: capture_serial tells a holder of work derived from `captured` (the draft's staged
+        # context rows, DFlashDraft.stage_from_target) whether it still describes the last forward
+        self._n_captured = int(n)
+        self.capture_serial += 1
 
     @property
     def n_graphs(self) -> int:
@@ -694,13 +706,15 @@ class TargetRuntime:
         self._graphs = {k: v for k, v in self._graphs.items() if k[0] != "verify"}
         self._commit_graphs = {}
 
-    def verify(self, tokens, parents, depths) -> np.ndarray:
+    def verify(self, tokens, parents, depths, then=None) -> np.ndarray:
         """One forward over n_slots tree slots at the current position; returns the argmax token of every slot
         (with enable_sampling and `sample_inputs` set: the token the sampler drew for every slot).
 
         tokens/parents/depths: [n_slots] (ddtree.padded): slot 0 is the root at position n_past, slot s sits at
         position n_past + depths[s] and attends to the committed cells and its ancestors; its KV row is written
-        at cell n_past + s. Nothing is committed: n_past is unchanged until `commit`."""
+        at cell n_past + s. Nothing is committed: n_past is unchanged until `commit`. then: a callable that
+        queues more work on the backend once the forward and its tokens' copy are queued (the engine's staging of
+        the draft's context rows): it runs on the device while the host waits for the tokens."""
         if self.n_slots == 0:
             raise RuntimeError("call enable_verify(n_slots) first")
         tokens = self._tokens(tokens)
@@ -729,9 +743,9 @@ class TargetRuntime:
         self.backend.compute_async(g.graph)
         self._last = g
         self.n_captured = n
-        return self._read_i32(g.sampler.tokens if self._last_sampled else g.argmax)[:n].astype(np.int64)
+        return self._read_i32(g.sampler.tokens if self._last_sampled else g.argmax, then)[:n].astype(np.int64)
 
-    def _read_i32(self, t: ggml.Tensor) -> np.ndarray:
+    def _read_i32(self, t: ggml.Tensor, then=None) -> np.ndarray:
         """An i32 result of the forward just queued, copied behind it on the backend's stream into page-locked
         memory, then waited for: one wait (a synchronous compute, then Tensor.numpy's own copy and wait, took
         ~0.1 ms more a verify on the H100: docs/benchmarks.md, twenty-second session)."""
@@ -741,6 +755,9 @@ class TargetRuntime:
         self._readback.download(t, 0)
         if self._readback_done is not None:
             self._readback_done.record()
+        if then is not None:
+            then()
+        if self._readback_done is not None:
             self._readback_done.synchronize()
         else:   # (the CPU computed and copied on the calls above)
             self.backend.synchronize()
@@ -983,10 +1000,9 @@ def _chain_then_padding(parents: np.ndarray) -> bool:
 
 def _ancestors(parents: np.ndarray) -> np.ndarray:
     """bool [n, n]: slot i sees itself and its ancestors."""
-    n = parents.size
-    seen = np.zeros((n, n), dtype=bool)
-    for i in range(n):
-        if parents[i] >= 0:
-            seen[i] = seen[parents[i]]
+    seen = np.zeros((parents.size, parents.size), dtype=bool)
+    for i, p in enumerate(parents.tolist()):    # (Python ints: numpy scalars would make the loop ~2x slower)
+        if p >= 0:
+            seen[i] = seen[p]
         seen[i, i] = True
     return seen
