@@ -1,15 +1,16 @@
 """Where the device waits for the host within DDTree steps: a timeline from CUDA timing events.
 
-    python bench/step_timeline.py TARGET.gguf --draft DRAFT_DIR [--budget 22] [--n-gen 64] [--reps 3]
+    python bench/step_timeline.py TARGET.gguf --draft DRAFT_DIR [--budget 22] [--n-gen 64] [--reps 2]
 
 Runs whole engine generations (as bench/ddtree_step.py) with a CUDA timing event recorded on ggml's stream just
-before and just after every graph the step queues (ggml_backend_event_record given a timing-enabled event: ggml's
-own events have timing off), and the host clock read at each record. An event's device time, mapped onto the
-host clock through one event recorded on an idle stream, is when the stream reached it; where that is no later
-than the host's record of it (within --slack-us), the stream had run dry: it waited for the host. Prints, per
-interval between consecutive marks of a step (median over the steps): the device time it spans and how much
-of it the stream stood idle, and the step's total. Needs CUDA (the runtime the ggml build loaded) and no
-profiler; the events cost the host a few microseconds each.
+before and just after every graph the step queues and every copy into page-locked memory
+(ggml_backend_event_record given a timing-enabled event: ggml's own events have timing off), and reads the host
+clock at each record and whenever a wait for the device returns. Prints, per interval between consecutive marks of
+a step (median over the steps): the device time it spans and the host time between the two records. A graph's
+interval ("X.graph>" to "<X.graph") is the graph's run on the device; the others are the stream's time between
+graphs: small copies, and waiting for the host to queue the next work (their sum, per step, is printed too). Host
+rows "woke" give the host time from a wait's return to the next record (what the host does before queueing more).
+Needs CUDA (the runtime the ggml build loaded) and no profiler; each record costs the host a few microseconds.
 """
 from __future__ import annotations
 
@@ -95,8 +96,6 @@ def main(argv=None) -> int:
     p.add_argument("--n-gen", type=int, default=64)
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--state-type", default="replay", choices=("f32", "f16", "replay"))
-    p.add_argument("--slack-us", type=float, default=15.0,
-                   help="a mark the stream reached within this long after the host recorded it counts as idle")
     args = p.parse_args(argv)
 
     from pydflash import ggml
@@ -113,67 +112,76 @@ def main(argv=None) -> int:
     decoder.generate_ids(prompt, min(args.n_gen, 32))       # warm-up: every graph built
 
     ev = TimingEvents(target.backend)
-    marks: list[tuple[str, float, int]] = []     # (label, host time of the record, event index)
+    marks: list[tuple[str, float, int | None]] = []   # (label, host time, event index; None: a host-only mark)
 
-    def mark(label: str) -> None:
+    def mark(label: str, device: bool = True) -> None:
         t = time.perf_counter()
-        marks.append((label, t, ev.record()))
+        marks.append((label, t, ev.record() if device else None))
 
     originals = {}
 
-    def wrap(cls, name, kind):
+    def wrap(cls, name, kind, device=True):
         f = getattr(cls, name)
         originals[(cls, name)] = f
 
         def g(self, *a, **k):
             label = f"{_caller()}.{kind}"
-            mark(label + ">")
+            if device:
+                mark(label + ">")
             r = f(self, *a, **k)
-            mark("<" + label)
+            mark("<" + label, device)
             return r
         setattr(cls, name, g)
 
     wrap(ggml.Backend, "compute_async", "graph")
     wrap(ggml.Backend, "compute", "graph(wait)")
     wrap(ggml.HostBuffer, "download", "download")
+    wrap(ggml.Event, "synchronize", "woke", device=False)
+    wrap(ggml.Backend, "synchronize", "woke", device=False)
 
-    intervals = collections.defaultdict(list)     # (from, to) -> [(device ms, idle ms, host ms)]
-    step_ms, idle_ms = [], []
+    device_rows = collections.defaultdict(list)   # (from, to) -> [(device ms, host ms)]
+    host_rows = collections.defaultdict(list)     # (woke, next record) -> [host ms]
+    step_ms, between_ms = [], []
     for _ in range(args.reps):
         target.backend.synchronize()
         ev.clear()
         marks.clear()
-        mark("start")                                # on an idle stream: the device clock's origin
+        mark("start")                                # the device clock's origin
         decoder.generate_ids(prompt, args.n_gen)
         target.backend.synchronize()
-        t0 = marks[0][1]
-        dev = [t0 + 1e-3 * ev.elapsed_ms(0, i) for _, _, i in marks]   # device times on the host clock
+        timed = [(label, t, 1e-3 * ev.elapsed_ms(0, i)) for label, t, i in marks if i is not None]
         # a step runs from one verify's start mark to the next's
-        starts = [n for n, (label, _, _) in enumerate(marks) if label == "verify.graph>"]
+        starts = [n for n, (label, _, _) in enumerate(timed) if label == "verify.graph>"]
+        first, last = timed[starts[0]][1], timed[starts[-1]][1]
         for a, b in zip(starts, starts[1:]):
-            step_ms.append(1e3 * (dev[b] - dev[a]))
-            idle = 0.0
+            step_ms.append(1e3 * (timed[b][2] - timed[a][2]))
+            between = 0.0
             for n in range(a, b):
-                span = dev[n + 1] - dev[n]
-                dry = dev[n + 1] - marks[n + 1][1] < 1e-6 * args.slack_us   # reached as soon as it was recorded
-                gap = max(0.0, min(span, marks[n + 1][1] - dev[n])) if dry else 0.0
-                intervals[(marks[n][0], marks[n + 1][0])].append(
-                    (1e3 * span, 1e3 * gap, 1e3 * (marks[n + 1][1] - marks[n][1])))
-                idle += gap
-            idle_ms.append(1e3 * idle)
+                (la, ha, da), (lb, hb, db) = timed[n], timed[n + 1]
+                device_rows[(la, lb)].append((1e3 * (db - da), 1e3 * (hb - ha)))
+                if not (la.endswith(".graph>") or la.endswith(".graph(wait)>")):
+                    between += db - da
+            between_ms.append(1e3 * between)
+        for n, (label, t, i) in enumerate(marks):
+            if i is None and first <= t < last:
+                nxt = next((m for m in marks[n + 1:] if m[2] is not None), None)
+                if nxt is not None:
+                    host_rows[(label, nxt[0])].append(1e3 * (nxt[1] - t))
     for (cls, name), f in originals.items():
         setattr(cls, name, f)
 
-    n_steps = len(step_ms)
-    print(f"{n_steps} steps ({args.reps} generations of {args.n_gen} tokens, budget {args.budget}); device ms "
-          f"between consecutive marks, median over the steps that have the interval; idle: the stream had run dry\n")
-    print("| from | to | steps | device ms | idle ms | host ms |")
-    print("|---|---|---|---|---|---|")
-    for (a, b), v in intervals.items():     # (in the order a step first met them)
-        print(f"| {a} | {b} | {len(v)} | " + " | ".join(f"{statistics.median(x[c] for x in v):.3f}" for c in range(3))
-              + " |")
-    print(f"\nstep (verify start to verify start): median {statistics.median(step_ms):.3f} ms, of it idle "
-          f"{statistics.median(idle_ms):.3f} ms (mean {statistics.mean(idle_ms):.3f}) (min {min(step_ms):.3f}, max {max(step_ms):.3f})")
+    print(f"{len(step_ms)} steps ({args.reps} generations of {args.n_gen} tokens, budget {args.budget}); medians "
+          f"over the steps that have the interval\n")
+    print("| from | to | steps | device ms | host ms |")
+    print("|---|---|---|---|---|")
+    for (a, b), v in device_rows.items():     # (in the order a step first met them)
+        print(f"| {a} | {b} | {len(v)} | {statistics.median(x[0] for x in v):.3f} | "
+              f"{statistics.median(x[1] for x in v):.3f} |")
+    for (a, b), v in host_rows.items():
+        print(f"| {a} | {b} | {len(v)} | - | {statistics.median(v):.3f} |")
+    print(f"\nstep (verify start to verify start): median {statistics.median(step_ms):.3f} ms (min "
+          f"{min(step_ms):.3f}, max {max(step_ms):.3f}); the stream between graphs: median "
+          f"{statistics.median(between_ms):.3f} ms a step")
     return 0
 
 

@@ -23,10 +23,11 @@ A draft is any object with
     stage_context(target, first_position, depths)   (optional) start on the context of every slot of the verify
                           just queued (slot s at first_position + depths[s]) before the accepted ones are known
 The DFlash draft (pydflash.models.dflash_draft.DFlashDraft) is adapted to it by `engine_draft`, with all three.
-Then a step keeps the device busy from one verify to the next: the verify's slots are staged into the draft's
-context while the host waits for the verify's tokens; the accepted path's context append (a copy of staged rows),
-the next draft forward and, behind it, the target's commit of the path are queued before the step returns its
-tokens, so they run while the consumer takes them and while the host builds the next tree.
+Then the device waits little for the host between one verify and the next: the verify's slots are staged into
+the draft's context while the host waits for the verify's tokens; the next draft forward (which first copies the
+accepted path's staged rows into the draft's context) and, behind it, the target's commit of the path are queued
+before the step returns its tokens, so they run while the consumer takes them and while the host builds the next
+tree (docs/benchmarks.md, twenty-third session: where the device still waits).
 """
 from __future__ import annotations
 
@@ -64,8 +65,8 @@ class _Run:
 
 class _DFlashAdapter:
     """The engine's draft interface over a DFlashDraft: features come from the target's captured rows on the
-    device (staged while a verify runs, appended queued: the draft's next forward is ordered after it on the same
-    stream), proposals from its on-device top-K, queued."""
+    device (a verify's staged while it runs; appends queued: the draft's next forward is ordered after them on the
+    same stream), proposals from its on-device top-K, queued."""
 
     def __init__(self, draft):
         self.draft = draft

@@ -212,6 +212,33 @@ def test_append_from_target_device_path(models, backend, target_cache, rng):
 STAGE_DEPTHS = [0, 1, 1, 2, 2, 3, 3, 4]
 
 
+def _two_drafts(models, backend, target_cache, rng):
+    """The target after a forward of len(STAGE_DEPTHS) tokens, and two drafts whose contexts hold the 20 before."""
+    target = _target(models, backend, target_cache)
+    target.reset()
+    ahead = DFlashDraft(models["full"], target, window=WINDOW)
+    plain = DFlashDraft(models["full"], target, window=WINDOW)
+    target.forward(rng.integers(0, 400, 20))
+    for d in (ahead, plain):
+        d.append_from_target()
+    target.forward(rng.integers(0, 400, len(STAGE_DEPTHS)))
+    return target, ahead, plain
+
+
+def _assert_same_context(ahead, plain, backend, gpu_rel=LOGIT_TOL / 10, logits=None):
+    """The two drafts' context rows equal (CPU), and their logits (CPU: equal; GPU: within gpu_rel)."""
+    got, want = logits if logits is not None else (ahead.logits(9), plain.logits(9))
+    if backend.name == "CPU":
+        ahead.settle()
+        n = plain.n_ctx
+        for k_ahead, k_plain in zip(ahead.cache.k + ahead.cache.v, plain.cache.k + plain.cache.v):
+            np.testing.assert_array_equal(k_ahead.numpy()[16:16 + n], k_plain.numpy()[16:16 + n])
+        np.testing.assert_array_equal(got, want)
+    else:
+        rel = _max_rel(got, want)
+        assert rel < gpu_rel, f"max rel {rel}"
+
+
 def _copied_staged_rows(draft) -> set[str]:
     """Which graphs copied staged rows into the ring: a draft forward's ('step') or settle's ('gather')."""
     return {k[0] for k in draft._graphs if k[0] == "gather" or (k[0] == "step" and len(k) > 3)}
@@ -223,45 +250,24 @@ def test_staged_append_equals_the_append(models, backend, target_cache, rng, row
     """stage_from_target (every token of a forward computed ahead at its depth) then append_from_target(rows) fills
     the context as the plain append does; where rows sit at depths 0, 1, 2, .. the next draft forward copies the
     staged rows into the ring before its attention, elsewhere the append computes them."""
-    target = _target(models, backend, target_cache)
-    target.reset()
-    ahead = DFlashDraft(models["full"], target, window=WINDOW)
-    plain = DFlashDraft(models["full"], target, window=WINDOW)
-    target.forward(rng.integers(0, 400, 20))
-    for d in (ahead, plain):
-        d.append_from_target()
-    target.forward(rng.integers(0, 400, len(STAGE_DEPTHS)))
+    target, ahead, plain = _two_drafts(models, backend, target_cache, rng)
     ahead.stage_from_target(20, STAGE_DEPTHS)
     ahead.append_from_target(rows)
     plain.append_from_target(rows)
     assert ahead.n_ctx == plain.n_ctx == 20 + len(rows)
-    got, want = ahead.logits(9), plain.logits(9)
+    logits = ahead.logits(9), plain.logits(9)      # (the forward copies the staged rows)
     assert _copied_staged_rows(ahead) == ({"step"} if staged else set())
-    if backend.name == "CPU":
-        ahead.settle()
-        for k_ahead, k_plain in zip(ahead.cache.k + ahead.cache.v, plain.cache.k + plain.cache.v):
-            np.testing.assert_array_equal(k_ahead.numpy()[16:16 + ahead.n_ctx], k_plain.numpy()[16:16 + plain.n_ctx])
-        np.testing.assert_array_equal(got, want)
-    else:
-        # the staging's products take 8 columns, the append's len(rows): on the GPU a one-column product takes a
-        # kernel that does not round its activations to bf16 (H100: 1.8e-3 apart for rows [0], under 1e-3 for the
-        # others), each path within the reference's bound; a row at a wrong position or slot is O(0.1) off
-        rel = _max_rel(got, want)
-        assert rel < (LOGIT_TOL / 10 if len(rows) > 1 else LOGIT_TOL / 2), f"max rel {rel}"
+    # the staging's products take 8 columns, the append's len(rows): on the GPU a one-column product takes a kernel
+    # that does not round its activations to bf16 (H100: 1.8e-3 apart for rows [0], under 1e-3 for the others), each
+    # path within the reference's bound; a row at a wrong position or slot is O(0.1) off
+    _assert_same_context(ahead, plain, backend, LOGIT_TOL / 10 if len(rows) > 1 else LOGIT_TOL / 2, logits)
     target.reset()
 
 
 def test_settle_copies_staged_rows_without_a_step(models, backend, target_cache, rng):
     """An append of staged rows followed by no draft forward (the end of a run): settle copies them into the ring;
     so does a later append (ring writes stay in position order)."""
-    target = _target(models, backend, target_cache)
-    target.reset()
-    ahead = DFlashDraft(models["full"], target, window=WINDOW)
-    plain = DFlashDraft(models["full"], target, window=WINDOW)
-    target.forward(rng.integers(0, 400, 20))
-    for d in (ahead, plain):
-        d.append_from_target()
-    target.forward(rng.integers(0, 400, len(STAGE_DEPTHS)))
+    target, ahead, plain = _two_drafts(models, backend, target_cache, rng)
     ahead.stage_from_target(20, STAGE_DEPTHS)
     for d in (ahead, plain):
         d.append_from_target([0, 2, 4])
@@ -273,13 +279,7 @@ def test_settle_copies_staged_rows_without_a_step(models, backend, target_cache,
         d.append_from_target([0, 1])          # staged: left for the next forward
         d.append_from_target([5])             # not staged (taken already): computed after copying the pending rows
     assert ahead.n_ctx == plain.n_ctx == 26
-    if backend.name == "CPU":
-        ahead.settle()
-        for k_ahead, k_plain in zip(ahead.cache.k + ahead.cache.v, plain.cache.k + plain.cache.v):
-            np.testing.assert_array_equal(k_ahead.numpy()[16:16 + 26], k_plain.numpy()[16:16 + 26])
-        np.testing.assert_array_equal(ahead.logits(9), plain.logits(9))
-    else:
-        assert _max_rel(ahead.logits(9), plain.logits(9)) < LOGIT_TOL / 10
+    _assert_same_context(ahead, plain, backend)
     target.reset()
 
 
@@ -287,14 +287,7 @@ def test_staged_rows_go_stale(models, backend, target_cache, rng):
     """Staged rows describe one forward at one position: after another forward of the target, or a truncation
     of the draft's context, the append computes its rows (and gets those of the new forward); staging at a
     position the context does not end at, or with depths for another number of tokens, is refused."""
-    target = _target(models, backend, target_cache)
-    target.reset()
-    ahead = DFlashDraft(models["full"], target, window=WINDOW)
-    plain = DFlashDraft(models["full"], target, window=WINDOW)
-    target.forward(rng.integers(0, 400, 20))
-    for d in (ahead, plain):
-        d.append_from_target()
-    target.forward(rng.integers(0, 400, len(STAGE_DEPTHS)))
+    target, ahead, plain = _two_drafts(models, backend, target_cache, rng)
     with pytest.raises(ValueError, match="position 19"):
         ahead.stage_from_target(19, STAGE_DEPTHS)
     with pytest.raises(ValueError, match="depths for 7 tokens"):
@@ -309,10 +302,7 @@ def test_staged_rows_go_stale(models, backend, target_cache, rng):
     ahead.append_from_target([0, 1])
     plain.append_from_target([0, 1])
     assert _copied_staged_rows(ahead) == set()
-    if backend.name == "CPU":
-        np.testing.assert_array_equal(ahead.logits(9), plain.logits(9))
-    else:
-        assert _max_rel(ahead.logits(9), plain.logits(9)) < LOGIT_TOL / 10
+    _assert_same_context(ahead, plain, backend)
     target.reset()
 
 

@@ -693,6 +693,15 @@ def check_fits(hp: DFlashHParams, target_hp, draft_path: str, target_path: str) 
 
 # --- the context cache ------------------------------------------------------------------------------------------
 
+def _layer_rows(backend: ggml.Backend, hp: DFlashHParams, n_rows: int, what: str):
+    """Per draft layer, K and V f16 [head_dim * n_head_kv, n_rows] on the backend: (context, k list, v list, buffer)."""
+    row = hp.head_dim * hp.n_head_kv
+    ctx = ggml.Context(n_tensors=2 * hp.n_layer)
+    k = [ctx.new_tensor(ggml.Type.F16, (row, n_rows), name=f"draft.{what}_k_l{il}") for il in range(hp.n_layer)]
+    v = [ctx.new_tensor(ggml.Type.F16, (row, n_rows), name=f"draft.{what}_v_l{il}") for il in range(hp.n_layer)]
+    return ctx, k, v, backend.alloc_tensors(ctx)
+
+
 class DraftContextCache:
     """Per draft layer, the projected context K/V (after k_norm and RoPE) of the last `window` positions.
 
@@ -706,13 +715,7 @@ class DraftContextCache:
             raise ValueError("the draft context window must be at least 1 position")
         self.hp, self.window, self.block = hp, int(window), hp.block_size
         self.n_rows = -(-(self.block + self.window) // KV_BUCKET) * KV_BUCKET
-        row = hp.head_dim * hp.n_head_kv
-        self._ctx = ggml.Context(n_tensors=2 * hp.n_layer)
-        self.k = [self._ctx.new_tensor(ggml.Type.F16, (row, self.n_rows), name=f"draft.cache_k_l{il}")
-                  for il in range(hp.n_layer)]
-        self.v = [self._ctx.new_tensor(ggml.Type.F16, (row, self.n_rows), name=f"draft.cache_v_l{il}")
-                  for il in range(hp.n_layer)]
-        self.buffer = backend.alloc_tensors(self._ctx)
+        self._ctx, self.k, self.v, self.buffer = _layer_rows(backend, hp, self.n_rows, "cache")
         self.reset()
 
     def reset(self) -> None:
@@ -759,7 +762,7 @@ class DraftContextCache:
         kpos[:B] = self.n_ctx + np.arange(B)
         n_ring = min(n_attn - B, self.window)
         kpos[B: B + n_ring] = self.slot_pos[:n_ring]
-        if not causal and not window:   # every query sees every held key: one row, repeated (built per step)
+        if not causal and not window:   # every query sees every held key: one row, repeated
             row = np.where(kpos >= 0, 0.0, -np.inf).astype(np.float16)
             return np.ascontiguousarray(np.broadcast_to(row, (B, n_attn)))
         q = self.n_ctx + np.arange(B)[:, None]
@@ -780,13 +783,7 @@ class _Staging:
 
     def __init__(self, backend: ggml.Backend, hp: DFlashHParams, capacity: int):
         self.capacity = int(capacity)
-        row = hp.head_dim * hp.n_head_kv
-        self._ctx = ggml.Context(n_tensors=2 * hp.n_layer)
-        self.k = [self._ctx.new_tensor(ggml.Type.F16, (row, self.capacity), name=f"draft.stage_k_l{il}")
-                  for il in range(hp.n_layer)]
-        self.v = [self._ctx.new_tensor(ggml.Type.F16, (row, self.capacity), name=f"draft.stage_v_l{il}")
-                  for il in range(hp.n_layer)]
-        self.buffer = backend.alloc_tensors(self._ctx)
+        self._ctx, self.k, self.v, self.buffer = _layer_rows(backend, hp, self.capacity, "stage")
 
 
 @dataclass(frozen=True, eq=False)
@@ -936,9 +933,9 @@ class DFlashDraft:
     def stage_from_target(self, first_position: int, depths, wait: bool = True) -> None:
         """Compute the context rows of every token of the target's last forward, token i at position
         first_position + depths[i], into staging rows (not the context yet). The next append_from_target(rows) of
-        that same forward at first_position whose rows lie at depths 0, 1, 2, .. (a verify's accepted path) copies
-        its rows from there into the ring: one small graph in place of the append's products. The engine stages a
-        verify's slots while the host waits for its tokens. wait=False queues it (as append_from_target)."""
+        that same forward at first_position whose rows lie at depths 0, 1, 2, .. (a verify's accepted path) takes
+        its rows from there: the next draft forward copies them into the ring (no products of its own). The engine
+        stages a verify's slots while the host waits for its tokens. wait=False queues it (as append_from_target)."""
         self._check_capture()
         n = self.target.n_captured
         depths = np.asarray(depths, dtype=np.int64).reshape(-1)
