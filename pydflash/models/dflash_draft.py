@@ -792,16 +792,15 @@ class _Staged:
     i computed at position first + depths[i]."""
     serial: int
     first: int
-    depths: np.ndarray
+    depths: list[int]
 
     @property
     def n(self) -> int:
-        return self.depths.size
+        return len(self.depths)
 
-    def holds(self, serial: int, first: int, rows: np.ndarray) -> bool:
+    def holds(self, serial: int, first: int, rows: list[int]) -> bool:
         """Whether appending `rows` of forward `serial` at positions first, first + 1, .. is a copy of staged rows."""
-        return serial == self.serial and first == self.first and \
-            bool(np.array_equal(self.depths[rows], np.arange(rows.size)))
+        return serial == self.serial and first == self.first and all(self.depths[r] == i for i, r in enumerate(rows))
 
 
 # --- the draft --------------------------------------------------------------------------------------------------
@@ -911,13 +910,14 @@ class DFlashDraft:
         rows = np.arange(n_last) if rows is None else np.asarray(rows, dtype=np.int64).reshape(-1)
         if rows.size == 0:
             return
-        if rows.min() < 0 or rows.max() >= n_last:
+        listed = rows.tolist()    # (checked in Python: numpy's per-call costs dominate on a path of a few rows)
+        if not 0 <= min(listed) <= max(listed) < n_last:
             raise ValueError(f"rows must lie in the target's last forward (0..{n_last - 1})")
         first = self.cache.n_ctx
         if rows.size > self.cache.window:
             rows, first = rows[-self.cache.window:], first + rows.size - self.cache.window
         staged, self._staged = self._staged, None
-        if staged is not None and staged.holds(self.target.capture_serial, first, rows):
+        if staged is not None and staged.holds(self.target.capture_serial, first, listed[-rows.size:]):
             positions = np.arange(first, first + rows.size, dtype=np.int64)
             self._pending = np.zeros(staged.n, dtype=np.int64)   # the rows not taken: to the block's scratch row 0,
             self._pending[rows] = self.cache.rows_for(positions)  # which every draft step writes before reading
@@ -956,7 +956,7 @@ class DFlashDraft:
         self._activate(g)
         g.inputs["pos"].set((first_position + depths).astype(np.int32), self.backend)
         (self.backend.compute if wait else self.backend.compute_async)(g.graph)
-        self._staged = _Staged(self.target.capture_serial, int(first_position), depths.copy())
+        self._staged = _Staged(self.target.capture_serial, int(first_position), depths.tolist())
 
     def _check_capture(self) -> None:
         if tuple(self.target.capture_layers) != self.hp.target_layer_ids:
