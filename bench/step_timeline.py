@@ -29,7 +29,6 @@ try:
 except ImportError:      # running from a source checkout without installing
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from step_kernels import _cudart  # noqa: E402  (bench/ is on sys.path when run as a script)
 
 

@@ -1156,7 +1156,8 @@ class DFlashDraft:
         g.inputs["block_rows"] = block_rows
         g.constants["block_rows"] = np.arange(B, dtype=np.int64)
         if n_staged:
-            dest = g.inputs["dest"] = ctx.new_tensor(ggml.Type.I64, (n_staged,), name="draft.inp.gather_rows").mark_input()
+            dest = ctx.new_tensor(ggml.Type.I64, (n_staged,), name="draft.inp.gather_rows").mark_input()
+            g.inputs["dest"] = dest
         for kind in sorted(set(zip(hp.causal, hp.window))):
             g.masks[kind] = ctx.new_tensor(ggml.Type.F16, (n_attn, B),
                                            name=f"draft.inp.mask_c{int(kind[0])}_w{kind[1]}").mark_input()
