@@ -142,6 +142,23 @@ def test_set_queued_on_the_backend_stream_lands_before_its_next_compute(backend,
         a.set(np.zeros(65, np.float32), backend)
 
 
+def test_readback_returns_the_result_of_the_queued_graph(backend, rng):
+    """Readback queues a result's copy behind a queued compute and waits for it once: the bytes are that compute's,
+    for results of any size (its page-locked memory grows)."""
+    readback = ggml.Readback(backend)
+    for n in (16, 600, 64):
+        ctx = ggml.Context(n_tensors=8, graph_size=8)
+        a = ctx.new_tensor(np.float32, (n,), name="a").mark_input()
+        out = ctx.scale(a, 3.0).named("out")
+        graph = ctx.graph([out])
+        ggml.Allocator(backend).allocate(graph)
+        values = rng.standard_normal(n).astype(np.float32)
+        a.set(values, backend)
+        backend.compute_async(graph)
+        readback.queue(out)
+        np.testing.assert_array_equal(readback.wait().view(np.float32), 3.0 * values)
+
+
 _LOG_PROBE = """
 from pydflash.ggml._ffi import ffi, lib
 cb = ffi.new("ggml_log_callback *"); ud = ffi.new("void **")

@@ -253,6 +253,34 @@ class HostBuffer:
     __del__ = close
 
 
+class Readback:
+    """A device tensor copied into page-locked memory behind the work queued on a backend, and waited for later:
+    `queue(t)` queues the copy and an event behind it, `wait()` waits for that event (a backend without events:
+    for everything) and returns the bytes, a view valid until the next `queue`. One copy at a time."""
+
+    def __init__(self, backend: Backend):
+        self._backend = backend
+        self._host: HostBuffer | None = None
+        self._done: Event | None = None
+        self._nbytes = 0
+
+    def queue(self, tensor: "Tensor") -> None:
+        if self._host is None or self._host.array.nbytes < tensor.nbytes:
+            self._host = HostBuffer(self._backend, max(tensor.nbytes, 1024))
+            self._done = self._backend.event()
+        self._host.download(tensor, 0)
+        self._nbytes = tensor.nbytes
+        if self._done is not None:
+            self._done.record()
+
+    def wait(self) -> np.ndarray:
+        if self._done is not None:
+            self._done.synchronize()
+        else:   # (the CPU copied when it was asked to)
+            self._backend.synchronize()
+        return self._host.array[:self._nbytes]
+
+
 class Buffer:
     """A device buffer holding the tensors of one context; freed with it."""
 

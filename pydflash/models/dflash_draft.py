@@ -26,7 +26,6 @@ append between the verify and the draft's next forward.
 """
 from __future__ import annotations
 
-import functools
 import json
 import math
 import os
@@ -844,8 +843,7 @@ class DFlashDraft:
         self.token_embd = target.weights["token_embd.weight"]
         self.lm_head = target.weights["output.weight"]
         self._graphs: dict[tuple, _Graph] = {}
-        self._top_host = None     # page-locked host memory the proposals are copied into (queue_propose)
-        self._top_ready = None    # an event behind that copy (None on the CPU: copied on return)
+        self._top = ggml.Readback(self.backend)   # the proposals, copied into page-locked memory (queue_propose)
         self._stage: _Staging | None = None     # staging rows (stage_from_target), sized on first use
         self._staged: _Staged | None = None     # what they hold, until an append takes them or they go stale
         self._pending: np.ndarray | None = None  # an append's cache rows for the staged rows: the next step copies them
@@ -1015,23 +1013,13 @@ class DFlashDraft:
         then: a callable that queues more work on the backend once the forward and the copy are queued (the
         engine's deferred target commit): it runs on the device while the host takes the proposals, and is not
         waited for."""
-        top = self._step(last_token).outputs["top"]
-        if self._top_host is None:
-            self._top_host = ggml.HostBuffer(self.backend, top.nbytes)
-            self._top_ready = self.backend.event()
-        self._top_host.download(top, 0)
-        if self._top_ready is not None:
-            self._top_ready.record()
+        self._top.queue(self._step(last_token).outputs["top"])
         if then is not None:
             then()
-        return functools.partial(self._proposals, top.nbytes)
+        return self._proposals
 
-    def _proposals(self, nbytes: int) -> tuple[np.ndarray, np.ndarray]:
-        if self._top_ready is not None:
-            self._top_ready.synchronize()
-        else:   # (the CPU: the copy was made when it was asked for; a backend without events: wait for all)
-            self.backend.synchronize()
-        top = self._top_host.array[:nbytes].view(np.float32).reshape(self.hp.block_size - 1, 2, self.top_k)
+    def _proposals(self) -> tuple[np.ndarray, np.ndarray]:
+        top = self._top.wait().view(np.float32).reshape(self.hp.block_size - 1, 2, self.top_k)
         return top[:, 1].astype(np.int64), top[:, 0].copy()                   # log-probs, ids; best first
 
     def logits(self, last_token: int) -> np.ndarray:

@@ -350,8 +350,7 @@ class TargetRuntime:
         self.sample_inputs = None         # sampling.StepInputs of the next prefill/step/verify (then cleared)
         self._last_sampled = False        # the last forward's sampler drew from given inputs
         self._ahead = None                # decode_ahead's staging buffers (_AheadIO), made on first use
-        self._readback = None             # page-locked memory a verify's tokens are copied into, and an event
-        self._readback_done = None        # behind the copy (made on first use)
+        self._readback = ggml.Readback(self.backend)   # a verify's tokens, copied into page-locked memory
         self._fed_token = None            # i32 [1] on the device: the token of decode_ahead's next step
 
     def memory_plan(self, infos, n_cells: int, kv_type, n_ubatch: int) -> dict[str, int]:
@@ -749,19 +748,10 @@ class TargetRuntime:
         """An i32 result of the forward just queued, copied behind it on the backend's stream into page-locked
         memory, then waited for: one wait (a synchronous compute, then Tensor.numpy's own copy and wait, took
         ~0.1 ms more a verify on the H100: docs/benchmarks.md, twenty-second session)."""
-        if self._readback is None or self._readback.array.nbytes < t.nbytes:
-            self._readback = ggml.HostBuffer(self.backend, max(t.nbytes, 1024))
-            self._readback_done = self.backend.event()
-        self._readback.download(t, 0)
-        if self._readback_done is not None:
-            self._readback_done.record()
+        self._readback.queue(t)
         if then is not None:
             then()
-        if self._readback_done is not None:
-            self._readback_done.synchronize()
-        else:   # (the CPU computed and copied on the calls above)
-            self.backend.synchronize()
-        return self._readback.array[:t.nbytes].view(np.int32).copy()
+        return self._readback.wait().view(np.int32).copy()
 
     def commit(self, path, wait: bool = True) -> None:
         """Make the accepted slots `path` (root first, each the parent of the next) the committed tokens: state
