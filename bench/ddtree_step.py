@@ -25,6 +25,7 @@ import time
 
 import numpy as np
 from _timing import median_ms  # bench/_timing.py (this folder is on sys.path when run as a script)
+from _trees import random_tree
 
 try:
     import pydflash  # noqa: F401  (the installed package)
@@ -53,17 +54,10 @@ def bench_ar(target, prompt, n_gen):
 
 
 def bench_verify_sizes(target, prompt, reps, rng, state_type):
-    from pydflash import ddtree
     rows = []
     for n in NODE_COUNTS:
         target.enable_verify(n + 1, tree=True, state_type=state_type)
-        k = min(n, 8)
-        logits = rng.standard_normal((15, 64)) * 3
-        logp = logits - np.log(np.exp(logits).sum(1, keepdims=True))
-        ids = np.argsort(-logp, 1)[:, :k]
-        tree = ddtree.build_tree(np.take_along_axis(logp, ids, 1), ids + 100, n)
-        tokens, parents, depths = ddtree.padded(tree, n + 1)
-        tokens[0] = 1
+        tokens, parents, depths = random_tree(n, rng, root=1, top_k=min(n, 8))
         target.reset()
         target.prefill(prompt, return_logits=False)
         verify_ms = median_ms(lambda: target.verify(tokens, parents, depths), reps)

@@ -23,6 +23,7 @@ import sys
 
 import numpy as np
 from _timing import median_ms  # bench/_timing.py (this folder is on sys.path when run as a script)
+from _trees import random_tree
 
 try:
     import pydflash  # noqa: F401  (the installed package)
@@ -90,13 +91,7 @@ def print_op_table(op: dict, n_vocab: int, n_rows: int) -> None:
 
 def bench_forwards(target, prompt, budget: int, reps: int, rng) -> dict:
     """(verify ms, AR step ms) per setting."""
-    from pydflash import ddtree
-    logits = rng.standard_normal((15, 64)) * 3
-    logp = logits - np.log(np.exp(logits).sum(1, keepdims=True))
-    ids = np.argsort(-logp, 1)[:, :8]
-    tree = ddtree.build_tree(np.take_along_axis(logp, ids, 1), ids + 100, budget)
-    tokens, parents, depths = ddtree.padded(tree, budget + 1)
-    tokens[0] = prompt[-1]
+    tokens, parents, depths = random_tree(budget, rng, root=prompt[-1])
     target.enable_verify(budget + 1, tree=True)
     out = {}
     for name, s in SETTINGS.items():

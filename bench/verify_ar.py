@@ -15,23 +15,12 @@ import sys
 
 import numpy as np
 from _timing import call_times  # bench/_timing.py (this folder is on sys.path when run as a script)
+from _trees import random_tree
 
 try:
     import pydflash  # noqa: F401  (the installed package)
 except ImportError:      # running from a source checkout without installing
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-
-
-def random_tree(budget: int, rng: np.random.Generator):
-    """ddtree.padded's (tokens, parents, depths) of a best-first tree over random draft log-probs (top 8 of 64)."""
-    from pydflash import ddtree
-    logits = rng.standard_normal((15, 64)) * 3
-    logp = logits - np.log(np.exp(logits).sum(1, keepdims=True))
-    ids = np.argsort(-logp, 1)[:, :8]
-    tree = ddtree.build_tree(np.take_along_axis(logp, ids, 1), ids + 100, budget)
-    tokens, parents, depths = ddtree.padded(tree, budget + 1)
-    tokens[0] = 1
-    return tokens, parents, depths
 
 
 def main(argv=None) -> int:
@@ -49,7 +38,7 @@ def main(argv=None) -> int:
     target = load_target(args.target, args.device, n_ctx=256, kv_type="f16", n_ubatch=512)
     rng = np.random.default_rng(0)
     prompt = [int(t) for t in rng.integers(1, min(target.hp.n_vocab, 30000), 64)]
-    tokens, parents, depths = random_tree(args.budget, rng)
+    tokens, parents, depths = random_tree(args.budget, rng, root=1)
     target.enable_verify(args.budget + 1, tree=True, state_type=args.state_type)
     target.reset()
     target.prefill(prompt, return_logits=False)
