@@ -983,13 +983,12 @@ class DFlashDraft:
         if not 0 <= int(last_token) < self.target.hp.n_vocab:
             raise ValueError(f"token id {last_token} outside the vocabulary")
         B, n_attn = self.hp.block_size, self.cache.n_attended()
-        dest, self._pending = self._pending, None
-        if dest is None:
-            g = self._graph(("step", n_attn, self.top_k), lambda: self._build_step(n_attn))
-            self._activate(g)
-        else:   # the last append's staged rows are copied into the ring first, inside this forward
-            g = self._graph(("step", n_attn, self.top_k, dest.size), lambda: self._build_step(n_attn, dest.size))
-            self._activate(g)
+        dest, self._pending = self._pending, None   # the last append's staged rows: copied first, in this forward
+        n_staged = 0 if dest is None else dest.size
+        key = ("step", n_attn, self.top_k) + ((n_staged,) if n_staged else ())
+        g = self._graph(key, lambda: self._build_step(n_attn, n_staged))
+        self._activate(g)
+        if n_staged:
             g.inputs["dest"].set(dest, self.backend)
         tokens = np.full(B, self.hp.mask_token_id, dtype=np.int32)
         tokens[0] = last_token
@@ -1113,21 +1112,22 @@ class DFlashDraft:
             g.inputs[name].mark_constant()     # (before the graph is allocated)
         return g
 
-    @staticmethod
-    def _staged_rows(ctx: ggml.Context, staged: ggml.Tensor, n: int) -> ggml.Tensor:
-        return ctx.view_2d(staged, staged.ne[0], n, staged.nb[1], 0)
+    def _gathered(self, ctx: ggml.Context, il: int, n: int, dest: ggml.Tensor) -> tuple[ggml.Tensor, ggml.Tensor]:
+        """Layer il's cache K and V with the first n staging rows written to the rows `dest` names."""
+        pairs = ((self._stage.k[il], self.cache.k[il]), (self._stage.v[il], self.cache.v[il]))
+        return tuple(ctx.set_rows(cached, ctx.view_2d(staged, staged.ne[0], n, staged.nb[1], 0), dest)
+                     for staged, cached in pairs)
 
     def _build_gather(self, n: int) -> _Graph:
         """The first n staging rows of every layer's K and V written to the cache rows the `dest` input names."""
-        hp, stage, cache = self.hp, self._stage, self.cache
+        hp = self.hp
         g = _Graph(4 * hp.n_layer + 8)
         ctx = g.ctx
         dest = g.inputs["dest"] = ctx.new_tensor(ggml.Type.I64, (n,), name="draft.inp.gather_rows").mark_input()
         writes = []
         for il in range(hp.n_layer):
-            for part, staged, cached in (("k", stage.k[il], cache.k[il]), ("v", stage.v[il], cache.v[il])):
-                writes.append(ctx.set_rows(cached, self._staged_rows(ctx, staged, n), dest)
-                              .named(f"draft.l{il}.ctx_{part}_gather"))
+            for part, written in zip("kv", self._gathered(ctx, il, n, dest)):
+                writes.append(written.named(f"draft.l{il}.ctx_{part}_gather"))
         g.graph = ctx.graph(writes)
         return g
 
@@ -1165,8 +1165,7 @@ class DFlashDraft:
             # the block's K/V go to the scratch rows 0..B-1; read the first n_attn rows through the writes
             ring_k, ring_v = cache.k[il], cache.v[il]
             if n_staged:   # (set_rows reads its destination: the block's writes below come after these)
-                ring_k = ctx.set_rows(ring_k, self._staged_rows(ctx, self._stage.k[il], n_staged), dest)
-                ring_v = ctx.set_rows(ring_v, self._staged_rows(ctx, self._stage.v[il], n_staged), dest)
+                ring_k, ring_v = self._gathered(ctx, il, n_staged, dest)
             k_all = ctx.set_rows(ring_k, ctx.reshape_2d(k, row, B), block_rows)
             v_all = ctx.set_rows(ring_v, v, block_rows)
             kt = ctx.view_3d(k_all, hd, hp.n_head_kv, n_attn, hd * 2, cache.k[il].nb[1], 0)
