@@ -12,7 +12,7 @@ the parent slot of slot s (-1 for the root).
 from __future__ import annotations
 
 import heapq
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -23,17 +23,21 @@ class Tree:
     parents: np.ndarray   # i32 [N+1]: parent slot of each slot; parents[0] = -1 (the root's predecessor is committed)
     depths: np.ndarray    # i32 [N+1]: 0 for the root, 1.. for nodes (position = root position + depth)
     scores: np.ndarray    # f32 [N]: the summed log-prob of each node's prefix
+    _kids: list[dict[int, int]] | None = field(default=None, init=False, repr=False, compare=False)
 
     @property
     def n_nodes(self) -> int:
         return int(self.tokens.size)
 
     def children(self) -> list[dict[int, int]]:
-        """Per slot, token -> child slot (tokens of siblings are distinct: they are different ranks)."""
-        kids: list[dict[int, int]] = [{} for _ in range(self.n_nodes + 1)]
-        for slot, (parent, token) in enumerate(zip(self.parents[1:].tolist(), self.tokens.tolist()), start=1):
-            kids[parent].setdefault(token, slot)
-        return kids
+        """Per slot, token -> child slot (tokens of siblings are distinct: they are different ranks). Built on the
+        first call (the engine makes it while the verify runs, so the walk after it only looks up)."""
+        if self._kids is None:
+            kids: list[dict[int, int]] = [{} for _ in range(self.n_nodes + 1)]
+            for slot, (parent, token) in enumerate(zip(self.parents[1:].tolist(), self.tokens.tolist()), start=1):
+                kids[parent].setdefault(token, slot)
+            self._kids = kids
+        return self._kids
 
 
 def build_tree(logp: np.ndarray, ids: np.ndarray, budget: int, *, seed_chain: bool = False) -> Tree:

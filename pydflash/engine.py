@@ -364,8 +364,13 @@ class Decoder:
         tree = make_tree(self.mode, logp, ids, self.budget, self.seed_chain)
         t2 = time.perf_counter()
         stage = getattr(self.draft, "stage_context", None)
-        stage = None if stage is None else functools.partial(stage, self.target, self.target.n_past)
-        drawn = verify_step(self.target, tree, run.context, run.sampler, stage)
+        n_past = self.target.n_past
+
+        def while_verifying(depths):     # queued and host work that needs the verify queued, not its tokens
+            if stage is not None:
+                stage(self.target, n_past, depths)
+            tree.children()              # the walk's lookup
+        drawn = verify_step(self.target, tree, run.context, run.sampler, while_verifying)
         t3 = time.perf_counter()
         path, new = ddtree.accept(tree, drawn)     # greedy: argmax per slot; sampling: sample-and-match
         taken = self._take(run, new, max_tokens)

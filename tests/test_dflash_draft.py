@@ -188,6 +188,50 @@ def test_cache_appends_equal_recomputation_across_wrap(models, backend, target_c
     assert incremental.n_ctx == len(features) and checks >= 3
 
 
+@pytest.mark.parametrize("kind", [(False, 0), (True, 0), (True, 8), (False, 8)])
+def test_mask_follows_the_held_positions(models, backend, target_cache, rng, kind):
+    """The step's mask, written in place, against z-lab's rule applied to the positions the test itself knows the
+    ring holds (the last WINDOW appended, at slot p % WINDOW; none past a truncation): before the ring fills, as
+    it wraps, after a truncation leaves holes, and after a reset."""
+    causal, window = kind
+    draft = DFlashDraft(models["full"], _target(models, backend, target_cache), window=WINDOW)
+    cache, B = draft.cache, draft.block_size
+    held: dict[int, int] = {}                 # slot -> position, kept here
+
+    def want(n_attn):
+        kpos = np.full(n_attn, -1)
+        kpos[:B] = cache.n_ctx + np.arange(B)
+        for slot, p in held.items():
+            if B + slot < n_attn:
+                kpos[B + slot] = p
+        q, k = cache.n_ctx + np.arange(B)[:, None], kpos[None, :]
+        visible = (k >= 0) & (~causal | (k <= q)) & ((window == 0) | ((q - k < window) & (causal | (k - q < window))))
+        return np.where(visible, 0.0, -np.inf).astype(np.float16)
+
+    def check():
+        n_attn = cache.n_attended()
+        out = np.full((B, n_attn), 7, np.float16)
+        assert cache.mask(n_attn, causal, window, out=out) is out
+        np.testing.assert_array_equal(out, want(n_attn))
+        np.testing.assert_array_equal(cache.mask(n_attn, causal, window), want(n_attn))
+
+    check()
+    truncated = False
+    while cache.n_ctx <= 2 * WINDOW:
+        m = int(rng.integers(1, 17))
+        positions = np.arange(cache.n_ctx, cache.n_ctx + m)
+        cache.commit(positions)
+        held.update({int(p) % WINDOW: int(p) for p in positions})
+        if not truncated and cache.n_ctx >= 20:   # (before the ring wraps) the last few forgotten: masked again
+            n, truncated = cache.n_ctx - 3, True
+            assert cache.truncate(n)
+            held = {s: p for s, p in held.items() if p < n}
+        check()
+    cache.reset()
+    held = {}
+    check()
+
+
 def test_append_from_target_device_path(models, backend, target_cache, rng):
     """Features gathered on the device from the target's capture buffer == the same features from the host."""
     target = _target(models, backend, target_cache)

@@ -159,6 +159,48 @@ def test_readback_returns_the_result_of_the_queued_graph(backend, rng):
         np.testing.assert_array_equal(readback.wait().view(np.float32), 3.0 * values)
 
 
+def test_input_block_uploads_every_input_at_once_and_keeps_them(backend, rng):
+    """Inputs of three types placed in one InputBlock: the graph reads what the mirror held at upload; an input
+    not written again keeps its value in later computes (the allocator reuses no block memory for its nodes);
+    the graph's own compute buffer does not hold them."""
+    n = 40
+    ctx = ggml.Context(n_tensors=16, graph_size=16)
+    table = ctx.new_tensor(np.float32, (3, n), name="table")
+    idx = ctx.new_tensor(np.int32, (5,), name="idx")
+    x = ctx.new_tensor(np.float32, (3, 5), name="x")
+    h = ctx.new_tensor(np.float16, (3, 5), name="h")
+    block = ggml.InputBlock(backend, {"table": table, "idx": idx, "x": x, "h": h})
+    assert block["table"].shape == (n, 3) and block["idx"].dtype == np.int32 and block["h"].dtype == np.float16
+    # get_rows, then two adds and a scale: intermediate nodes that would reuse freed input memory if they could
+    out = ctx.scale(ctx.add(ctx.add(ctx.get_rows(table, idx), x), ctx.cast(h, ggml.Type.F32)), 2.0).named("out")
+    graph = ctx.graph([out])
+    allocator = ggml.Allocator(backend)
+    allocator.allocate(graph)
+    assert allocator.nbytes < table.nbytes + x.nbytes     # (the block's inputs are not in it)
+    values = {"table": rng.standard_normal((n, 3)).astype(np.float32), "idx": np.array([4, 0, 39, 4, 17], np.int32),
+              "x": rng.standard_normal((5, 3)).astype(np.float32),
+              "h": rng.standard_normal((5, 3)).astype(np.float16)}
+
+    def expect():
+        v = values
+        return 2.0 * ((v["table"][v["idx"]] + v["x"]) + v["h"].astype(np.float32))
+
+    for name, v in values.items():
+        block[name][...] = v
+    for step in range(3):
+        if step:                                     # only idx and h change; table and x stay from before
+            values["idx"] = rng.integers(0, n, 5).astype(np.int32)
+            values["h"] = rng.standard_normal((5, 3)).astype(np.float16)
+            block["idx"][:] = values["idx"]
+            block["h"][:] = values["h"]
+        block.upload()
+        backend.compute_async(graph)
+        backend.synchronize()
+        np.testing.assert_allclose(out.numpy(), expect(), rtol=1e-6, atol=1e-6)
+    with pytest.raises(TypeError, match="numpy-typed"):
+        ggml.InputBlock(backend, {"q": ctx.new_tensor(ggml.Type.Q8_0, (32, 2))})
+
+
 _LOG_PROBE = """
 from pydflash.ggml._ffi import ffi, lib
 cb = ffi.new("ggml_log_callback *"); ud = ffi.new("void **")

@@ -281,6 +281,52 @@ class Readback:
         return self._host.array[:self._nbytes]
 
 
+class InputBlock:
+    """Graph inputs side by side in one device buffer of their own, written through a host mirror (page-locked
+    where the device has it) and uploaded in one queued copy: one host-to-device call per compute instead of one
+    per input (each ~5-8 us of an H100 host's time; docs/benchmarks.md, twenty-fifth session).
+
+    `tensors` are new tensors of a graph's no-alloc context, before the graph is first allocated: placed here,
+    the graph's allocator leaves them alone, so their values stay from one compute to the next, and so do the
+    mirror's: write only what changed (`block[name]`: the tensor's numpy view, shaped ne[::-1]), then `upload()`.
+    A view waits, when taken, for the last upload's copy to have read the mirror."""
+
+    ALIGN = 256
+
+    def __init__(self, backend: Backend, tensors: dict[str, "Tensor"]):
+        offsets, end = {}, 0
+        for name, t in tensors.items():
+            if _NUMPY_OF_TYPE.get(t.type) is None:
+                raise TypeError(f"InputBlock input {name} is {t.type.name}: numpy-typed inputs only")
+            offsets[name] = end
+            end += -(-t.nbytes // self.ALIGN) * self.ALIGN
+        self._ctx = Context(n_tensors=1)
+        self._whole = self._ctx.new_tensor(Type.I8, (end,), name="input_block")
+        self._buffer = backend.alloc_tensors(self._ctx)
+        self._host = HostBuffer(backend, end)
+        self._views = {}
+        for name, t in tensors.items():
+            self._buffer.alias(t, self._whole, offsets[name])
+            raw = self._host.array[offsets[name]: offsets[name] + t.nbytes]
+            self._views[name] = raw.view(_NUMPY_OF_TYPE[t.type]).reshape(t.shape[::-1])
+        self._host.array[:] = 0
+        self._copied = backend.event()     # (None on the CPU: its copies are done on return)
+        self._pending = False
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        if self._pending:
+            self._copied.synchronize()
+            self._pending = False
+        return self._views[name]
+
+    def upload(self) -> None:
+        """Queue the copy of the whole mirror into the device buffer (ordered before the backend's next compute)."""
+        self._host.upload(self._whole, 0, self._whole.nbytes)
+        if self._copied is not None:
+            self._copied.record()
+            self._pending = True
+
+
 class Buffer:
     """A device buffer holding the tensors of one context; freed with it."""
 

@@ -721,6 +721,7 @@ class DraftContextCache:
         self.buffer.clear(0)   # zeros, not NaN garbage: masked rows still meet the attention kernel
         self.n_ctx = 0         # positions appended so far (0..n_ctx-1)
         self.slot_pos = np.full(self.window, -1, dtype=np.int64)
+        self._slot_open = np.full(self.window, -np.inf, dtype=np.float16)   # mask value of each slot: 0 where held
 
     @property
     def n_filled(self) -> int:
@@ -736,7 +737,9 @@ class DraftContextCache:
         kept = np.arange(max(0, n - self.window), n)
         if not np.array_equal(self.slot_pos[kept % self.window], kept):
             return False
-        self.slot_pos[self.slot_pos >= n] = -1     # masked from now on; the next appends overwrite them
+        gone = self.slot_pos >= n
+        self.slot_pos[gone] = -1                   # masked from now on; the next appends overwrite them
+        self._slot_open[gone] = -np.inf
         self.n_ctx = n
         return True
 
@@ -744,26 +747,34 @@ class DraftContextCache:
         return self.block + positions % self.window
 
     def commit(self, positions: np.ndarray) -> None:
-        self.slot_pos[positions % self.window] = positions
+        slots = positions % self.window
+        self.slot_pos[slots] = positions
+        self._slot_open[slots] = 0
         self.n_ctx = int(positions[-1]) + 1
 
     def n_attended(self) -> int:
         """Rows a draft step attends: block + filled ring, padded to the bucket (a graph per bucket)."""
         return min(self.n_rows, -(-(self.block + self.n_filled) // KV_BUCKET) * KV_BUCKET)
 
-    def mask(self, n_attn: int, causal: bool, window: int) -> np.ndarray:
-        """f16 [B, n_attn] additive mask for the block queries at positions n_ctx..n_ctx+B-1.
+    def mask(self, n_attn: int, causal: bool, window: int, out: np.ndarray | None = None) -> np.ndarray:
+        """f16 [B, n_attn] additive mask for the block queries at positions n_ctx..n_ctx+B-1 (written into `out`
+        where given, and returned).
 
         z-lab's rule (index distance = position distance, keys contiguous): causal layers see keys at or before
         the query; sliding layers see keys within `window` before (and, if non-causal, after) the query."""
         B = self.block
+        out = np.empty((B, n_attn), np.float16) if out is None else out
+        n_ring = min(n_attn - B, self.window)
+        if not causal and not window:   # every query sees the block and every held key: one row, repeated
+            row = out[0]
+            row[:B] = 0
+            row[B: B + n_ring] = self._slot_open[:n_ring]
+            row[B + n_ring:] = -np.inf
+            out[1:] = row
+            return out
         kpos = np.full(n_attn, -1, dtype=np.int64)
         kpos[:B] = self.n_ctx + np.arange(B)
-        n_ring = min(n_attn - B, self.window)
         kpos[B: B + n_ring] = self.slot_pos[:n_ring]
-        if not causal and not window:   # every query sees every held key: one row, repeated
-            row = np.where(kpos >= 0, 0.0, -np.inf).astype(np.float16)
-            return np.ascontiguousarray(np.broadcast_to(row, (B, n_attn)))
         q = self.n_ctx + np.arange(B)[:, None]
         visible = np.broadcast_to(kpos >= 0, (B, n_attn)).copy()
         k = kpos[None, :]
@@ -773,7 +784,8 @@ class DraftContextCache:
             visible &= q - k < window
             if not causal:
                 visible &= k - q < window
-        return np.where(visible, 0.0, -np.inf).astype(np.float16)
+        out[:] = np.where(visible, 0.0, -np.inf)
+        return out
 
 
 class _Staging:
@@ -804,6 +816,11 @@ class _Staged:
 
 # --- the draft --------------------------------------------------------------------------------------------------
 
+def _mask_input(kind: tuple[bool, int]) -> str:
+    """The step graph's input name of the mask of layers (causal, window)."""
+    return f"mask_c{int(kind[0])}_w{kind[1]}"
+
+
 class _Graph:
     """A built graph with its own allocator (compute buffer), reused for every run of the same shape.
 
@@ -819,6 +836,7 @@ class _Graph:
         self.constants: dict[str, np.ndarray] = {}     # inputs (mark_constant) set once, when the graph is allocated
         self.masks: dict[tuple, ggml.Tensor] = {}
         self.outputs: dict[str, ggml.Tensor] = {}
+        self.io: ggml.InputBlock | None = None          # the step graph's inputs, uploaded in one copy
 
 
 class DFlashDraft:
@@ -847,6 +865,7 @@ class DFlashDraft:
         self._stage: _Staging | None = None     # staging rows (stage_from_target), sized on first use
         self._staged: _Staged | None = None     # what they hold, until an append takes them or they go stale
         self._pending: np.ndarray | None = None  # an append's cache rows for the staged rows: the next step copies them
+        self._block_offsets = np.arange(self.hp.block_size, dtype=np.int32)
 
     @property
     def block_size(self) -> int:
@@ -982,20 +1001,20 @@ class DFlashDraft:
     def _step(self, last_token: int) -> _Graph:
         if not 0 <= int(last_token) < self.target.hp.n_vocab:
             raise ValueError(f"token id {last_token} outside the vocabulary")
-        B, n_attn = self.hp.block_size, self.cache.n_attended()
+        n_attn = self.cache.n_attended()
         dest, self._pending = self._pending, None   # the last append's staged rows: copied first, in this forward
         n_staged = 0 if dest is None else dest.size
         key = ("step", n_attn, self.top_k) + ((n_staged,) if n_staged else ())
         g = self._graph(key, lambda: self._build_step(n_attn, n_staged))
         self._activate(g)
+        io = g.io
+        io["tokens"][0] = last_token
+        np.add(self._block_offsets, self.cache.n_ctx, out=io["pos"])
         if n_staged:
-            g.inputs["dest"].set(dest, self.backend)
-        tokens = np.full(B, self.hp.mask_token_id, dtype=np.int32)
-        tokens[0] = last_token
-        g.inputs["tokens"].set(tokens, self.backend)
-        g.inputs["pos"].set((self.cache.n_ctx + np.arange(B)).astype(np.int32), self.backend)
-        for (causal, window), t in g.masks.items():
-            t.set(self.cache.mask(n_attn, causal, window), self.backend)
+            io["dest"][:] = dest
+        for causal, window in g.masks:
+            self.cache.mask(n_attn, causal, window, out=io[_mask_input((causal, window))])
+        io.upload()
         self.backend.compute_async(g.graph)
         return g
 
@@ -1138,17 +1157,18 @@ class DFlashDraft:
         B, hd, E = hp.block_size, hp.head_dim, hp.n_embd
         g = _Graph(GRAPH_TENSORS_PER_LAYER * hp.n_layer + 64)
         ctx = g.ctx
-        tokens = g.inputs["tokens"] = ctx.new_tensor(ggml.Type.I32, (B,), name="draft.inp.tokens").mark_input()
-        pos = g.inputs["pos"] = ctx.new_tensor(ggml.Type.I32, (B,), name="draft.inp.pos").mark_input()
-        block_rows = ctx.new_tensor(ggml.Type.I64, (B,), name="draft.inp.block_rows").mark_constant()
-        g.inputs["block_rows"] = block_rows
-        g.constants["block_rows"] = np.arange(B, dtype=np.int64)
+        # the inputs a step changes, in one block (one upload a step); placed before the graph is allocated
+        tokens = g.inputs["tokens"] = ctx.new_tensor(ggml.Type.I32, (B,), name="draft.inp.tokens")
+        pos = g.inputs["pos"] = ctx.new_tensor(ggml.Type.I32, (B,), name="draft.inp.pos")
         if n_staged:
-            dest = ctx.new_tensor(ggml.Type.I64, (n_staged,), name="draft.inp.gather_rows").mark_input()
-            g.inputs["dest"] = dest
+            dest = g.inputs["dest"] = ctx.new_tensor(ggml.Type.I64, (n_staged,), name="draft.inp.gather_rows")
         for kind in sorted(set(zip(hp.causal, hp.window))):
-            g.masks[kind] = ctx.new_tensor(ggml.Type.F16, (n_attn, B),
-                                           name=f"draft.inp.mask_c{int(kind[0])}_w{kind[1]}").mark_input()
+            g.masks[kind] = g.inputs[_mask_input(kind)] = ctx.new_tensor(
+                ggml.Type.F16, (n_attn, B), name=f"draft.inp.{_mask_input(kind)}")
+        block_rows = g.inputs["block_rows"] = ctx.new_tensor(ggml.Type.I64, (B,), name="draft.inp.block_rows")
+        g.io = ggml.InputBlock(self.backend, dict(g.inputs))
+        g.io["tokens"][1:] = hp.mask_token_id                  # (what does not change from step to step: set once)
+        g.io["block_rows"][:] = np.arange(B)
 
         h = ctx.get_rows(self.token_embd, tokens).named("draft.inp.embd")           # [E, B]
         if hp.embedding_scale != 1.0:

@@ -178,6 +178,7 @@ class GraphInputs:
         self.swa_past = 0
         self.logits = self.argmax = None
         self.sampler = None           # sampling.SamplerNodes when the target samples (enable_sampling)
+        self.io = None                # a verify's tokens, parents, positions and KV rows: one upload (InputBlock)
 
     def causal_mask(self, n_past: int) -> np.ndarray:
         """f16 [n_tokens, n_kv]: token i (position n_past + i) sees cells 0..n_past + i. Only the columns between
@@ -728,12 +729,15 @@ class TargetRuntime:
             raise ValueError(f"context overflow: verify of {n} slots at position {n_past} exceeds n_ctx {self.n_ctx}")
         n_kv = kv_cells(n_past + n)
         g = self._graph(("verify", n, n_kv), n, n_kv, tree=True)
-        g.tokens.set(tokens, self.backend)
+        io = g.io
+        io["tokens"][:] = tokens
         if g.parent is not None:
-            g.parent.set(parents.reshape(1, n), self.backend)
+            io["parent"][:] = parents
         if g.pos is not None:
-            g.pos.set(self.rope_positions((n_past + depths).astype(np.int32)), self.backend)
-            g.kv_rows.set(np.arange(n_past, n_past + n, dtype=np.int64), self.backend)
+            io["pos"][:] = self.rope_positions(n_past + depths)
+            io["kv_rows"][:] = np.arange(n_past, n_past + n)
+        io.upload()
+        if g.pos is not None:
             g.kq_mask.set(g.tree_mask(n_past, _ancestors(parents)), self.backend)
             if g.kq_mask_swa is not None:
                 g.kq_mask_swa.set(g.window_mask(n_past, n_past + depths, self.hp.n_swa), self.backend)
@@ -874,6 +878,9 @@ class TargetRuntime:
             g.parent = ctx.new_tensor(ggml.Type.I32, (n, 1), name="inp.parent").mark_input()
         elif n == 1 and any(hp.recurrent) and layers.bitexact_enabled():
             g.decode_parent = ctx.new_tensor(ggml.Type.I32, (1, 1), name="inp.decode_parent").mark_input()
+        if tree:   # a verify's small inputs in one upload (the masks, large at long contexts, stay apart)
+            g.io = ggml.InputBlock(self.backend, {name: t for name, t in (
+                ("tokens", g.tokens), ("parent", g.parent), ("pos", g.pos), ("kv_rows", g.kv_rows)) if t is not None})
 
         h = self.embed(ctx, g)                                          # [n_embd, n]
         for il in range(hp.n_layer):
