@@ -105,3 +105,26 @@ def test_masks_updated_in_place_equal_fresh_ones():
         want[:, :n_past] = 0.0
         want[:, n_past:n_past + n][seen] = 0.0
         assert np.array_equal(tree.tree_mask(n_past, seen), want.astype(np.float16))
+
+
+def test_verify_masks_shared_by_the_buckets_graphs(model):
+    """Verify graphs of different KV buckets keep their host masks in one page-locked buffer: a graph that comes
+    back after another one used it rewrites its masks whole, and every verify computes what a fresh target
+    computes at the same position (the graphs' order: bucket 256, then 512, then 256 again)."""
+    rng = np.random.default_rng(4)
+    parents, depths = np.array([-1, 0, 1, 1, 3, 4]), np.array([0, 1, 2, 2, 3, 4])
+    target = load_target(model, "cpu", n_ctx=1024, n_ubatch=128)
+    target.enable_verify(6)
+    for n_prompt, n_kv in ((20, 256), (300, 512), (30, 256)):
+        prompt = [int(t) for t in rng.integers(3, 400, n_prompt)]
+        tokens = [int(t) for t in rng.integers(3, 400, 6)]
+        fresh = load_target(model, "cpu", n_ctx=1024, n_ubatch=128)
+        fresh.enable_verify(6)
+        got = []
+        for t in (target, fresh):
+            t.reset()
+            t.prefill(prompt, return_logits=False)
+            t.verify(tokens, parents, depths)
+            got.append(t.logits_of_slots())
+        assert attended_lengths(target) == {n_kv}
+        np.testing.assert_array_equal(got[0], got[1])

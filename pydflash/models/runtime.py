@@ -173,9 +173,9 @@ class GraphInputs:
         self.decode_parent = None
         self.side_effects: list[ggml.Tensor] = []
         self.mask_host = None         # the host copy of the mask, kept and updated where it changes
-        self.mask_past = 0            # the n_past mask_host was last written for
+        self.mask_past = None         # the n_past mask_host was last written for (None: write it whole)
         self.swa_host = None          # the same for kq_mask_swa
-        self.swa_past = 0
+        self.swa_past = None
         self.logits = self.argmax = None
         self.sampler = None           # sampling.SamplerNodes when the target samples (enable_sampling)
         self.io = None                # a verify's tokens, parents, positions and KV rows: one upload (InputBlock)
@@ -184,7 +184,7 @@ class GraphInputs:
         """f16 [n_tokens, n_kv]: token i (position n_past + i) sees cells 0..n_past + i. Only the columns between
         the last call's n_past and this one's change, so a deep context is not refilled every step."""
         n, n_kv = self.n_tokens, self.n_kv
-        lo, hi = (0, n_kv) if self.mask_host is None else (min(self.mask_past, n_past),
+        lo, hi = (0, n_kv) if self.mask_past is None else (min(self.mask_past, n_past),
                                                            min(n_kv, max(self.mask_past, n_past) + n))
         if self.mask_host is None:
             self.mask_host = np.empty((n, n_kv), dtype=np.float16)
@@ -198,7 +198,7 @@ class GraphInputs:
         n_past + j of the slots j that seen[i, j] marks (itself and its ancestors). Updated in place like
         causal_mask: the previous tree's columns and the newly committed ones."""
         n, n_kv = self.n_tokens, self.n_kv
-        lo, hi = (0, n_kv) if self.mask_host is None else (min(self.mask_past, n_past),
+        lo, hi = (0, n_kv) if self.mask_past is None else (min(self.mask_past, n_past),
                                                            min(n_kv, max(self.mask_past, n_past) + n))
         if self.mask_host is None:
             self.mask_host = np.empty((n, n_kv), dtype=np.float16)
@@ -219,7 +219,7 @@ class GraphInputs:
         - n_swa is outside the window of every token of both calls, and every cell from (the larger n_past) + n
         on is masked in both."""
         n, n_kv = self.n_tokens, self.n_kv
-        lo, hi = (0, n_kv) if self.swa_host is None else (max(0, min(self.swa_past, n_past) - n_swa),
+        lo, hi = (0, n_kv) if self.swa_past is None else (max(0, min(self.swa_past, n_past) - n_swa),
                                                           min(n_kv, max(self.swa_past, n_past) + n))
         if self.swa_host is None:
             self.swa_host = np.empty((n, n_kv), dtype=np.float16)
@@ -230,6 +230,13 @@ class GraphInputs:
         self.swa_host[:, lo:hi] = np.where(inside, self.mask_host[:, lo:hi], np.float16(-np.inf))
         self.swa_past = n_past
         return self.swa_host
+
+    def place_masks(self, memory: list[np.ndarray]) -> None:
+        """Keep the host masks in `memory` (f16 [n_tokens, n_kv] each: the mask's, then kq_mask_swa's), written
+        whole on their next call: what they held belongs to whichever graph used that memory last."""
+        self.mask_host = memory[0]
+        self.swa_host = memory[1] if len(memory) > 1 else None
+        self.mask_past = self.swa_past = None
 
 
 class _CommitGraph:
@@ -352,6 +359,8 @@ class TargetRuntime:
         self._last_sampled = False        # the last forward's sampler drew from given inputs
         self._ahead = None                # decode_ahead's staging buffers (_AheadIO), made on first use
         self._readback = ggml.Readback(self.backend)   # a verify's tokens, copied into page-locked memory
+        self._verify_masks: ggml.HostBuffer | None = None   # a verify's masks, page-locked (enable_verify)
+        self._masks_of: GraphInputs | None = None           # the verify graph whose masks it holds
         self._fed_token = None            # i32 [1] on the device: the token of decode_ahead's next step
 
     def memory_plan(self, infos, n_cells: int, kv_type, n_ubatch: int) -> dict[str, int]:
@@ -704,6 +713,12 @@ class TargetRuntime:
             if replay:
                 self.states_all.set(np.zeros(self.states_all.ne[::-1], np.float32))
         self._graphs = {k: v for k, v in self._graphs.items() if k[0] != "verify"}
+        # the masks of every verify in one page-locked buffer, sized for the whole context: uploaded from pageable
+        # memory, a mask of 23 slots took the host ~0.1 ms at 8K positions, and grows with the context
+        self._verify_masks, self._masks_of = None, None
+        if self.cache.k:
+            n_masks = 2 if any(getattr(hp, "swa_layers", ())) else 1
+            self._verify_masks = ggml.HostBuffer(self.backend, n_masks * n_slots * kv_cells(self.cache.n_ctx) * 2)
         self._commit_graphs = {}
 
     def verify(self, tokens, parents, depths, then=None) -> np.ndarray:
@@ -738,15 +753,28 @@ class TargetRuntime:
             io["kv_rows"][:] = np.arange(n_past, n_past + n)
         io.upload()
         if g.pos is not None:
-            g.kq_mask.set(g.tree_mask(n_past, _ancestors(parents)), self.backend)
-            if g.kq_mask_swa is not None:
-                g.kq_mask_swa.set(g.window_mask(n_past, n_past + depths, self.hp.n_swa), self.backend)
+            self._upload_verify_masks(g, n_past, parents, depths)
         self._set_sampler(g)
         self.sample_inputs = None
         self.backend.compute_async(g.graph)
         self._last = g
         self.n_captured = n
         return self._read_i32(g.sampler.tokens if self._last_sampled else g.argmax, then)[:n].astype(np.int64)
+
+    def _upload_verify_masks(self, g: GraphInputs, n_past: int, parents: np.ndarray, depths: np.ndarray) -> None:
+        """A verify's masks, written where they changed in the page-locked buffer, and queued to the device. (The
+        buffer is rewritten only after the last verify's tokens were read: its copies have run.)"""
+        masks = [g.kq_mask] + ([g.kq_mask_swa] if g.kq_mask_swa is not None else [])
+        stride = self._verify_masks.array.nbytes // 2 // len(masks)     # f16 values a mask may take
+        if self._masks_of is not g:
+            g.place_masks([self._verify_masks.array.view(np.float16)[i * stride: i * stride + g.n_tokens * g.n_kv]
+                           .reshape(g.n_tokens, g.n_kv) for i in range(len(masks))])
+            self._masks_of = g
+        g.tree_mask(n_past, _ancestors(parents))
+        if g.kq_mask_swa is not None:
+            g.window_mask(n_past, n_past + depths, self.hp.n_swa)
+        for i, t in enumerate(masks):
+            self._verify_masks.upload(t, 2 * i * stride, t.nbytes)
 
     def _read_i32(self, t: ggml.Tensor, then=None) -> np.ndarray:
         """An i32 result of the forward just queued, copied behind it on the backend's stream into page-locked
