@@ -746,11 +746,14 @@ class DraftContextCache:
     def rows_for(self, positions: np.ndarray) -> np.ndarray:
         return self.block + positions % self.window
 
-    def commit(self, positions: np.ndarray) -> None:
-        slots = positions % self.window
-        self.slot_pos[slots] = positions
-        self._slot_open[slots] = 0
-        self.n_ctx = int(positions[-1]) + 1
+    def commit(self, first: int, m: int) -> None:
+        """Positions first..first+m-1 (m <= window) now fill their slots (in at most two runs of the ring)."""
+        s0 = first % self.window
+        for s, p, k in ((s0, first, min(m, self.window - s0)), (0, first + self.window - s0, m - self.window + s0)):
+            if k > 0:
+                self.slot_pos[s:s + k] = np.arange(p, p + k)
+                self._slot_open[s:s + k] = 0
+        self.n_ctx = first + m
 
     def n_attended(self) -> int:
         """Rows a draft step attends: block + filled ring, padded to the bucket (a graph per bucket)."""
@@ -934,11 +937,15 @@ class DFlashDraft:
         if rows.size > self.cache.window:
             rows, first = rows[-self.cache.window:], first + rows.size - self.cache.window
         staged, self._staged = self._staged, None
-        if staged is not None and staged.holds(self.target.capture_serial, first, listed[-rows.size:]):
-            positions = np.arange(first, first + rows.size, dtype=np.int64)
-            self._pending = np.zeros(staged.n, dtype=np.int64)   # the rows not taken: to the block's scratch row 0,
-            self._pending[rows] = self.cache.rows_for(positions)  # which every draft step writes before reading
-            self.cache.commit(positions)
+        listed = listed[-rows.size:]
+        if staged is not None and staged.holds(self.target.capture_serial, first, listed):
+            # (Python ints: a path of a few rows; numpy's per-call costs were most of this on the H100's host)
+            block, window = self.cache.block, self.cache.window
+            pending = [0] * staged.n       # the rows not taken: to the block's scratch row 0, which every draft
+            for i, r in enumerate(listed):  # step writes before reading
+                pending[r] = block + (first + i) % window
+            self._pending = np.array(pending, dtype=np.int64)
+            self.cache.commit(first, len(listed))
             return
         self._copy_pending()
         src = self.target.captured
@@ -986,7 +993,7 @@ class DFlashDraft:
         g.inputs["pos"].set(positions.astype(np.int32), self.backend)
         g.inputs["rows"].set(self.cache.rows_for(positions), self.backend)
         (self.backend.compute if wait else self.backend.compute_async)(g.graph)
-        self.cache.commit(positions)
+        self.cache.commit(first, m)
 
     def _copy_pending(self) -> None:
         """The staged rows an append left for the next draft forward, copied into the ring now (queued)."""
