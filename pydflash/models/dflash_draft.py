@@ -1164,7 +1164,7 @@ class DFlashDraft:
         B, hd, E = hp.block_size, hp.head_dim, hp.n_embd
         g = _Graph(GRAPH_TENSORS_PER_LAYER * hp.n_layer + 64)
         ctx = g.ctx
-        # the inputs a step changes, in one block (one upload a step); placed before the graph is allocated
+        # the step's inputs in one block (one upload a step), placed before the graph is allocated
         tokens = g.inputs["tokens"] = ctx.new_tensor(ggml.Type.I32, (B,), name="draft.inp.tokens")
         pos = g.inputs["pos"] = ctx.new_tensor(ggml.Type.I32, (B,), name="draft.inp.pos")
         if n_staged:
