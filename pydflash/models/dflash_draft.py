@@ -743,8 +743,9 @@ class DraftContextCache:
         self.n_ctx = n
         return True
 
-    def rows_for(self, positions: np.ndarray) -> np.ndarray:
-        return self.block + positions % self.window
+    def rows_for(self, first: int, m: int) -> np.ndarray:
+        """i64 [m]: the ring rows of positions first..first+m-1."""
+        return self.block + np.arange(first, first + m) % self.window
 
     def commit(self, first: int, m: int) -> None:
         """Positions first..first+m-1 (m <= window) now fill their slots (in at most two runs of the ring)."""
@@ -939,12 +940,8 @@ class DFlashDraft:
         staged, self._staged = self._staged, None
         listed = listed[-rows.size:]
         if staged is not None and staged.holds(self.target.capture_serial, first, listed):
-            # (Python ints: a path of a few rows; numpy's per-call costs were most of this on the H100's host)
-            block, window = self.cache.block, self.cache.window
-            pending = [0] * staged.n       # the rows not taken: to the block's scratch row 0, which every draft
-            for i, r in enumerate(listed):  # step writes before reading
-                pending[r] = block + (first + i) % window
-            self._pending = np.array(pending, dtype=np.int64)
+            self._pending = np.zeros(staged.n, dtype=np.int64)   # the rows not taken: to the block's scratch row 0,
+            self._pending[listed] = self.cache.rows_for(first, len(listed))   # which every draft step writes first
             self.cache.commit(first, len(listed))
             return
         self._copy_pending()
@@ -988,10 +985,9 @@ class DFlashDraft:
                              f"{self.hp.target_layer_ids}")
 
     def _run_append(self, g: _Graph, first: int, m: int, wait: bool = True) -> None:
-        positions = np.arange(first, first + m, dtype=np.int64)
         self._activate(g)
-        g.inputs["pos"].set(positions.astype(np.int32), self.backend)
-        g.inputs["rows"].set(self.cache.rows_for(positions), self.backend)
+        g.inputs["pos"].set(np.arange(first, first + m, dtype=np.int32), self.backend)
+        g.inputs["rows"].set(self.cache.rows_for(first, m), self.backend)
         (self.backend.compute if wait else self.backend.compute_async)(g.graph)
         self.cache.commit(first, m)
 
