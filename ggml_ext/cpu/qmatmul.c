@@ -15,11 +15,30 @@
 #include <math.h>
 #include <string.h>
 
+static int qmatmul_form(const struct ggml_tensor * node) {
+    return node->op_params[3];
+}
+
+// The columns a node multiplies (a prepared input's from op_params[4])
+static int64_t qmatmul_cols(const struct ggml_tensor * node) {
+    return qmatmul_form(node) == GGML_EXT_QMATMUL_FORM_PREPARED_IN ? node->op_params[4] : node->src[1]->ne[1];
+}
+
+// Floats of a thread's row buffer: a dequantised weight row, or a column's swiglu (F = M / 2 values)
+static int64_t qmatmul_row_floats(const struct ggml_tensor * node) {
+    const int64_t K = node->src[0]->ne[0], M = node->src[0]->ne[1];
+    return (qmatmul_form(node) == GGML_EXT_QMATMUL_FORM_SWIGLU_PREPARED && M / 2 > K ? M / 2 : K) + 16;
+}
+
 size_t ggml_ext_cpu_qmatmul_work_size(const struct ggml_tensor * node, int n_tasks) {
-    const int64_t K = node->src[0]->ne[0];
-    // one dequantised row per thread, padded to a cache line; with up, the gated columns
-    const size_t gated = node->src[4] != NULL ? (size_t) K * node->src[1]->ne[1] : 0;
-    return ((size_t) n_tasks * (K + 16) + gated) * sizeof(float);
+    const int64_t K = node->src[0]->ne[0], M = node->src[0]->ne[1], N = qmatmul_cols(node);
+    const int form = qmatmul_form(node);
+    // per thread a row buffer (padded to a cache line); the columns as floats where they are computed first (up's
+    // gated ones, a prepared input's); a swiglu node's f32 product
+    const bool columns = node->src[4] != NULL || form == GGML_EXT_QMATMUL_FORM_PREPARED_IN;
+    const size_t cols = columns ? (size_t) K * N : 0;
+    const size_t product = form == GGML_EXT_QMATMUL_FORM_SWIGLU_PREPARED ? (size_t) M * N : 0;
+    return ((size_t) n_tasks * qmatmul_row_floats(node) + cols + product) * sizeof(float);
 }
 
 static float rms_norm_scale(const float * x, int64_t K, float eps) {
@@ -35,26 +54,65 @@ static const float * column(const struct ggml_tensor * t, int64_t j) {
     return (const float *) ((const char *) t->data + j * t->nb[1]);
 }
 
+// Column j of a prepared input (ggml-ext.h) as floats
+static void prepared_column(const struct ggml_tensor * xp, int64_t j, int64_t K, float * out) {
+    const int64_t npad = xp->ne[1];
+    for (int64_t k = 0; k < K; ++k) {
+        const ggml_fp16_t * unit = (const ggml_fp16_t *) xp->data + ((k / 256) * npad + j) * GGML_EXT_QMATMUL_HALF_PITCH;
+        out[k] = GGML_FP16_TO_FP32(unit[k % 256]);
+    }
+}
+
+// Column j of a prepared tensor from F values s (NULL: a padding column, zeros)
+static void prepare_column(const float * s, int64_t F, int64_t j, struct ggml_tensor * dst) {
+    const int64_t npad = dst->ne[1];
+    for (int64_t u = 0; u < F / 256; ++u) {
+        ggml_fp16_t * unit = (ggml_fp16_t *) dst->data + (u * npad + j) * GGML_EXT_QMATMUL_HALF_PITCH;
+        memset(unit, 0, GGML_EXT_QMATMUL_HALF_PITCH * sizeof(ggml_fp16_t));
+        if (s == NULL) {
+            continue;
+        }
+        for (int r = 0; r < 8; ++r) {
+            float sum = 0.0f;
+            for (int i = 32 * r; i < 32 * r + 32; ++i) {
+                unit[i] = GGML_FP32_TO_FP16(s[256 * u + i]);
+                sum += GGML_FP16_TO_FP32(unit[i]);
+            }
+            unit[256 + r] = GGML_FP32_TO_FP16(sum);
+        }
+    }
+}
+
 void ggml_ext_cpu_qmatmul(const struct ggml_compute_params * params, struct ggml_tensor * dst) {
     const struct ggml_tensor * w    = dst->src[0];
     const struct ggml_tensor * x    = dst->src[1];
     const struct ggml_tensor * norm = dst->src[2];   // ggml_qmatmul_rms_norm, else NULL
     const struct ggml_tensor * add  = dst->src[3];   // ggml_qmatmul_fused's added tensor, else NULL
     const struct ggml_tensor * up   = dst->src[4];   // ggml_qmatmul_fused's up (gated columns), else NULL
+    const int form = qmatmul_form(dst);
 
     const int64_t K = w->ne[0];
     const int64_t M = w->ne[1];
-    const int64_t N = x->ne[1];
+    const int64_t N = qmatmul_cols(dst);
     const ggml_to_float_t to_float = ggml_get_type_traits(w->type)->to_float;
 
-    float * row = (float *) params->wdata + params->ith * (K + 16);
+    const int64_t row_floats = qmatmul_row_floats(dst);
+    float * row = (float *) params->wdata + params->ith * row_floats;
+    float * shared = (float *) params->wdata + params->nth * row_floats;   // the work buffer's shared part
     int64_t r0, r1;   // this thread's weight rows
     ggml_ext_thread_rows(M, params->ith, params->nth, &r0, &r1);
 
     float eps;
     memcpy(&eps, &dst->op_params[1], sizeof(float));
-    float * gated = up != NULL ? (float *) params->wdata + params->nth * (K + 16) : NULL;   // [N][K]
-    if (up != NULL) {
+    float * cols = NULL;   // [N][K]: the columns as floats, where they are computed first
+    if (form == GGML_EXT_QMATMUL_FORM_PREPARED_IN) {
+        cols = shared;
+        for (int64_t j = params->ith; j < N; j += params->nth) {
+            prepared_column(x, j, K, cols + j * K);
+        }
+        ggml_barrier(params->threadpool);
+    } else if (up != NULL) {
+        cols = shared;
         for (int64_t j = params->ith; j < N; j += params->nth) {
             const float * u = column(up, j);
             if (norm != NULL) {   // up's groups normed first, into this thread's row buffer (free until below)
@@ -71,10 +129,10 @@ void ggml_ext_cpu_qmatmul(const struct ggml_compute_params * params, struct ggml
             if (dst->op_params[2] == GGML_EXT_QMATMUL_GATE_SIGMOID) {   // ggml's CPU sigmoid, then its mul
                 const float * xj = column(x, j);
                 for (int64_t k = 0; k < K; ++k) {
-                    gated[j * K + k] = 1.f / (1.f + expf(-xj[k])) * u[k];
+                    cols[j * K + k] = 1.f / (1.f + expf(-xj[k])) * u[k];
                 }
             } else {
-                ggml_vec_swiglu_f32((int) K, gated + j * K, column(x, j), u);
+                ggml_vec_swiglu_f32((int) K, cols + j * K, column(x, j), u);
             }
         }
         ggml_barrier(params->threadpool);
@@ -86,11 +144,15 @@ void ggml_ext_cpu_qmatmul(const struct ggml_compute_params * params, struct ggml
             scale[j] = rms_norm_scale(column(x, j), K, eps);
         }
     }
+    // the f32 product: dst, or for a swiglu node its own buffer [N][M] after the columns
+    const bool swiglu = form == GGML_EXT_QMATMUL_FORM_SWIGLU_PREPARED;
+    float * product = swiglu ? shared : (float *) dst->data;
+    const size_t product_col = swiglu ? (size_t) M : dst->nb[1] / sizeof(float);
 
     for (int64_t r = r0; r < r1; ++r) {
         to_float((const char *) w->data + r * w->nb[1], row, K);
         for (int64_t j = 0; j < N; ++j) {
-            const float * xj = up != NULL ? gated + j * K : column(x, j);
+            const float * xj = cols != NULL ? cols + j * K : column(x, j);
             float sum = 0.0f;
             if (col_norm == NULL) {
                 for (int64_t k = 0; k < K; ++k) {
@@ -106,7 +168,17 @@ void ggml_ext_cpu_qmatmul(const struct ggml_compute_params * params, struct ggml
             if (add != NULL) {
                 sum = sum + column(add, j)[r];
             }
-            *(float *) ((char *) dst->data + r * sizeof(float) + j * dst->nb[1]) = sum;
+            product[r + j * product_col] = sum;
+        }
+    }
+    if (swiglu) {   // each column's gate (rows 0..F-1) and up (F..2F-1), into the prepared layout
+        ggml_barrier(params->threadpool);
+        const int64_t F = M / 2;
+        for (int64_t j = params->ith; j < dst->ne[1]; j += params->nth) {
+            if (j < N) {
+                ggml_vec_swiglu_f32((int) F, row, product + j * M, product + j * M + F);
+            }
+            prepare_column(j < N ? row : NULL, F, j, dst);
         }
     }
 }

@@ -21,7 +21,6 @@ void ggml_ext_cuda_compute_forward(ggml_backend_cuda_context & ctx, ggml_tensor 
 }
 
 bool ggml_ext_cuda_supports_op(int device, const ggml_tensor * op) {
-    GGML_UNUSED(device);
     switch (op->op) {
         case GGML_OP_SSM_CONV_TREE:
             return ggml_ext_cuda_ssm_conv_tree_supported(op);
@@ -30,7 +29,7 @@ bool ggml_ext_cuda_supports_op(int device, const ggml_tensor * op) {
         case GGML_OP_GATED_DELTA_NET_TREE_STEPS:
             return ggml_ext_cuda_gated_delta_net_tree_supported(op);
         case GGML_OP_QMATMUL:
-            return ggml_ext_cuda_qmatmul_supported(op);
+            return ggml_ext_cuda_qmatmul_supported(device, op);
         case GGML_OP_SAMPLE_TOKENS:
             return op->src[0]->ne[0] <= INT32_MAX / 2;
         case GGML_OP_FLASH_ATTN_ORDERED:

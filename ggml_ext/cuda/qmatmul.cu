@@ -250,13 +250,6 @@ static __device__ __forceinline__ float qmm_group_normed(const float * __restric
     return __fmul_rn(__fmul_rn(upc[k], factor), norm[k - k0]);
 }
 
-// x gating up (ggml_qmatmul_fused, ggml_qmatmul_sigmoid_gated) by ggml-cuda's own expressions: its silu or sigmoid
-// of x times up, as its gated-op kernels compute them (the same bits)
-static __device__ __forceinline__ float qmm_gated(float x, float up, int gate) {
-    const float act = gate == GGML_EXT_QMATMUL_GATE_SIGMOID ? 1.0f / (1.0f + expf(-x)) : ggml_cuda_op_silu_single(x);
-    return act * up;
-}
-
 // The activations: one warp per column and 32 values. With up the gated values (qmm_gated); with a norm as well,
 // up's groups normed first (qmm_group_normed). (A warp per four such blocks, fewer and fuller CUDA blocks, was
 // slower: H100, twenty-first session.)
@@ -480,22 +473,44 @@ static void qmm_prepare_x(ggml_backend_cuda_context & ctx, const ggml_tensor * x
                             up ? (int64_t) (up->nb[1] / sizeof(float)) : 0, layout, qmm_early_launch());
 }
 
-// Q4_K, Q6_K or BF16 through the f16 kernel (qmatmul_shared.cuh): K a multiple of 256, Hopper
-template <ggml_type type>
+// Q4_K, Q6_K or BF16 through the f16 kernel (qmatmul_shared.cuh): K a multiple of 256, Hopper. The activations
+// prepared here from x, or x itself where it is prepared (ggml_qmatmul_prepared); GLU (Q4_K): the kernel's GLU
+// form writes dst, the next product's prepared activations (ggml_qmatmul_swiglu_prepared)
+template <ggml_type type, bool GLU = false>
 static void qmatmul_half(ggml_backend_cuda_context & ctx, const ggml_tensor * w, const ggml_tensor * x, ggml_tensor * dst) {
-    const int K = (int) w->ne[0], M = (int) w->ne[1], N = (int) x->ne[1];
+    const bool prepared = dst->op_params[3] == GGML_EXT_QMATMUL_FORM_PREPARED_IN;
+    const int K = (int) w->ne[0], M = (int) w->ne[1], N = prepared ? dst->op_params[4] : (int) x->ne[1];
     const int nt = (N + 7) / 8, npad = 8 * nt;
     GGML_ASSERT(qmh_tiles<type>(M) <= QMH_MAX_TILES);
-    const int P = qmh_grid<type>(M, K, ggml_cuda_info().devices[ctx.device].nsm, qmh_per_sm<type>(M, ctx.device));
-    ggml_cuda_pool_alloc<char> xh(ctx.pool(), (size_t) (K / QMM_UNIT) * qmh_act_bytes(npad));
+    const int P = qmh_grid<type>(M, K, ggml_cuda_info().devices[ctx.device].nsm, qmh_per_sm<type, GLU>(M, ctx.device));
+    ggml_cuda_pool_alloc<char> xh(ctx.pool());
+    if (!prepared) {
+        xh.alloc((size_t) (K / QMM_UNIT) * qmh_act_bytes(npad));
+        qmm_prepare_x(ctx, x, dst, K, N, npad, type == GGML_TYPE_BF16 ? QMM_X_BF16 : QMM_X_F16, (int8_t *) xh.get(),
+                      nullptr);
+    }
     ggml_cuda_pool_alloc<float> ws(ctx.pool(), qmh_ws_floats<type>(nt, P, M));
-    qmm_prepare_x(ctx, x, dst, K, N, npad, type == GGML_TYPE_BF16 ? QMM_X_BF16 : QMM_X_F16, (int8_t *) xh.get(), nullptr);
     const ggml_tensor * add = dst->src[3];   // ggml_qmatmul_fused: added as the outputs are stored
-    const qmh_args p = {(const char *) w->data, (const half *) xh.get(), (float *) dst->data,
-                        K / QMM_UNIT, K, M, N, npad,
-                        (int) (dst->nb[1] / sizeof(float)), add ? (const float *) add->data : nullptr,
-                        add ? (int) (add->nb[1] / sizeof(float)) : 0, ws.get(), qmm_early_launch()};
-    qmh_run<type>(p, ctx.device, P, ctx.stream());
+    const qmh_args p = {(const char *) w->data, prepared ? (const half *) x->data : (const half *) xh.get(),
+                        GLU ? nullptr : (float *) dst->data, K / QMM_UNIT, K, M, N, npad,
+                        GLU ? 0 : (int) (dst->nb[1] / sizeof(float)), add ? (const float *) add->data : nullptr,
+                        add ? (int) (add->nb[1] / sizeof(float)) : 0, ws.get(), qmm_early_launch(),
+                        GLU ? (half *) dst->data : nullptr, GLU ? M / 2 : 0};
+    qmh_run<type, GLU>(p, ctx.device, P, ctx.stream());
+}
+
+// ggml_qmatmul_swiglu_prepared (Q4_K) and ggml_qmatmul_prepared (Q4_K, Q6_K): the f16 kernel only
+// (ggml_ext_cuda_qmatmul_supported)
+static void qmatmul_prepared_forms(ggml_backend_cuda_context & ctx, const ggml_tensor * w, const ggml_tensor * x,
+                                   ggml_tensor * dst) {
+    const bool glu = dst->op_params[3] == GGML_EXT_QMATMUL_FORM_SWIGLU_PREPARED;
+    if (w->type == GGML_TYPE_Q4_K) {
+        glu ? qmatmul_half<GGML_TYPE_Q4_K, true>(ctx, w, x, dst) : qmatmul_half<GGML_TYPE_Q4_K>(ctx, w, x, dst);
+    } else if (w->type == GGML_TYPE_Q6_K && !glu) {
+        qmatmul_half<GGML_TYPE_Q6_K>(ctx, w, x, dst);
+    } else {
+        GGML_ABORT("ggml_qmatmul: no prepared form for %s", ggml_type_name(w->type));
+    }
 }
 
 // BF16 where its f16-kernel form does not run (before Hopper, or K not a multiple of 256): one warp per output, the
@@ -583,6 +598,10 @@ void ggml_ext_cuda_qmatmul(ggml_backend_cuda_context & ctx, ggml_tensor * dst) {
     const int64_t N = x->ne[1];
     GGML_ASSERT(ggml_qmatmul_supported(w->type) && N >= 1 && N <= GGML_EXT_QMATMUL_MAX_COLS);
     GGML_ASSERT(M * (K / ggml_blck_size(w->type)) <= INT_MAX);
+    if (dst->op_params[3] != GGML_EXT_QMATMUL_FORM_PLAIN) {
+        qmatmul_prepared_forms(ctx, w, x, dst);
+        return;
+    }
     if (w->type == GGML_TYPE_BF16 && ggml_ext_cuda_qmatmul_streams(ctx.device) && K % QMM_UNIT == 0) {
         qmatmul_half<GGML_TYPE_BF16>(ctx, w, x, dst);
         return;
@@ -648,8 +667,17 @@ void ggml_ext_cuda_qmatmul(ggml_backend_cuda_context & ctx, ggml_tensor * dst) {
     }
 }
 
-bool ggml_ext_cuda_qmatmul_supported(const ggml_tensor * op) {
+bool ggml_ext_cuda_qmatmul_supported(int device, const ggml_tensor * op) {
     const ggml_tensor * w = op->src[0];
+    if (op->op_params[3] != GGML_EXT_QMATMUL_FORM_PLAIN) {   // the f16 kernel's forms: Hopper only
+        const int64_t M = w->ne[1];
+        const bool q4 = w->type == GGML_TYPE_Q4_K;
+        const bool glu = op->op_params[3] == GGML_EXT_QMATMUL_FORM_SWIGLU_PREPARED;
+        return ggml_ext_cuda_qmatmul_streams(device) && (q4 || (w->type == GGML_TYPE_Q6_K && !glu)) &&
+               w->ne[0] % QMM_UNIT == 0 &&
+               M * (w->ne[0] / QMM_UNIT) <= INT_MAX &&
+               (q4 ? qmh_tiles<GGML_TYPE_Q4_K>((int) M) : qmh_tiles<GGML_TYPE_Q6_K>((int) M)) <= QMH_MAX_TILES;
+    }
     // the launch indexes quant blocks with int; a norm of up's groups takes whole warps per group
     const bool groups_ok = qmm_up_norm(op) == nullptr || ggml_nelements(qmm_up_norm(op)) % WARP_SIZE == 0;
     return ggml_qmatmul_supported(w->type) && w->ne[1] * (w->ne[0] / ggml_blck_size(w->type)) <= INT_MAX && groups_ok;

@@ -28,8 +28,16 @@
 
 #include "qmatmul_stream.cuh"
 #include "qmatmul_half.cuh"
+#include "unary.cuh"
 
 #include <type_traits>
+
+// x gating up (ggml_qmatmul_fused, ggml_qmatmul_sigmoid_gated, the GLU form below) by ggml-cuda's own expressions:
+// its silu or sigmoid of x times up, as its gated-op kernels compute them (the same bits)
+static __device__ __forceinline__ float qmm_gated(float x, float up, int gate) {
+    const float act = gate == GGML_EXT_QMATMUL_GATE_SIGMOID ? 1.0f / (1.0f + expf(-x)) : ggml_cuda_op_silu_single(x);
+    return act * up;
+}
 
 // A weight type's K unit: its bytes; and the 16-byte chunks a row's U units are copied in (from the boundary at or
 // before their first byte: Q4_K rows and units start at 16-byte boundaries, Q6_K's at even bytes)
@@ -86,6 +94,8 @@ struct qmh_args {
     int stride_col_add;
     float * ws;             // partial sums: qmh_ws_floats
     bool early_launch;      // let the next kernel launch once every block has computed its items
+    half * glu_out;         // the GLU form (qmm_half_shared): silu(gate) * up, prepared; else null
+    int F;                  // the GLU form: gate rows 0..F-1, up rows F..2F-1 (M = 2F)
 };
 
 // Segments counted per row tile: zero between calls (each tile's finisher puts its count back). One array per
@@ -119,10 +129,18 @@ static __device__ __forceinline__ void qmh_cp16(char * smem, const char * gmem) 
 
 // NW warps of RT 16-row tiles each, a ring of STAGES stages of U K units (a row tile's last stage: what is left of
 // K), MINB CUDA blocks per SM (the grid: MINB per SM, at most the item count). K: a multiple of 256.
-template <ggml_type type, int NT, int RT, int NW, int STAGES, int U, int MINB>
+//
+// GLU (ggml_qmatmul_swiglu_prepared; Q4_K): W's rows are F gate rows, then F up rows, and a warp's 16-row tile takes 8
+// pairs: rows g of the MMA tile are gate rows, rows g + 8 the up rows of the same index, so that the thread storing
+// an output holds both; a block's tile is NW * 8 pairs (a multiple of 32, F too: a run of 32 pairs, whose sum the
+// prepared layout holds, is four warps of one block). The tile's finisher writes silu(gate) * up rounded to f16 into
+// p.glu_out (ggml-ext.h's prepared layout) and no f32 outputs.
+template <ggml_type type, int NT, int RT, int NW, int STAGES, int U, int MINB, bool GLU = false>
 static __global__ void __launch_bounds__(NW * WARP_SIZE, MINB)
 qmm_half_shared(const qmh_args p) {
     using shape = qmh_shape<NT, RT, NW>;
+    static_assert(!GLU || (type == GGML_TYPE_Q4_K && RT == 1 && NW % 4 == 0),
+                  "the GLU form: Q4_K (16-byte aligned units), one 16-row tile a warp, whole runs of 32 pairs");
     constexpr int RW      = shape::warp_rows;
     constexpr int ub      = qmh_type<type>::bytes;     // bytes of a K unit in a row
     constexpr int pitch   = qmh_pitch<type>(U);
@@ -132,6 +150,7 @@ qmm_half_shared(const qmh_args p) {
     extern __shared__ __align__(128) char qmh_smem[];
     __shared__ uint64_t full[STAGES];   // a stage's activations have landed
     __shared__ int done[STAGES];        // warps done with a stage
+    __shared__ float glu_vals[GLU ? NW * 8 * 8 * NT : 1];   // the GLU form: [warp][g][column] rounded values
     QMH_TRACE_AT(0);
 
     const int lane = threadIdx.x, warp = threadIdx.y, t4 = lane % 4, g = lane / 4;
@@ -149,6 +168,11 @@ qmm_half_shared(const qmh_args p) {
     auto stage_of = [&](int j) { return (j - j0) % STAGES; };
     // where unit u of row `row` starts in W
     auto unit_at = [&](int row, int u) { return (int64_t) row * row_bytes + (int64_t) u * ub; };
+    // the GLU form's W row at row lr of a block's tile (its 16-row MMA tile lr / 16, row lr % 16), or -1 past F
+    auto glu_row = [&](int tile, int lr) {
+        const int q = tile * (shape::rows / 2) + 8 * (lr / QMM_MMA_ROWS) + lr % 8;
+        return q < p.F ? q + (lr % QMM_MMA_ROWS >= 8 ? p.F : 0) : -1;
+    };
     // this warp's rows of the next item it has not asked for (one commit group per item, empty past the block's last
     // item; items are asked for in order, so a cursor, not a division, says which tile and stage); chunk i = lane +
     // 32 k of them is row i / CH's 16 bytes at 16 (i % CH) from its units' boundary
@@ -161,8 +185,9 @@ qmm_half_shared(const qmh_args p) {
 #pragma unroll
             for (int k = 0; k < KC; ++k) {
                 const int i = lane + WARP_SIZE * k, r = i / CH, c = i % CH;
-                if (i < RW * CH && r < p.M - row0 && c < ch) {
-                    const int64_t at = (unit_at(row0 + r, U * ask_st) & ~(int64_t) 15) + 16 * c;
+                const int row = GLU ? glu_row(ask_tile, warp * RW + r) : row0 + r;
+                if (i < RW * CH && (GLU ? row >= 0 : r < p.M - row0) && c < ch) {
+                    const int64_t at = (unit_at(row, U * ask_st) & ~(int64_t) 15) + 16 * c;
                     char * to = wstage + r * pitch + 16 * c;
                     if (qmh_type<type>::aligned || at + 16 <= total) {
                         qmh_cp16(to, p.W + at);
@@ -334,8 +359,58 @@ qmm_half_shared(const qmh_args p) {
                 });
             }
         };
+        // the GLU form's store: pair q = tile * (rows / 2) + 8 warp + g, columns 8 t + 2 t4 + e, its gate acc[0][t][e]
+        // and up acc[0][t][2 + e]: qmm_gated's value rounded to f16 (what qmm_quantize_x makes of those f32 outputs),
+        // and per run of 32 pairs the sum of the rounded values, in the order of qmm_quantize_block's butterfly over
+        // lanes 0-31 = 8 (warp % 4) + g: first across the four warps (lane bits 4, then 3), then across g (bits 2,
+        // 1, 0: lane bits 4, 3, 2 here). Every column of npad is written: a padding column's values are zeros.
+        auto store_glu = [&]() {
+            const int q = tile * (shape::rows / 2) + 8 * warp + g;
+            half * unit = p.glu_out + (size_t) (q / QMM_UNIT) * p.npad * QMH_HALF_PITCH + q % QMM_UNIT;
+            float * vals = glu_vals + (8 * warp + g) * 8 * NT;
+#pragma unroll
+            for (int t = 0; t < NT; ++t) {
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    const int col = 8 * t + 2 * t4 + e;
+                    const half h = __float2half_rn(qmm_gated(acc[0][t][e], acc[0][t][2 + e], GGML_EXT_QMATMUL_GATE_SILU));
+                    if (q < p.F) {
+                        unit[(size_t) col * QMH_HALF_PITCH] = h;
+                    }
+                    vals[col] = __half2float(h);
+                    acc[0][t][e] = acc[0][t][2 + e] = 0.0f;
+                }
+            }
+            __syncthreads();
+            if (warp % 4 == 0 && q - g < p.F) {   // the run's first warp sums it
+#pragma unroll
+                for (int t = 0; t < NT; ++t) {
+#pragma unroll
+                    for (int e = 0; e < 2; ++e) {
+                        const int col = 8 * t + 2 * t4 + e;
+                        float sum = __fadd_rn(__fadd_rn(vals[col], vals[2 * 64 * NT + col]),
+                                              __fadd_rn(vals[64 * NT + col], vals[3 * 64 * NT + col]));
+                        sum += __shfl_xor_sync(0xFFFFFFFFu, sum, 16);
+                        sum += __shfl_xor_sync(0xFFFFFFFFu, sum, 8);
+                        sum += __shfl_xor_sync(0xFFFFFFFFu, sum, 4);
+                        if (g == 0) {
+                            unit[(size_t) col * QMH_HALF_PITCH + QMM_UNIT - q % QMM_UNIT + (q % QMM_UNIT) / QK8_1] =
+                                __float2half_rn(sum);
+                        }
+                    }
+                }
+            }
+            __syncthreads();   // (the values are read before a later tile's store writes them)
+        };
+        auto store = [&]() {
+            if constexpr (GLU) {
+                store_glu();
+            } else {
+                store_acc();
+            }
+        };
         if (pb0 == pb1) {   // the whole tile is this block's
-            store_acc();
+            store();
             continue;
         }
         // a block's partial-sum slot for a tile: 0 for the first tile of its range, 1 for its last
@@ -377,7 +452,7 @@ qmm_half_shared(const qmh_args p) {
             const float * part = slot(pb);
             each_output([&](int r, int t, int i) { acc[r][t][i] = __fadd_rn(acc[r][t][i], __ldcg(part + at(r, t, i))); });
         }
-        store_acc();
+        store();
     }
 #ifdef QMH_TRACE
     __syncthreads();
@@ -439,9 +514,9 @@ template <ggml_type type> static int qmh_tiles(int M) {
 // Blocks of a shape that an SM holds at once (at most its MINB): the occupancy of its widest instantiation (6 column
 // tiles, the most shared memory), so the same for every N. A cut tile's first block waits for the others' count
 // (qmm_half_shared), so every block of a grid must be resident at once.
-template <ggml_type type, int NW, int MINB> static int qmh_occupancy(int device) {
+template <ggml_type type, int NW, int MINB, bool GLU> static int qmh_occupancy(int device) {
     constexpr int U = qmh_run_units<type>();
-    constexpr auto kernel = qmm_half_shared<type, 6, QMH_RUN_RT, NW, QMH_RUN_STAGES, U, MINB>;
+    constexpr auto kernel = qmm_half_shared<type, 6, QMH_RUN_RT, NW, QMH_RUN_STAGES, U, MINB, GLU>;
     constexpr size_t smem = qmh_smem_bytes<type, 6, QMH_RUN_RT, NW, QMH_RUN_STAGES, U>();
     static int blocks[GGML_CUDA_MAX_DEVICES] = {};
     if (blocks[device] == 0) {
@@ -454,9 +529,9 @@ template <ggml_type type, int NW, int MINB> static int qmh_occupancy(int device)
     return blocks[device];
 }
 
-template <ggml_type type> static int qmh_per_sm(int M, int device) {
+template <ggml_type type, bool GLU = false> static int qmh_per_sm(int M, int device) {
     return qmh_with_shape<type>(M, [&](auto nw, auto minb) {
-        return qmh_occupancy<type, decltype(nw)::value, decltype(minb)::value>(device);
+        return qmh_occupancy<type, decltype(nw)::value, decltype(minb)::value, GLU>(device);
     });
 }
 
@@ -473,31 +548,33 @@ template <ggml_type type> static size_t qmh_ws_floats(int nt, int P, int M) {
     return (size_t) P * 2 * qmh_run_warps<type>(M) * QMH_RUN_RT * nt * 4 * WARP_SIZE;
 }
 
-template <ggml_type type, int NT, int NW, int MINB> static void qmh_launch(const qmh_args & p, int device, int P,
-                                                                           cudaStream_t stream) {
+template <ggml_type type, int NT, int NW, int MINB, bool GLU> static void qmh_launch(const qmh_args & p, int device,
+                                                                                     int P, cudaStream_t stream) {
     constexpr int U = qmh_run_units<type>();
-    constexpr auto kernel = qmm_half_shared<type, NT, QMH_RUN_RT, NW, QMH_RUN_STAGES, U, MINB>;
+    constexpr auto kernel = qmm_half_shared<type, NT, QMH_RUN_RT, NW, QMH_RUN_STAGES, U, MINB, GLU>;
     constexpr size_t smem = qmh_smem_bytes<type, NT, QMH_RUN_RT, NW, QMH_RUN_STAGES, U>();
     ggml_ext_cuda_allow_smem<kernel>(smem, device);
     ggml_cuda_kernel_launch(kernel, ggml_cuda_kernel_launch_params(dim3(P), dim3(WARP_SIZE, NW), smem, stream), p);
 }
 
-template <ggml_type type, int NT> static void qmh_launch(const qmh_args & p, int device, int P, cudaStream_t stream) {
+template <ggml_type type, int NT, bool GLU> static void qmh_launch(const qmh_args & p, int device, int P,
+                                                                   cudaStream_t stream) {
     qmh_with_shape<type>(p.M, [&](auto nw, auto minb) {
-        qmh_launch<type, NT, decltype(nw)::value, decltype(minb)::value>(p, device, P, stream);
+        qmh_launch<type, NT, decltype(nw)::value, decltype(minb)::value, GLU>(p, device, P, stream);
     });
 }
 
 // W * X (Q4_K, Q6_K or BF16, K a multiple of 256) through the f16 kernel: p.x in qmatmul_half.cuh's layout (bf16 for
-// BF16), p.npad = 8 nt, p.ws of qmh_ws_floats<type>(nt, P, M) floats, P = qmh_grid<type>(M, K, SMs, qmh_per_sm(M))
-template <ggml_type type> static void qmh_run(const qmh_args & p, int device, int P, cudaStream_t stream) {
+// BF16), p.npad = 8 nt, p.ws of qmh_ws_floats<type>(nt, P, M) floats, P = qmh_grid<type>(M, K, SMs,
+// qmh_per_sm<type, GLU>(M)). GLU (p.glu_out set; Q4_K, 8 or 12 warps): the GLU form of qmm_half_shared.
+template <ggml_type type, bool GLU = false> static void qmh_run(const qmh_args & p, int device, int P, cudaStream_t stream) {
     switch (p.npad / 8) {
-        case 1: qmh_launch<type, 1>(p, device, P, stream); break;
-        case 2: qmh_launch<type, 2>(p, device, P, stream); break;
-        case 3: qmh_launch<type, 3>(p, device, P, stream); break;
-        case 4: qmh_launch<type, 4>(p, device, P, stream); break;
-        case 5: qmh_launch<type, 5>(p, device, P, stream); break;
-        case 6: qmh_launch<type, 6>(p, device, P, stream); break;
+        case 1: qmh_launch<type, 1, GLU>(p, device, P, stream); break;
+        case 2: qmh_launch<type, 2, GLU>(p, device, P, stream); break;
+        case 3: qmh_launch<type, 3, GLU>(p, device, P, stream); break;
+        case 4: qmh_launch<type, 4, GLU>(p, device, P, stream); break;
+        case 5: qmh_launch<type, 5, GLU>(p, device, P, stream); break;
+        case 6: qmh_launch<type, 6, GLU>(p, device, P, stream); break;
         default: GGML_ABORT("ggml_qmatmul: %d column tiles", p.npad / 8);
     }
 }

@@ -10,7 +10,7 @@ extern "C" {
 #endif
 
 // Bumped whenever an op's signature or semantics change; the Python bindings check it at load.
-#define GGML_EXT_ABI_VERSION 18
+#define GGML_EXT_ABI_VERSION 19
 
 // The number of ops in ggml-ext-ops.def.
 enum {
@@ -322,6 +322,45 @@ GGML_API struct ggml_tensor * ggml_qmatmul_sigmoid_gated(
         struct ggml_tensor  * up,
         struct ggml_tensor  * add,
         int                   row_tiles);
+
+// The f16 kernel's activations as a tensor ("prepared"): for K values (a multiple of 256) and N columns, F16
+// [GGML_EXT_QMATMUL_HALF_PITCH, npad, K / 256] with npad = N rounded up to a multiple of 8. Per 256-value unit and
+// column: the 256 values rounded to f16, then the 8 sums of its runs of 32 (each the f32 sum of the rounded values,
+// rounded to f16), then padding; columns N..npad-1 hold zeros. ggml_qmatmul_prepared reads it.
+#define GGML_EXT_QMATMUL_HALF_PITCH 288
+
+// An FFN's gate/up product handing the down product its input: w [K, 2F], Q4_K, holds F gate rows, then F up rows (a fused gate/up matrix; F a multiple of 256), x f32 [K, N] as ggml_qmatmul's, and with norm and eps
+// (else NULL) the columns RMS-normed first, as ggml_qmatmul_rms_norm's. Returns the columns silu(W_gate x) *
+// (W_up x), F values each, prepared (above). On CUDA the f16 kernel (Hopper) writes them as it stores its tiles, so
+// no kernel runs between the two products: each value is what ggml_qmatmul_fused's preparation makes of the f32
+// gate and up the kernel computed (ggml's silu times up, rounded to f16; the run sums in its butterfly order); the
+// gate and up rows of a pair sit in one row tile, so their sums are cut at other K units than W's alone would be.
+// On the CPU: the reference's gate and up, ggml's CPU swiglu, the run sums in index order.
+GGML_API struct ggml_tensor * ggml_qmatmul_swiglu_prepared(
+        struct ggml_context * ctx,
+        struct ggml_tensor  * w,
+        struct ggml_tensor  * x,
+        struct ggml_tensor  * norm,
+        float                 eps);
+
+// ggml_qmatmul of prepared activations xp (F16 [GGML_EXT_QMATMUL_HALF_PITCH, npad, K / 256], e.g.
+// ggml_qmatmul_swiglu_prepared's result) of n_cols columns (npad - 7 .. npad), plus add (f32 [M, n_cols], rows
+// contiguous; NULL: none) as ggml_qmatmul_fused's. w Q4_K or Q6_K [K, M]; on CUDA the f16 kernel (Hopper) reads xp
+// as it is, its column j the bits of GGML_EXT_QMATMUL_F16 on the same values. On the CPU: the reference on the
+// values as f32.
+GGML_API struct ggml_tensor * ggml_qmatmul_prepared(
+        struct ggml_context * ctx,
+        struct ggml_tensor  * w,
+        struct ggml_tensor  * xp,
+        int                   n_cols,
+        struct ggml_tensor  * add);
+
+// What a ggml_qmatmul node reads and writes (op_params[3]; op_params[4]: the columns of a prepared input)
+enum ggml_ext_qmatmul_form {
+    GGML_EXT_QMATMUL_FORM_PLAIN          = 0,   // f32 x in, f32 [M, N] out
+    GGML_EXT_QMATMUL_FORM_SWIGLU_PREPARED = 1,  // ggml_qmatmul_swiglu_prepared
+    GGML_EXT_QMATMUL_FORM_PREPARED_IN    = 2,   // ggml_qmatmul_prepared
+};
 
 // How ggml_qmatmul's up gates x (op_params[2])
 enum ggml_ext_qmatmul_gate {

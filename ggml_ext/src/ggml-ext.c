@@ -329,41 +329,11 @@ bool ggml_qmatmul_supported(enum ggml_type type) {
            type == GGML_TYPE_BF16;
 }
 
-struct ggml_tensor * ggml_qmatmul(
-        struct ggml_context * ctx,
-        struct ggml_tensor  * w,
-        struct ggml_tensor  * x,
-        int                   row_tiles) {
-    GGML_ASSERT(ggml_qmatmul_supported(w->type) && ggml_is_contiguous(w) && ggml_is_matrix(w));
-    GGML_ASSERT(ggml_ext_is_f32_rows(x));
-    GGML_ASSERT(x->ne[0] == w->ne[0]);
-    GGML_ASSERT(x->ne[1] >= 1 && x->ne[1] <= GGML_EXT_QMATMUL_MAX_COLS);
-    GGML_ASSERT(row_tiles == 0 || row_tiles == 1 || row_tiles == 2 || row_tiles == 4 || row_tiles == -1 || row_tiles == -2 ||
-                row_tiles == GGML_EXT_QMATMUL_F16);
-
-    struct ggml_tensor * result = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, w->ne[1], x->ne[1]);
-    result->op     = GGML_OP_QMATMUL;
-    result->op_params[0] = row_tiles;
-    result->src[0] = w;
-    result->src[1] = x;
-    return result;
-}
-
-struct ggml_tensor * ggml_qmatmul_rms_norm(
-        struct ggml_context * ctx,
-        struct ggml_tensor  * w,
-        struct ggml_tensor  * x,
-        struct ggml_tensor  * norm,
-        float                 eps,
-        int                   row_tiles) {
-    GGML_ASSERT(norm != NULL);
-    return ggml_qmatmul_fused(ctx, w, x, NULL, norm, eps, NULL, row_tiles);
-}
-
-// src[2]: the norm (op_params[1]: eps; with up, of up's groups), src[3]: the added tensor, src[4]: up (the gated
-// columns silu(x) * up, or sigmoid(x) * up: op_params[2], enum ggml_ext_qmatmul_gate)
-struct ggml_tensor * ggml_qmatmul_fused(
-        struct ggml_context * ctx,
+// A ggml_qmatmul node's operands checked and set on result: src[0] w, src[1] x, src[2] the norm (op_params[1]:
+// eps; with up, of up's groups), src[3] the added tensor, src[4] up (the gated columns silu(x) * up, or
+// sigmoid(x) * up: op_params[2], enum ggml_ext_qmatmul_gate); op_params[0] row_tiles
+static void ggml_ext_qmatmul_set(
+        struct ggml_tensor  * result,
         struct ggml_tensor  * w,
         struct ggml_tensor  * x,
         struct ggml_tensor  * up,
@@ -371,7 +341,16 @@ struct ggml_tensor * ggml_qmatmul_fused(
         float                 eps,
         struct ggml_tensor  * add,
         int                   row_tiles) {
-    struct ggml_tensor * result = ggml_qmatmul(ctx, w, x, row_tiles);
+    GGML_ASSERT(ggml_qmatmul_supported(w->type) && ggml_is_contiguous(w) && ggml_is_matrix(w));
+    GGML_ASSERT(ggml_ext_is_f32_rows(x));
+    GGML_ASSERT(x->ne[0] == w->ne[0]);
+    GGML_ASSERT(x->ne[1] >= 1 && x->ne[1] <= GGML_EXT_QMATMUL_MAX_COLS);
+    GGML_ASSERT(row_tiles == 0 || row_tiles == 1 || row_tiles == 2 || row_tiles == 4 || row_tiles == -1 || row_tiles == -2 ||
+                row_tiles == GGML_EXT_QMATMUL_F16);
+    result->op     = GGML_OP_QMATMUL;
+    result->op_params[0] = row_tiles;
+    result->src[0] = w;
+    result->src[1] = x;
     if (up != NULL) {
         GGML_ASSERT(ggml_ext_is_f32_rows(up));
         GGML_ASSERT(up->ne[0] == x->ne[0] && up->ne[1] == x->ne[1]);
@@ -387,9 +366,41 @@ struct ggml_tensor * ggml_qmatmul_fused(
     }
     if (add != NULL) {
         GGML_ASSERT(ggml_ext_is_f32_rows(add));
-        GGML_ASSERT(add->ne[0] == result->ne[0] && add->ne[1] == result->ne[1]);
+        GGML_ASSERT(add->ne[0] == w->ne[1] && add->ne[1] == x->ne[1]);
         result->src[3] = add;
     }
+}
+
+struct ggml_tensor * ggml_qmatmul(
+        struct ggml_context * ctx,
+        struct ggml_tensor  * w,
+        struct ggml_tensor  * x,
+        int                   row_tiles) {
+    return ggml_qmatmul_fused(ctx, w, x, NULL, NULL, 0.0f, NULL, row_tiles);
+}
+
+struct ggml_tensor * ggml_qmatmul_rms_norm(
+        struct ggml_context * ctx,
+        struct ggml_tensor  * w,
+        struct ggml_tensor  * x,
+        struct ggml_tensor  * norm,
+        float                 eps,
+        int                   row_tiles) {
+    GGML_ASSERT(norm != NULL);
+    return ggml_qmatmul_fused(ctx, w, x, NULL, norm, eps, NULL, row_tiles);
+}
+
+struct ggml_tensor * ggml_qmatmul_fused(
+        struct ggml_context * ctx,
+        struct ggml_tensor  * w,
+        struct ggml_tensor  * x,
+        struct ggml_tensor  * up,
+        struct ggml_tensor  * norm,
+        float                 eps,
+        struct ggml_tensor  * add,
+        int                   row_tiles) {
+    struct ggml_tensor * result = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, w->ne[1], x->ne[1]);
+    ggml_ext_qmatmul_set(result, w, x, up, norm, eps, add, row_tiles);
     return result;
 }
 
@@ -403,6 +414,53 @@ struct ggml_tensor * ggml_qmatmul_sigmoid_gated(
     GGML_ASSERT(up != NULL);
     struct ggml_tensor * result = ggml_qmatmul_fused(ctx, w, x, up, NULL, 0.0f, add, row_tiles);
     result->op_params[2] = GGML_EXT_QMATMUL_GATE_SIGMOID;
+    return result;
+}
+
+// npad: N rounded up to the f16 kernel's 8-column tiles
+static int64_t ggml_ext_qmatmul_npad(int64_t n) {
+    return (n + 7) / 8 * 8;
+}
+
+struct ggml_tensor * ggml_qmatmul_swiglu_prepared(
+        struct ggml_context * ctx,
+        struct ggml_tensor  * w,
+        struct ggml_tensor  * x,
+        struct ggml_tensor  * norm,
+        float                 eps) {
+    GGML_ASSERT(w->type == GGML_TYPE_Q4_K);
+    GGML_ASSERT(w->ne[0] % 256 == 0 && w->ne[1] % (2 * 256) == 0);   // F gate rows, F up rows: F a multiple of 256
+    struct ggml_tensor * result = ggml_new_tensor_3d(ctx, GGML_TYPE_F16, GGML_EXT_QMATMUL_HALF_PITCH,
+                                                     ggml_ext_qmatmul_npad(x->ne[1]), w->ne[1] / 2 / 256);
+    ggml_ext_qmatmul_set(result, w, x, NULL, norm, eps, NULL, GGML_EXT_QMATMUL_F16);
+    result->op_params[3] = GGML_EXT_QMATMUL_FORM_SWIGLU_PREPARED;
+    return result;
+}
+
+struct ggml_tensor * ggml_qmatmul_prepared(
+        struct ggml_context * ctx,
+        struct ggml_tensor  * w,
+        struct ggml_tensor  * xp,
+        int                   n_cols,
+        struct ggml_tensor  * add) {
+    GGML_ASSERT((w->type == GGML_TYPE_Q4_K || w->type == GGML_TYPE_Q6_K) && ggml_is_contiguous(w) && ggml_is_matrix(w));
+    GGML_ASSERT(w->ne[0] % 256 == 0);
+    GGML_ASSERT(n_cols >= 1 && n_cols <= GGML_EXT_QMATMUL_MAX_COLS);
+    GGML_ASSERT(xp->type == GGML_TYPE_F16 && ggml_is_contiguous(xp) && xp->ne[3] == 1);
+    GGML_ASSERT(xp->ne[0] == GGML_EXT_QMATMUL_HALF_PITCH && xp->ne[1] == ggml_ext_qmatmul_npad(n_cols) &&
+                xp->ne[2] == w->ne[0] / 256);
+    struct ggml_tensor * result = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, w->ne[1], n_cols);
+    result->op     = GGML_OP_QMATMUL;
+    result->op_params[0] = GGML_EXT_QMATMUL_F16;
+    result->op_params[3] = GGML_EXT_QMATMUL_FORM_PREPARED_IN;
+    result->op_params[4] = n_cols;
+    result->src[0] = w;
+    result->src[1] = xp;
+    if (add != NULL) {
+        GGML_ASSERT(ggml_ext_is_f32_rows(add));
+        GGML_ASSERT(add->ne[0] == result->ne[0] && add->ne[1] == result->ne[1]);
+        result->src[3] = add;
+    }
     return result;
 }
 

@@ -369,6 +369,60 @@ def qmatmul(ctx: Context, w: Tensor, x: Tensor, row_tiles: int = 0, norm: Tensor
                                          _ptr_or_null(add), row_tiles), ctx)
 
 
+# The f16 kernel's activations as a tensor (ggml-ext.h, GGML_EXT_QMATMUL_HALF_PITCH): F16 [PITCH, npad, K / 256]
+QMATMUL_HALF_PITCH = 288
+
+
+def qmatmul_prepared_shape(K: int, n_cols: int) -> tuple[int, int, int]:
+    """ne of the prepared activations of n_cols columns of K values (K a multiple of 256): per 256-value unit and
+    column 256 f16 values, the f16 sums of their runs of 32, padding; columns rounded up to a multiple of 8."""
+    return QMATMUL_HALF_PITCH, -(-n_cols // 8) * 8, K // 256
+
+
+def qmatmul_swiglu_prepared(ctx: Context, w: Tensor, x: Tensor, norm: Tensor | None = None, eps: float = 0.0
+                            ) -> Tensor:
+    """An FFN's gate/up product handing the down product its input: w Q4_K [K, 2F] (F gate rows, then F up rows; F
+    and K multiples of 256), x f32 [K, N] as qmatmul's (with norm f32 [K]: its RMS-normed columns, as qmatmul's
+    norm) -> the columns silu(W_gate x) * (W_up x) prepared (F16 `qmatmul_prepared_shape(F, N)`), for
+    `qmatmul_prepared`. On CUDA (Hopper only) the f16 kernel writes them as it stores its tiles: no kernel between
+    the two products (ggml-ext.h says which bits)."""
+    if w.type != Type.Q4_K or w.ne[2:] != (1, 1) or w.ne[0] % 256 or w.ne[1] % 512:
+        raise ValueError(f"qmatmul_swiglu_prepared takes a Q4_K matrix [K, 2F], K and F multiples of 256, "
+                         f"got {w.type.name} ne {w.ne}")
+    _expect_contiguous(w, "qmatmul_swiglu_prepared weight")
+    K, n = w.ne[0], x.ne[1]
+    _expect(x, "qmatmul_swiglu_prepared x", Type.F32, (K, n))
+    _expect_rows(x, "qmatmul_swiglu_prepared x")
+    if not 1 <= n <= QMATMUL_MAX_COLS:
+        raise ValueError(f"qmatmul_swiglu_prepared takes 1 to {QMATMUL_MAX_COLS} columns of x, got {n}")
+    if norm is not None:
+        if norm.type != Type.F32 or not norm.is_contiguous or math.prod(norm.ne) != K:
+            raise ValueError(f"qmatmul_swiglu_prepared norm must be a contiguous f32 vector of {K} values, "
+                             f"got {norm.type.name} ne {norm.ne}")
+        if not eps >= 0.0:
+            raise ValueError(f"qmatmul_swiglu_prepared eps must be >= 0, got {eps}")
+    return Tensor(lib.ggml_qmatmul_swiglu_prepared(ctx._ptr, w._ptr, x._ptr, _ptr_or_null(norm), eps), ctx)
+
+
+def qmatmul_prepared(ctx: Context, w: Tensor, xp: Tensor, n_cols: int, add: Tensor | None = None) -> Tensor:
+    """W * X for w Q4_K or Q6_K [K, M] (K a multiple of 256) and prepared activations xp (F16
+    `qmatmul_prepared_shape(K, n_cols)`, e.g. qmatmul_swiglu_prepared's) of n_cols columns -> f32 [M, n_cols], plus
+    add (f32 [M, n_cols], rows contiguous) where given, as qmatmul's. On CUDA (Hopper only) the f16 kernel
+    (QMATMUL_F16) reads xp as it is."""
+    if w.type not in (Type.Q4_K, Type.Q6_K) or w.ne[2:] != (1, 1) or w.ne[0] % 256:
+        raise ValueError(f"qmatmul_prepared takes a Q4_K or Q6_K matrix [K, M], K a multiple of 256, "
+                         f"got {w.type.name} ne {w.ne}")
+    _expect_contiguous(w, "qmatmul_prepared weight")
+    if not 1 <= n_cols <= QMATMUL_MAX_COLS:
+        raise ValueError(f"qmatmul_prepared takes 1 to {QMATMUL_MAX_COLS} columns, got {n_cols}")
+    _expect(xp, "qmatmul_prepared xp", Type.F16, qmatmul_prepared_shape(w.ne[0], n_cols))
+    _expect_contiguous(xp, "qmatmul_prepared xp")
+    if add is not None:
+        _expect(add, "qmatmul_prepared add", Type.F32, (w.ne[1], n_cols))
+        _expect_rows(add, "qmatmul_prepared add")
+    return Tensor(lib.ggml_qmatmul_prepared(ctx._ptr, w._ptr, xp._ptr, n_cols, _ptr_or_null(add)), ctx)
+
+
 def _check_gates(beta: Tensor, alpha: Tensor, dt_bias: Tensor, a: Tensor, H: int, n: int) -> None:
     """gdn_gates' inputs (and gdn_conv_tree's gates): beta, alpha f32 [H, n] rows contiguous, dt_bias, a f32 [H]."""
     for t, what in ((beta, "gdn_gates beta"), (alpha, "gdn_gates alpha")):

@@ -304,6 +304,34 @@ class Gated(_Deferred):
         return ggml.qmatmul(ctx, w, self.gate, row_tiles, up=self._up(), add=add, gate=self.act)
 
 
+def swiglu_prepared_enabled() -> bool:
+    """An FFN whose gate/up and down products both take the f16 kernel has the gate/up product write the down
+    product's input (swiglu_down): no kernel between the two (ggml.qmatmul_swiglu_prepared).
+    PYDFLASH_SWIGLU_PREPARED=0 keeps the SwiGLU where the down product prepares its activations (Gated)."""
+    return env_switch("PYDFLASH_SWIGLU_PREPARED", default="1")
+
+
+def swiglu_down(ctx: ggml.Context, w_gate_up: ggml.Tensor, x: ggml.Tensor | Normed, w_down: ggml.Tensor,
+                add: ggml.Tensor | None) -> ggml.Tensor | None:
+    """w_down (silu(gate x) * (up x)) + add for a fused gate/up matrix w_gate_up [K, 2F] (F gate rows, then F up
+    rows) through ggml.qmatmul_swiglu_prepared and ggml.qmatmul_prepared, where both products take the f16 kernel
+    at x's column count (Hopper; the gate/up Q4_K) and swiglu_prepared_enabled; else None (the caller goes the
+    Gated way)."""
+    F = w_gate_up.ne[1] // 2
+    if not (swiglu_prepared_enabled() and w_gate_up.type == ggml.Type.Q4_K and w_gate_up.ne[1] == 2 * F
+            and w_down.type in (ggml.Type.Q4_K, ggml.Type.Q6_K) and w_down.ne[0] == F and F % 256 == 0
+            and w_down.is_contiguous and _takes_qmatmul(w_gate_up, x)):
+        return None
+    n = x.ne[1]
+    if qmatmul_row_tiles(w_gate_up, n) != ggml.QMATMUL_F16 or qmatmul_row_tiles(w_down, n) != ggml.QMATMUL_F16:
+        return None
+    if isinstance(x, Normed) and x.fuses_into(w_gate_up):
+        xp = ggml.qmatmul_swiglu_prepared(ctx, w_gate_up, x.h, norm=x.weight, eps=x.eps)
+    else:
+        xp = ggml.qmatmul_swiglu_prepared(ctx, w_gate_up, x.tensor() if isinstance(x, _Deferred) else x)
+    return ggml.qmatmul_prepared(ctx, w_down, xp, n, add=add)
+
+
 def uses_qmatmul(w: ggml.Tensor, x: ggml.Tensor) -> bool:
     """Whether linear(ctx, w, x) takes ggml_qmatmul (else ggml's mul_mat) in the current qmatmul_mode."""
     mode = qmatmul_mode()

@@ -426,7 +426,15 @@ class TargetRuntime:
         `name`, plus `add` (the residual) where given (layers.linear); glu: 'swiglu' or 'geglu' (ggml's
         swiglu_split / geglu_split; SwiGLU is computed inside the down product where ggml_qmatmul takes it:
         layers.Gated). Gate and up go through `project`: one matmul where fused, except for one token through
-        ggml's mul_mat, where ggml-cuda already runs both products and the GLU as one kernel."""
+        ggml's mul_mat, where ggml-cuda already runs both products and the GLU as one kernel. Where both products
+        take the f16 kernel, a fused gate/up writes the down product's input itself (layers.swiglu_down)."""
+        w = self.weights
+        gate_up = w.member_of.get(prefix + "ffn_gate.weight")
+        if (glu == "swiglu" and gate_up is not None and gate_up[:-len(".weight")] + ".bias" not in w
+                and w.fused[gate_up] == (prefix + "ffn_gate.weight", prefix + "ffn_up.weight")):
+            out = layers.swiglu_down(ctx, w[gate_up], x, w[prefix + "ffn_down.weight"], add)
+            if out is not None:
+                return out if add is not None else out.named(name)
         gate, up = self.project(ctx, x, [prefix + "ffn_gate", prefix + "ffn_up"], fuse_one_token=False)
         if glu == "swiglu":
             gated = layers.Gated(ctx, gate, up)

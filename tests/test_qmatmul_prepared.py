@@ -1,0 +1,264 @@
+"""ggml.qmatmul_swiglu_prepared and ggml.qmatmul_prepared (ggml-ext.h): an FFN's gate/up product writing the down
+product's input in the f16 kernel's layout, and a product reading that layout as it is. CPU: the layout holds ggml's
+own swiglu of the reference product, rounded to f16, with the f32 sums of each run of 32 rounded values; a prepared
+product is the reference product of those values. CUDA (Hopper): the gate/up product's f16-kernel tiles write what
+the separate preparation would make of their f32 outputs, bit for bit."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize
+
+from conftest import rel_err
+from pydflash import ggml
+from pydflash.models import layers, load_target
+from pydflash.testing import write_qwen35_gguf
+
+EPS = 1e-6
+F16 = ggml.QMATMUL_F16
+PITCH = ggml.QMATMUL_HALF_PITCH
+
+
+def quantized(rng, wtype, rows, K, scale=1.0):
+    """A random matrix [rows, K] quantised by ggml: (its bytes, one row each; float64 dequantised by gguf-py)."""
+    data = ggml.quantize(wtype, (rng.standard_normal((rows, K)) * scale).astype(np.float32))
+    return data, dequantize(data, GGMLQuantizationType(int(wtype))).astype(np.float64)
+
+
+def run_graph(backend, build, inputs: dict[str, np.ndarray], shapes: dict[str, tuple]):
+    """build(ctx, tensors) -> output tensor, the inputs given as (type, ne) in shapes and set from inputs."""
+    ctx = ggml.Context(n_tensors=32, graph_size=32)
+    tensors = {name: ctx.new_tensor(t, ne, name=name).mark_input() for name, (t, ne) in shapes.items()}
+    graph = ctx.graph(build(ctx, tensors))
+    ggml.Allocator(backend).allocate(graph)
+    for name, value in inputs.items():
+        if tensors[name].is_allocated:
+            tensors[name].set(value)
+    backend.compute(graph)
+    return graph.outputs[0].numpy()
+
+
+def swiglu_prepared(backend, w_gu, K, F, x, norm=None):
+    """ggml.qmatmul_swiglu_prepared of Q4_K w_gu ([2F, K] bytes) and x [N, K]: the layout as f16 [F/256, npad, PITCH]."""
+    n = len(x)
+    shapes = {"w": (ggml.Type.Q4_K, (K, 2 * F)), "x": (np.float32, (K, n)), "g": (np.float32, (K,))}
+    inputs = {"w": w_gu, "x": x, "g": norm if norm is not None else np.ones(K, np.float32)}
+    out = run_graph(backend, lambda ctx, t: ggml.qmatmul_swiglu_prepared(
+        ctx, t["w"], t["x"], norm=t["g"] if norm is not None else None, eps=EPS), inputs, shapes)
+    return out.reshape(F // 256, -1, PITCH)
+
+
+def gated_by_ggml(backend, w_gu, K, F, x, norm=None):
+    """ggml's swiglu_split of the halves of qmatmul(w_gu, x) (normed columns where norm is given): f32 [N, F]."""
+    n = len(x)
+    shapes = {"w": (ggml.Type.Q4_K, (K, 2 * F)), "x": (np.float32, (K, n)), "g": (np.float32, (K,))}
+
+    def build(ctx, t):
+        gu = ggml.qmatmul(ctx, t["w"], t["x"], norm=t["g"] if norm is not None else None, eps=EPS)
+        return ctx.swiglu_split(ctx.view_2d(gu, F, n, gu.nb[1], 0), ctx.view_2d(gu, F, n, gu.nb[1], F * 4))
+    inputs = {"w": w_gu, "x": x, "g": norm if norm is not None else np.ones(K, np.float32)}
+    return run_graph(backend, build, inputs, shapes).reshape(n, F)
+
+
+def prepared_layout(values: np.ndarray) -> np.ndarray:
+    """The layout of ggml-ext.h for columns values [N, F] (f32): f16 values, the f32 sums of each run of 32 rounded
+    values in index order rounded to f16, zero padding and zero padding columns."""
+    n, F = values.shape
+    npad = -(-n // 8) * 8
+    out = np.zeros((F // 256, npad, PITCH), np.float16)
+    h = values.astype(np.float16)
+    for j in range(n):
+        for u in range(F // 256):
+            unit = h[j, 256 * u: 256 * u + 256]
+            out[u, j, :256] = unit
+            for r in range(8):
+                out[u, j, 256 + r] = np.cumsum(unit[32 * r: 32 * r + 32].astype(np.float32), dtype=np.float32)[-1]
+    return out
+
+
+def prepared_values(layout: np.ndarray, n: int) -> np.ndarray:
+    """The f32 columns [n, F] a layout holds."""
+    return layout[:, :n, :256].transpose(1, 0, 2).reshape(n, -1).astype(np.float32)
+
+
+def qmatmul_prepared(backend, wtype, w, K, M, layout, n, add=None):
+    """ggml.qmatmul_prepared of w ([M, K] bytes of wtype) and a layout of n columns (+ add [n, M]): f32 [n, M]."""
+    shapes = {"w": (wtype, (K, M)), "xp": (np.float16, ggml.qmatmul_prepared_shape(K, n)),
+              "r": (np.float32, (M, n))}
+    inputs = {"w": w, "xp": layout, "r": add if add is not None else np.zeros((n, M), np.float32)}
+    return run_graph(backend, lambda ctx, t: ggml.qmatmul_prepared(
+        ctx, t["w"], t["xp"], n, add=t["r"] if add is not None else None), inputs, shapes).reshape(n, M)
+
+
+@pytest.mark.parametrize("normed", [False, True], ids=["plain", "rms_norm"])
+def test_swiglu_prepared_on_the_cpu_is_ggml_swiglu_rounded_into_the_layout(rng, normed):
+    """The CPU reference: every value is ggml's swiglu of the reference product's two halves rounded to f16, each run
+    sum the f32 sum of the 32 rounded values in order, padding and the padding columns zero; the values are within
+    f16 rounding of float64's swiglu of the dequantised product."""
+    backend = ggml.Backend("cpu")
+    K, F = 512, 768
+    w_gu, w_ref = quantized(rng, ggml.Type.Q4_K, 2 * F, K, scale=0.05)
+    norm = rng.uniform(0.5, 1.5, K).astype(np.float32) if normed else None
+    for n in (1, 5, 9, 23):
+        x = rng.standard_normal((n, K)).astype(np.float32)
+        got = swiglu_prepared(backend, w_gu, K, F, x, norm)
+        want = prepared_layout(gated_by_ggml(backend, w_gu, K, F, x, norm))
+        assert got.shape == want.shape and np.array_equal(got.view(np.uint16), want.view(np.uint16)), f"N={n}"
+        xd = x.astype(np.float64)
+        if normed:
+            xd = xd / np.sqrt((xd * xd).mean(axis=1, keepdims=True) + EPS) * norm
+        gu = xd @ w_ref.T
+        exact = gu[:, :F] / (1.0 + np.exp(-gu[:, :F])) * gu[:, F:]
+        err = rel_err(prepared_values(got, n), exact)
+        assert err < 1e-3, f"N={n}: relative error {err:.2e} against float64"
+
+
+@pytest.mark.parametrize("wtype", [ggml.Type.Q4_K, ggml.Type.Q6_K], ids=["Q4_K", "Q6_K"])
+def test_qmatmul_prepared_on_the_cpu_is_the_product_of_its_values(rng, wtype):
+    """A prepared product on the CPU: the bits of qmatmul (its residual added) on the values the layout holds, and
+    within float64 of the dequantised product; padding columns' values are never read."""
+    backend = ggml.Backend("cpu")
+    K, M = 768, 200
+    w, w_ref = quantized(rng, wtype, M, K)
+    for n in (1, 7, 8, 9, 23, 48):
+        values = rng.standard_normal((n, K)).astype(np.float32)
+        layout = prepared_layout(values)
+        layout[:, n:, :] = np.float16(np.nan)   # (padding columns: whatever a GPU left there)
+        r = rng.standard_normal((n, M)).astype(np.float32)
+        got = qmatmul_prepared(backend, wtype, w, K, M, layout, n, add=r)
+        xh = prepared_values(layout, n)
+        shapes = {"w": (wtype, (K, M)), "x": (np.float32, (K, n)), "r": (np.float32, (M, n))}
+        want = run_graph(backend, lambda ctx, t: ggml.qmatmul(ctx, t["w"], t["x"], add=t["r"]),
+                         {"w": w, "x": xh, "r": r}, shapes).reshape(n, M)
+        assert np.array_equal(got, want), f"{wtype.name} N={n}: not qmatmul's bits on the layout's values"
+        err = rel_err(got, xh.astype(np.float64) @ w_ref.T + r)
+        assert err < 1e-5, f"{wtype.name} N={n}: relative error {err:.2e}"
+
+
+def test_prepared_ops_reject_bad_input():
+    ctx = ggml.Context(n_tensors=16)
+    w_gu = ctx.new_tensor(ggml.Type.Q4_K, (512, 1024))
+    x = ctx.new_tensor(np.float32, (512, 9))
+    with pytest.raises(ValueError, match="Q4_K matrix"):
+        ggml.qmatmul_swiglu_prepared(ctx, ctx.new_tensor(ggml.Type.Q6_K, (512, 1024)), x)
+    with pytest.raises(ValueError, match="multiples of 256"):
+        ggml.qmatmul_swiglu_prepared(ctx, ctx.new_tensor(ggml.Type.Q4_K, (512, 768)), x)   # F = 384
+    with pytest.raises(ValueError, match="ne"):
+        ggml.qmatmul_swiglu_prepared(ctx, w_gu, ctx.new_tensor(np.float32, (256, 9)))
+    with pytest.raises(ValueError, match="norm"):
+        ggml.qmatmul_swiglu_prepared(ctx, w_gu, x, norm=ctx.new_tensor(np.float32, (256,)))
+    xp = ggml.qmatmul_swiglu_prepared(ctx, w_gu, x)
+    assert xp.type == ggml.Type.F16 and xp.ne[:3] == ggml.qmatmul_prepared_shape(512, 9) == (PITCH, 16, 2)
+    w_down = ctx.new_tensor(ggml.Type.Q6_K, (512, 64))
+    assert ggml.qmatmul_prepared(ctx, w_down, xp, 9).ne[:2] == (64, 9)
+    with pytest.raises(ValueError, match="ne"):
+        ggml.qmatmul_prepared(ctx, w_down, xp, 17)   # 24 padded columns, not 16
+    with pytest.raises(ValueError, match="columns"):
+        ggml.qmatmul_prepared(ctx, w_down, xp, 0)
+    with pytest.raises(ValueError, match="Q4_K or Q6_K"):
+        ggml.qmatmul_prepared(ctx, ctx.new_tensor(ggml.Type.Q8_0, (512, 64)), xp, 9)
+    with pytest.raises(ValueError, match="add"):
+        ggml.qmatmul_prepared(ctx, w_down, xp, 9, add=ctx.new_tensor(np.float32, (64, 8)))
+
+
+def test_the_ffn_takes_the_prepared_path_where_both_products_take_the_f16_kernel(tmp_path, monkeypatch):
+    """qwen35 on the CPU with every product counted as the f16 kernel's (as on Hopper from 9 columns): each layer's
+    FFN is one swiglu-prepared gate/up product and one prepared down product, as many products as before, and
+    its logits stay within the f16 rounding of the SwiGLU values of the graph with PYDFLASH_SWIGLU_PREPARED=0."""
+    path = str(tmp_path / "q.gguf")
+    write_qwen35_gguf(path, n_layer=2, n_embd=256, n_ff=512, n_head=2, n_head_kv=1, head_dim=64, weight_type="Q4_K",
+                      recurrent_layers=(1, 0), seed=4)
+    monkeypatch.setattr(layers, "_on_device", lambda w: True)
+    monkeypatch.setattr(layers, "qmatmul_row_tiles", lambda w, n: F16)
+
+    def verify_logits():
+        target = load_target(path, "cpu", n_ctx=128, n_ubatch=16)
+        target.prefill([int(t) for t in np.random.default_rng(3).integers(0, 400, 20)])
+        target.enable_verify(4, tree=True)
+        target.verify([7, 5, 9, 11], [-1, 0, 0, 1], [0, 1, 1, 2])
+        products = [n for n in target._last.graph.nodes() if n.op == ggml.Op.QMATMUL]
+        writes = sum(n.type == ggml.Type.F16 for n in products)           # qmatmul_swiglu_prepared
+        reads = sum(n.src[1].type == ggml.Type.F16 for n in products)     # qmatmul_prepared
+        return target.logits_of_slots(), (writes, reads, len(products))
+    monkeypatch.setenv("PYDFLASH_SWIGLU_PREPARED", "1")
+    got, (writes, reads, products) = verify_logits()
+    assert writes == reads == 2
+    monkeypatch.setenv("PYDFLASH_SWIGLU_PREPARED", "0")
+    ref, counts = verify_logits()
+    assert counts == (0, 0, products)   # the same products, the down one gating its input itself
+    assert np.abs(got - ref).max() < 5e-3 * ref.std(), "the prepared FFN strays beyond f16 rounding (2^-11)"
+
+
+# --- CUDA: the f16 kernel's GLU form against the separate preparation, bit for bit ---------------------------------
+
+def pairs_interleaved(w_gu: np.ndarray, F: int) -> np.ndarray:
+    """The rows of [gate; up] ([2F] rows) ordered as the GLU form's tiles hold them: per 8 pairs, their 8 gate rows,
+    then their 8 up rows. The f16 kernel over this matrix cuts each row's K where the GLU form cuts its pair's."""
+    pairs = np.arange(F).reshape(-1, 8)
+    return w_gu[np.concatenate([pairs, pairs + F], axis=1).reshape(-1)]
+
+
+def separate_chain(backend, w_perm, K, F, wtype, w_down, M, x, norm=None):
+    """The f16 kernel over the interleaved gate/up rows (f32 outputs), gate and up taken apart, then the down
+    product preparing silu(gate) * up itself (ggml_qmatmul_fused's up): f32 [N, M]."""
+    n = len(x)
+    shapes = {"w": (ggml.Type.Q4_K, (K, 2 * F)), "x": (np.float32, (K, n)), "g": (np.float32, (K,)),
+              "d": (wtype, (F, M))}
+
+    def build(ctx, t):
+        gu = ggml.qmatmul(ctx, t["w"], t["x"], F16, norm=t["g"] if norm is not None else None, eps=EPS)
+        half = [ctx.reshape_2d(ctx.cont(ctx.view_3d(gu, 8, F // 8, n, 64, gu.nb[1], 32 * h)), F, n) for h in (0, 1)]
+        return ggml.qmatmul(ctx, t["d"], half[0], F16, up=half[1])
+    inputs = {"w": w_perm, "x": x, "g": norm if norm is not None else np.ones(K, np.float32), "d": w_down}
+    return run_graph(backend, build, inputs, shapes).reshape(n, M)
+
+
+def prepared_chain(backend, w_gu, K, F, wtype, w_down, M, x, norm=None):
+    """qmatmul_swiglu_prepared then qmatmul_prepared in one graph: f32 [N, M]."""
+    n = len(x)
+    shapes = {"w": (ggml.Type.Q4_K, (K, 2 * F)), "x": (np.float32, (K, n)), "g": (np.float32, (K,)),
+              "d": (wtype, (F, M))}
+
+    def build(ctx, t):
+        xp = ggml.qmatmul_swiglu_prepared(ctx, t["w"], t["x"], norm=t["g"] if norm is not None else None, eps=EPS)
+        return ggml.qmatmul_prepared(ctx, t["d"], xp, n)
+    inputs = {"w": w_gu, "x": x, "g": norm if norm is not None else np.ones(K, np.float32), "d": w_down}
+    return run_graph(backend, build, inputs, shapes).reshape(n, M)
+
+
+# (K, F): 8-warp tiles (2F under 24,576 rows: 64 pairs a tile), 12-warp tiles (96 pairs) ending in a partial one
+GLU_SHAPES = ((512, 1024), (256, 12544))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("wtype", [ggml.Type.Q4_K, ggml.Type.Q6_K], ids=["down_Q4_K", "down_Q6_K"])
+@pytest.mark.parametrize("normed", [False, True], ids=["plain", "rms_norm"])
+def test_swiglu_prepared_is_the_separate_preparation_bit_for_bit(rng, wtype, normed):
+    """The GLU form's down product equals the f16 kernel over the same pairs' rows with f32 outputs, gated and
+    prepared by the down product itself, bit for bit (values and run sums), at every column count; its column j is
+    the same alone or among 48; and the whole is within float64 bounds of the f16-rounded SwiGLU (two products,
+    each rounding its weights and activations to f16: ~2^-11 each)."""
+    backend = ggml.Backend("cuda")
+    if not ggml.qmatmul_streams(backend._dev):
+        pytest.skip(f"{backend.name} has no f16 qmatmul kernel (Hopper and later)")
+    M = 300
+    for K, F in GLU_SHAPES:
+        w_gu, w_ref = quantized(rng, ggml.Type.Q4_K, 2 * F, K, scale=0.05)
+        w_down, d_ref = quantized(rng, wtype, M, F)
+        w_perm = pairs_interleaved(w_gu, F)
+        norm = rng.uniform(0.5, 1.5, K).astype(np.float32) if normed else None
+        x = rng.standard_normal((48, K)).astype(np.float32)
+        full = prepared_chain(backend, w_gu, K, F, wtype, w_down, M, x, norm)
+        for n in (1, 9, 16, 23, 48):
+            got = prepared_chain(backend, w_gu, K, F, wtype, w_down, M, x[:n], norm)
+            want = separate_chain(backend, w_perm, K, F, wtype, w_down, M, x[:n], norm)
+            assert np.array_equal(got, want), f"K={K} F={F} N={n}: not the separate preparation's bits"
+            assert np.array_equal(got, full[:n]), f"K={K} F={F}: the first {n} of 48 columns differ when N={n}"
+        xd = x.astype(np.float64)
+        if normed:
+            xd = xd / np.sqrt((xd * xd).mean(axis=1, keepdims=True) + EPS) * norm
+        gu = xd @ w_ref.T
+        gated = gu[:, :F] / (1.0 + np.exp(-gu[:, :F])) * gu[:, F:]
+        err = rel_err(full, gated.astype(np.float16).astype(np.float64) @ d_ref.T)
+        assert err < 2e-3, f"K={K} F={F}: relative error {err:.2e} against float64"
