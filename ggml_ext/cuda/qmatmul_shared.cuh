@@ -150,7 +150,9 @@ qmm_half_shared(const qmh_args p) {
     extern __shared__ __align__(128) char qmh_smem[];
     __shared__ uint64_t full[STAGES];   // a stage's activations have landed
     __shared__ int done[STAGES];        // warps done with a stage
-    __shared__ float glu_vals[GLU ? NW * 8 * 8 * NT : 1];   // the GLU form: [warp][g][column] rounded values
+    // the GLU form: a column tile's rounded values [warp][g][8 columns] (one tile at a time: at 6 column tiles the
+    // stages leave ~11 KB of an H100 SM's shared memory)
+    __shared__ float glu_vals[GLU ? NW * 8 * 8 : 1];
     QMH_TRACE_AT(0);
 
     const int lane = threadIdx.x, warp = threadIdx.y, t4 = lane % 4, g = lane / 4;
@@ -367,7 +369,7 @@ qmm_half_shared(const qmh_args p) {
         auto store_glu = [&]() {
             const int q = tile * (shape::rows / 2) + 8 * warp + g;
             half * unit = p.glu_out + (size_t) (q / QMM_UNIT) * p.npad * QMH_HALF_PITCH + q % QMM_UNIT;
-            float * vals = glu_vals + (8 * warp + g) * 8 * NT;
+            float * vals = glu_vals + (8 * warp + g) * 8;
 #pragma unroll
             for (int t = 0; t < NT; ++t) {
 #pragma unroll
@@ -377,30 +379,26 @@ qmm_half_shared(const qmh_args p) {
                     if (q < p.F) {
                         unit[(size_t) col * QMH_HALF_PITCH] = h;
                     }
-                    vals[col] = __half2float(h);
+                    vals[2 * t4 + e] = __half2float(h);
                     acc[0][t][e] = acc[0][t][2 + e] = 0.0f;
                 }
-            }
-            __syncthreads();
-            if (warp % 4 == 0 && q - g < p.F) {   // the run's first warp sums it
-#pragma unroll
-                for (int t = 0; t < NT; ++t) {
+                __syncthreads();
+                if (warp % 4 == 0 && q - g < p.F) {   // the run's first warp sums it
 #pragma unroll
                     for (int e = 0; e < 2; ++e) {
-                        const int col = 8 * t + 2 * t4 + e;
-                        float sum = __fadd_rn(__fadd_rn(vals[col], vals[2 * 64 * NT + col]),
-                                              __fadd_rn(vals[64 * NT + col], vals[3 * 64 * NT + col]));
+                        const int c = 2 * t4 + e;
+                        float sum = __fadd_rn(__fadd_rn(vals[c], vals[2 * 64 + c]), __fadd_rn(vals[64 + c], vals[3 * 64 + c]));
                         sum += __shfl_xor_sync(0xFFFFFFFFu, sum, 16);
                         sum += __shfl_xor_sync(0xFFFFFFFFu, sum, 8);
                         sum += __shfl_xor_sync(0xFFFFFFFFu, sum, 4);
                         if (g == 0) {
-                            unit[(size_t) col * QMH_HALF_PITCH + QMM_UNIT - q % QMM_UNIT + (q % QMM_UNIT) / QK8_1] =
+                            unit[(size_t) (8 * t + c) * QMH_HALF_PITCH + QMM_UNIT - q % QMM_UNIT + (q % QMM_UNIT) / QK8_1] =
                                 __float2half_rn(sum);
                         }
                     }
                 }
+                __syncthreads();   // (the values read before the next column tile's are written)
             }
-            __syncthreads();   // (the values are read before a later tile's store writes them)
         };
         auto store = [&]() {
             if constexpr (GLU) {
