@@ -136,6 +136,27 @@ def test_qmatmul_prepared_on_the_cpu_is_the_product_of_its_values(rng, wtype):
         assert err < 1e-5, f"{wtype.name} N={n}: relative error {err:.2e}"
 
 
+@pytest.mark.parametrize("normed", [False, True], ids=["plain", "rms_norm"])
+def test_qmatmul_prepare_on_the_cpu_is_the_layout_of_the_reference_columns(rng, normed):
+    """ggml.qmatmul_prepare on the CPU: x's columns (normed: those of ggml's rms_norm and mul, to the bit, as the CPU
+    reference norms them) rounded into the layout, padding columns zero."""
+    backend = ggml.Backend("cpu")
+    K = 768
+    norm = rng.uniform(0.5, 1.5, K).astype(np.float32)
+    for n in (1, 9, 23, 48):
+        x = (rng.standard_normal((n, K)) * 4.0).astype(np.float32)
+        shapes = {"x": (np.float32, (K, n)), "g": (np.float32, (K,))}
+        inputs = {"x": x, "g": norm}
+        got = run_graph(backend, lambda ctx, t: ggml.qmatmul_prepare(
+            ctx, t["x"], norm=t["g"] if normed else None, eps=EPS), inputs, shapes).reshape(K // 256, -1, PITCH)
+        cols = x
+        if normed:
+            cols = run_graph(backend, lambda ctx, t: ctx.mul(ctx.rms_norm(t["x"], EPS), t["g"]), inputs,
+                             shapes).reshape(n, K)
+        want = prepared_layout(cols)
+        assert np.array_equal(got.view(np.uint16), want.view(np.uint16)), f"N={n}"
+
+
 def test_prepared_ops_reject_bad_input():
     ctx = ggml.Context(n_tensors=16)
     w_gu = ctx.new_tensor(ggml.Type.Q4_K, (512, 1024))
@@ -160,16 +181,25 @@ def test_prepared_ops_reject_bad_input():
         ggml.qmatmul_prepared(ctx, ctx.new_tensor(ggml.Type.Q8_0, (512, 64)), xp, 9)
     with pytest.raises(ValueError, match="add"):
         ggml.qmatmul_prepared(ctx, w_down, xp, 9, add=ctx.new_tensor(np.float32, (64, 8)))
+    assert ggml.qmatmul_prepare(ctx, x).ne[:3] == xp.ne[:3]
+    with pytest.raises(ValueError, match="multiple of 256"):
+        ggml.qmatmul_prepare(ctx, ctx.new_tensor(np.float32, (320, 9)))
+    with pytest.raises(ValueError, match="norm"):
+        ggml.qmatmul_prepare(ctx, x, norm=ctx.new_tensor(np.float32, (511,)))
 
 
-def test_the_ffn_takes_the_prepared_path_where_both_products_take_the_f16_kernel(tmp_path, monkeypatch):
-    """qwen35 on the CPU with every product counted as the f16 kernel's (as on Hopper from 9 columns): each layer's
-    FFN is one swiglu-prepared gate/up product and one prepared down product, as many products as before, and
-    its logits stay within the f16 rounding of the SwiGLU values of the graph with PYDFLASH_SWIGLU_PREPARED=0."""
+@pytest.mark.parametrize("switch", ["PYDFLASH_SWIGLU_PREPARED", "PYDFLASH_SHARED_PREP"])
+def test_the_target_takes_the_prepared_paths_where_the_f16_kernel_runs(tmp_path, monkeypatch, switch):
+    """qwen35 (Q4_K_M-like: the attention's V and the FFN down Q6_K) on the CPU with every product counted as the
+    f16 kernel's on a Hopper GPU (as there from 9 columns): each FFN is one swiglu-prepared gate/up product and one
+    prepared down product, and the attention layer's Q/K and V products read one preparation of their normed input;
+    with the switch at 0 that part goes back to products preparing their own input (as many products), and the
+    logits stay within the f16 rounding of the prepared values (2^-11: the CPU reference multiplies f32 columns)."""
     path = str(tmp_path / "q.gguf")
-    write_qwen35_gguf(path, n_layer=2, n_embd=256, n_ff=512, n_head=2, n_head_kv=1, head_dim=64, weight_type="Q4_K",
-                      recurrent_layers=(1, 0), seed=4)
+    write_qwen35_gguf(path, n_layer=2, n_embd=256, n_ff=512, n_head=2, n_head_kv=1, head_dim=64,
+                      weight_type="Q4_K_M", recurrent_layers=(1, 0), seed=4)
     monkeypatch.setattr(layers, "_on_device", lambda w: True)
+    monkeypatch.setattr(layers, "_streams", lambda w: True)
     monkeypatch.setattr(layers, "qmatmul_row_tiles", lambda w, n: F16)
 
     def verify_logits():
@@ -177,17 +207,23 @@ def test_the_ffn_takes_the_prepared_path_where_both_products_take_the_f16_kernel
         target.prefill([int(t) for t in np.random.default_rng(3).integers(0, 400, 20)])
         target.enable_verify(4, tree=True)
         target.verify([7, 5, 9, 11], [-1, 0, 0, 1], [0, 1, 1, 2])
-        products = [n for n in target._last.graph.nodes() if n.op == ggml.Op.QMATMUL]
+        nodes = target._last.graph.nodes()
+        products = [n for n in nodes if n.op == ggml.Op.QMATMUL]
         writes = sum(n.type == ggml.Type.F16 for n in products)           # qmatmul_swiglu_prepared
         reads = sum(n.src[1].type == ggml.Type.F16 for n in products)     # qmatmul_prepared
-        return target.logits_of_slots(), (writes, reads, len(products))
-    monkeypatch.setenv("PYDFLASH_SWIGLU_PREPARED", "1")
-    got, (writes, reads, products) = verify_logits()
-    assert writes == reads == 2
-    monkeypatch.setenv("PYDFLASH_SWIGLU_PREPARED", "0")
-    ref, counts = verify_logits()
-    assert counts == (0, 0, products)   # the same products, the down one gating its input itself
-    assert np.abs(got - ref).max() < 5e-3 * ref.std(), "the prepared FFN strays beyond f16 rounding (2^-11)"
+        shared = [n for n in nodes if n.op == ggml.Op.QMATMUL_PREPARE]
+        readers = sum(n.src[1]._ptr == s._ptr for n in products for s in shared)
+        return target.logits_of_slots(), (writes, reads, len(shared), readers, len(products))
+    monkeypatch.setenv(switch, "1")
+    got, counts = verify_logits()
+    assert counts[:4] == (2, 4, 1, 2)   # 2 FFNs (each: a write, a read), the attention's Q/K and V read 1 prepare
+    monkeypatch.setenv(switch, "0")
+    ref, off = verify_logits()
+    if switch == "PYDFLASH_SWIGLU_PREPARED":
+        assert off == (0, 2, 1, 2, counts[4])   # the same products, each down one gating its input itself
+    else:
+        assert off == (2, 2, 0, 0, counts[4])   # the same products, Q/K and V each preparing their own
+    assert np.abs(got - ref).max() < 5e-3 * ref.std(), "the prepared values stray beyond f16 rounding"
 
 
 # --- CUDA: the f16 kernel's GLU form against the separate preparation, bit for bit ---------------------------------
@@ -225,6 +261,30 @@ def prepared_chain(backend, w_gu, K, F, wtype, w_down, M, x, norm=None):
         return ggml.qmatmul_prepared(ctx, t["d"], xp, n)
     inputs = {"w": w_gu, "x": x, "g": norm if norm is not None else np.ones(K, np.float32), "d": w_down}
     return run_graph(backend, build, inputs, shapes).reshape(n, M)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("wtype", [ggml.Type.Q4_K, ggml.Type.Q6_K], ids=["Q4_K", "Q6_K"])
+def test_a_shared_preparation_gives_the_f16_kernel_its_own_bits(rng, wtype):
+    """qmatmul_prepared over qmatmul_prepare's activations (plain and RMS-normed) equals qmatmul with QMATMUL_F16
+    preparing for itself, bit for bit, a small matrix (an attention's V) and a large one alike."""
+    backend = ggml.Backend("cuda")
+    if not ggml.qmatmul_streams(backend._dev):
+        pytest.skip(f"{backend.name} has no f16 qmatmul kernel (Hopper and later)")
+    K = 1280
+    norm = rng.uniform(0.5, 1.5, K).astype(np.float32)
+    for M in (1024, 7001):
+        w, _ = quantized(rng, wtype, M, K)
+        for n in (1, 9, 23, 48):
+            x = rng.standard_normal((n, K)).astype(np.float32)
+            shapes = {"w": (wtype, (K, M)), "x": (np.float32, (K, n)), "g": (np.float32, (K,))}
+            for g in (None, norm):
+                inputs = {"w": w, "x": x, "g": norm}
+                got = run_graph(backend, lambda ctx, t: ggml.qmatmul_prepared(ctx, t["w"], ggml.qmatmul_prepare(
+                    ctx, t["x"], norm=t["g"] if g is not None else None, eps=EPS), n), inputs, shapes)
+                want = run_graph(backend, lambda ctx, t: ggml.qmatmul(
+                    ctx, t["w"], t["x"], F16, norm=t["g"] if g is not None else None, eps=EPS), inputs, shapes)
+                assert np.array_equal(got, want), f"{wtype.name} M={M} N={n} normed={g is not None}"
 
 
 # (K, F): 8-warp tiles (2F under 24,576 rows: 64 pairs a tile), 12-warp tiles (96 pairs) ending in a partial one

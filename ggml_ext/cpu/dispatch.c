@@ -17,6 +17,7 @@ void ggml_ext_cpu_compute_forward(const struct ggml_compute_params * params, str
         case GGML_OP_GDN_GATES: ggml_ext_cpu_gdn_gates(params, dst); break;
         case GGML_OP_GATED_DELTA_NET_PATH: ggml_ext_cpu_gated_delta_net_path(params, dst); break;
         case GGML_OP_GATED_DELTA_NET_TREE_STEPS: ggml_ext_cpu_gated_delta_net_tree_steps(params, dst); break;
+        case GGML_OP_QMATMUL_PREPARE: ggml_ext_cpu_qmatmul_prepare(params, dst); break;
         default: GGML_ABORT("ggml_ext: no CPU kernel for %s", ggml_op_name(dst->op));
     }
 }
@@ -36,6 +37,8 @@ size_t ggml_ext_cpu_work_size(const struct ggml_tensor * node, int n_tasks) {
             return ggml_ext_cpu_gated_delta_net_path_work_size(node, n_tasks);
         case GGML_OP_QMATMUL:
             return ggml_ext_cpu_qmatmul_work_size(node, n_tasks);
+        case GGML_OP_QMATMUL_PREPARE:   // a normed column per thread
+            return (size_t) n_tasks * (node->src[0]->ne[0] + 16) * sizeof(float);
         case GGML_OP_SAMPLE_TOKENS:
             return ggml_ext_cpu_sample_tokens_work_size(node, n_tasks);
         case GGML_OP_FLASH_ATTN_ORDERED:

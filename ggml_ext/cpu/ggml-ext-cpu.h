@@ -31,6 +31,7 @@ size_t ggml_ext_cpu_gated_delta_net_tree_work_size(const struct ggml_tensor * no
 void ggml_ext_cpu_gated_delta_net_path(const struct ggml_compute_params * params, struct ggml_tensor * dst);
 size_t ggml_ext_cpu_gated_delta_net_path_work_size(const struct ggml_tensor * node, int n_tasks);
 void ggml_ext_cpu_qmatmul(const struct ggml_compute_params * params, struct ggml_tensor * dst);
+void ggml_ext_cpu_qmatmul_prepare(const struct ggml_compute_params * params, struct ggml_tensor * dst);
 size_t ggml_ext_cpu_qmatmul_work_size(const struct ggml_tensor * node, int n_tasks);
 void ggml_ext_cpu_sample_tokens(const struct ggml_compute_params * params, struct ggml_tensor * dst);
 size_t ggml_ext_cpu_sample_tokens_work_size(const struct ggml_tensor * node, int n_tasks);

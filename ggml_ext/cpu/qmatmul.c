@@ -83,6 +83,26 @@ static void prepare_column(const float * s, int64_t F, int64_t j, struct ggml_te
     }
 }
 
+// ggml_qmatmul_prepare: a column per thread, normed as the product above norms it
+void ggml_ext_cpu_qmatmul_prepare(const struct ggml_compute_params * params, struct ggml_tensor * dst) {
+    const struct ggml_tensor * x    = dst->src[0];
+    const struct ggml_tensor * norm = dst->src[2];
+    const int64_t K = x->ne[0], N = x->ne[1];
+    float eps;
+    memcpy(&eps, &dst->op_params[1], sizeof(float));
+    float * col = (float *) params->wdata + params->ith * (K + 16);
+    for (int64_t j = params->ith; j < dst->ne[1]; j += params->nth) {
+        if (j < N && norm != NULL) {
+            const float scale = rms_norm_scale(column(x, j), K, eps);
+            const float * g = (const float *) norm->data;
+            for (int64_t k = 0; k < K; ++k) {
+                col[k] = column(x, j)[k] * scale * g[k];
+            }
+        }
+        prepare_column(j >= N ? NULL : norm != NULL ? col : column(x, j), K, j, dst);
+    }
+}
+
 void ggml_ext_cpu_qmatmul(const struct ggml_compute_params * params, struct ggml_tensor * dst) {
     const struct ggml_tensor * w    = dst->src[0];
     const struct ggml_tensor * x    = dst->src[1];

@@ -16,6 +16,7 @@ void ggml_ext_cuda_compute_forward(ggml_backend_cuda_context & ctx, ggml_tensor 
         case GGML_OP_GDN_GATES: ggml_ext_cuda_gdn_gates(ctx, dst); break;
         case GGML_OP_GATED_DELTA_NET_PATH: ggml_ext_cuda_gated_delta_net_path(ctx, dst); break;
         case GGML_OP_GATED_DELTA_NET_TREE_STEPS: ggml_ext_cuda_gated_delta_net_tree_steps(ctx, dst); break;
+        case GGML_OP_QMATMUL_PREPARE: ggml_ext_cuda_qmatmul_prepare(ctx, dst); break;
         default: GGML_ABORT("ggml_ext: no CUDA kernel for %s", ggml_op_name(dst->op));
     }
 }
@@ -30,6 +31,8 @@ bool ggml_ext_cuda_supports_op(int device, const ggml_tensor * op) {
             return ggml_ext_cuda_gated_delta_net_tree_supported(op);
         case GGML_OP_QMATMUL:
             return ggml_ext_cuda_qmatmul_supported(device, op);
+        case GGML_OP_QMATMUL_PREPARE:
+            return true;
         case GGML_OP_SAMPLE_TOKENS:
             return op->src[0]->ne[0] <= INT32_MAX / 2;
         case GGML_OP_FLASH_ATTN_ORDERED:

@@ -51,6 +51,7 @@ void ggml_ext_cuda_gdn_gates(ggml_backend_cuda_context & ctx, ggml_tensor * dst)
 // ggml_qmatmul (qmatmul.cu)
 void ggml_ext_cuda_qmatmul(ggml_backend_cuda_context & ctx, ggml_tensor * dst);
 bool ggml_ext_cuda_qmatmul_supported(int device, const ggml_tensor * op);
+void ggml_ext_cuda_qmatmul_prepare(ggml_backend_cuda_context & ctx, ggml_tensor * dst);
 // whether one-column products take the streaming kernel (qmatmul_stream.cuh: Hopper, built for sm_90 or later);
 // Python asks through the CUDA registry's proc address "ggml_ext_qmatmul_streams"
 bool ggml_ext_cuda_qmatmul_streams(int device);

@@ -667,6 +667,12 @@ void ggml_ext_cuda_qmatmul(ggml_backend_cuda_context & ctx, ggml_tensor * dst) {
     }
 }
 
+void ggml_ext_cuda_qmatmul_prepare(ggml_backend_cuda_context & ctx, ggml_tensor * dst) {
+    const ggml_tensor * x = dst->src[0];   // (and the norm at src[2], where qmm_prepare_x looks for it)
+    const int K = (int) x->ne[0], N = (int) x->ne[1];
+    qmm_prepare_x(ctx, x, dst, K, N, (int) dst->ne[1], QMM_X_F16, (int8_t *) dst->data, nullptr);
+}
+
 bool ggml_ext_cuda_qmatmul_supported(int device, const ggml_tensor * op) {
     const ggml_tensor * w = op->src[0];
     if (op->op_params[3] != GGML_EXT_QMATMUL_FORM_PLAIN) {   // the f16 kernel's forms: Hopper only

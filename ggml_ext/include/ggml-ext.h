@@ -343,6 +343,17 @@ GGML_API struct ggml_tensor * ggml_qmatmul_swiglu_prepared(
         struct ggml_tensor  * norm,
         float                 eps);
 
+// The prepared activations (above) of x f32 [K, N] (K a multiple of 256, 1 <= N <= GGML_EXT_QMATMUL_MAX_COLS, rows
+// contiguous), RMS-normed first with norm and eps as ggml_qmatmul_rms_norm's (norm NULL: x as it is): what
+// ggml_qmatmul with GGML_EXT_QMATMUL_F16 prepares for itself, as a tensor that several products read
+// (ggml_qmatmul_prepared: one preparation for the projections of one input). On CUDA the bits of that preparation;
+// on the CPU the columns the CPU reference would multiply, rounded to f16, the run sums in index order.
+GGML_API struct ggml_tensor * ggml_qmatmul_prepare(
+        struct ggml_context * ctx,
+        struct ggml_tensor  * x,
+        struct ggml_tensor  * norm,
+        float                 eps);
+
 // ggml_qmatmul of prepared activations xp (F16 [GGML_EXT_QMATMUL_HALF_PITCH, npad, K / 256], e.g.
 // ggml_qmatmul_swiglu_prepared's result) of n_cols columns (npad - 7 .. npad), plus add (f32 [M, n_cols], rows
 // contiguous; NULL: none) as ggml_qmatmul_fused's. w Q4_K or Q6_K [K, M]; on CUDA the f16 kernel (Hopper) reads xp

@@ -437,6 +437,27 @@ struct ggml_tensor * ggml_qmatmul_swiglu_prepared(
     return result;
 }
 
+// src[0]: x, src[2]: the norm (op_params[1]: eps), where ggml_qmatmul keeps them
+struct ggml_tensor * ggml_qmatmul_prepare(
+        struct ggml_context * ctx,
+        struct ggml_tensor  * x,
+        struct ggml_tensor  * norm,
+        float                 eps) {
+    GGML_ASSERT(ggml_ext_is_f32_rows(x) && x->ne[0] % 256 == 0);
+    GGML_ASSERT(x->ne[1] >= 1 && x->ne[1] <= GGML_EXT_QMATMUL_MAX_COLS);
+    struct ggml_tensor * result = ggml_new_tensor_3d(ctx, GGML_TYPE_F16, GGML_EXT_QMATMUL_HALF_PITCH,
+                                                     ggml_ext_qmatmul_npad(x->ne[1]), x->ne[0] / 256);
+    result->op     = GGML_OP_QMATMUL_PREPARE;
+    result->src[0] = x;
+    if (norm != NULL) {
+        GGML_ASSERT(norm->type == GGML_TYPE_F32 && ggml_is_contiguous(norm) && ggml_nelements(norm) == x->ne[0]);
+        GGML_ASSERT(eps >= 0.0f);
+        memcpy(&result->op_params[1], &eps, sizeof(float));
+        result->src[2] = norm;
+    }
+    return result;
+}
+
 struct ggml_tensor * ggml_qmatmul_prepared(
         struct ggml_context * ctx,
         struct ggml_tensor  * w,

@@ -8,7 +8,7 @@ from .core import (Allocator, Backend, Buffer, Context, Event, GGMLError, Graph,
 from .ext import (QMATMUL_F16, QMATMUL_F16_FAMILY_TYPES, QMATMUL_GATES, QMATMUL_HALF_PITCH, QMATMUL_MAX_COLS,
                   QMATMUL_ROW_TILES, QMATMUL_STREAM_TYPES, QMATMUL_TYPES, argmax_first, check_parents,
                   flash_attn_ordered, gated_delta_net_path, gated_delta_net_tree, gated_delta_net_tree_persist,
-                  gated_delta_net_tree_steps, gdn_conv_tree, gdn_gates, qmatmul, qmatmul_prepared,
+                  gated_delta_net_tree_steps, gdn_conv_tree, gdn_gates, qmatmul, qmatmul_prepare, qmatmul_prepared,
                   qmatmul_prepared_shape, qmatmul_streams, qmatmul_swiglu_prepared, sample_probs, sample_tokens,
                   set_parents, ssm_conv_tree, ssm_conv_tree_split, TOP_K_LOGP_MAX_K, top_k_logp)
 
@@ -21,7 +21,7 @@ __all__ = ["Allocator", "Backend", "Buffer", "Context", "Event", "GGMLError", "G
            "check_parents", "flash_attn_ordered",
            "gated_delta_net_path", "gated_delta_net_tree", "gated_delta_net_tree_persist", "gated_delta_net_tree_steps",
            "gdn_conv_tree", "gdn_gates",
-           "qmatmul", "qmatmul_prepared", "qmatmul_prepared_shape", "qmatmul_streams", "qmatmul_swiglu_prepared",
+           "qmatmul", "qmatmul_prepare", "qmatmul_prepared", "qmatmul_prepared_shape", "qmatmul_streams", "qmatmul_swiglu_prepared",
            "sample_probs", "sample_tokens", "set_parents", "ssm_conv_tree",
            "ssm_conv_tree_split",
            "TOP_K_LOGP_MAX_K", "top_k_logp"]

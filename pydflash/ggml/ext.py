@@ -379,6 +379,24 @@ def qmatmul_prepared_shape(K: int, n_cols: int) -> tuple[int, int, int]:
     return QMATMUL_HALF_PITCH, -(-n_cols // 8) * 8, K // 256
 
 
+def qmatmul_prepare(ctx: Context, x: Tensor, norm: Tensor | None = None, eps: float = 0.0) -> Tensor:
+    """The prepared activations (F16 `qmatmul_prepared_shape(K, N)`) of x f32 [K, N] (K a multiple of 256, 1 <= N
+    <= 48, rows contiguous), RMS-normed first with norm f32 [K] (as qmatmul's norm) where given: what qmatmul's
+    f16 kernel prepares for itself, as a tensor several `qmatmul_prepared` products read."""
+    K, n = x.ne[0], x.ne[1]
+    _expect(x, "qmatmul_prepare x", Type.F32, (K, n))
+    _expect_rows(x, "qmatmul_prepare x")
+    if K % 256 or not 1 <= n <= QMATMUL_MAX_COLS:
+        raise ValueError(f"qmatmul_prepare takes K a multiple of 256 and 1 to {QMATMUL_MAX_COLS} columns, got ne {x.ne}")
+    if norm is not None:
+        if norm.type != Type.F32 or not norm.is_contiguous or math.prod(norm.ne) != K:
+            raise ValueError(f"qmatmul_prepare norm must be a contiguous f32 vector of {K} values, "
+                             f"got {norm.type.name} ne {norm.ne}")
+        if not eps >= 0.0:
+            raise ValueError(f"qmatmul_prepare eps must be >= 0, got {eps}")
+    return Tensor(lib.ggml_qmatmul_prepare(ctx._ptr, x._ptr, _ptr_or_null(norm), eps), ctx)
+
+
 def qmatmul_swiglu_prepared(ctx: Context, w: Tensor, x: Tensor, norm: Tensor | None = None, eps: float = 0.0
                             ) -> Tensor:
     """An FFN's gate/up product handing the down product its input: w Q4_K [K, 2F] (F gate rows, then F up rows; F

@@ -332,6 +332,25 @@ def swiglu_down(ctx: ggml.Context, w_gate_up: ggml.Tensor, x: ggml.Tensor | Norm
     return ggml.qmatmul_prepared(ctx, w_down, xp, n, add=add)
 
 
+def shared_prep_enabled() -> bool:
+    """A Normed input that several products read is prepared once for all of them where they can read it
+    (prepared_for). PYDFLASH_SHARED_PREP=0 lets each product prepare its own."""
+    return env_switch("PYDFLASH_SHARED_PREP", default="1")
+
+
+def prepared_for(ctx: ggml.Context, x: Normed, ws: list[ggml.Tensor]) -> ggml.Tensor | None:
+    """The activations of x prepared once (ggml.qmatmul_prepare, normed) for the products ws, which then read them
+    through ggml.qmatmul_prepared: where there are several, every one is a Q4_K or Q6_K matrix the f16 kernel runs
+    (Hopper, K a multiple of 256; small ones too, which alone would keep the int8 kernels) and one of them takes
+    it at x's column count by qmatmul_row_tiles (an attention's Q/K matrix and its Q6_K V); else None."""
+    n = x.ne[1]
+    if not (shared_prep_enabled() and len(ws) > 1 and x.h.ne[0] % 256 == 0 and all(x.fuses_into(w) for w in ws)
+            and any(qmatmul_row_tiles(w, n) == ggml.QMATMUL_F16 for w in ws)
+            and all(w.type in (ggml.Type.Q4_K, ggml.Type.Q6_K) and _streams(w) for w in ws)):
+        return None
+    return ggml.qmatmul_prepare(ctx, x.h, norm=x.weight, eps=x.eps)
+
+
 def uses_qmatmul(w: ggml.Tensor, x: ggml.Tensor) -> bool:
     """Whether linear(ctx, w, x) takes ggml_qmatmul (else ggml's mul_mat) in the current qmatmul_mode."""
     mode = qmatmul_mode()

@@ -403,17 +403,26 @@ class TargetRuntime:
         one's result is a row range (a view) of that output; a view is contiguous only for n = 1.
         fuse_one_token=False: for one token, one matmul per weight all the same where the products would be
         ggml's mul_mat (ggml-cuda fuses separate products with what follows, as an FFN's gate and up with the GLU);
-        a fused matrix that ggml_qmatmul takes stays one product (one read of the activations, one launch)."""
-        w, out = self.weights, {}
+        a fused matrix that ggml_qmatmul takes stays one product (one read of the activations, one launch). A
+        normed input that several products read is prepared once for all of them where they can share it
+        (layers.prepared_for: an attention's Q/K matrix and its V of another type)."""
+        w, out, products = self.weights, {}, []   # products: (matrix name without '.weight', its members)
         for base in bases:
-            if base in out:
+            if base in out or any(base + ".weight" in members for _, members in products):
                 continue
             merged = w.member_of.get(base + ".weight")
             if merged and not fuse_one_token and x.ne[1] == 1 and not layers.uses_qmatmul(w[merged], x):
                 merged = None
-            members = w.fused[merged] if merged else (base + ".weight",)
-            mbase = (merged or base + ".weight")[:-len(".weight")]
-            y = layers.linear(ctx, w[mbase + ".weight"], x)
+            products.append(((merged or base + ".weight")[:-len(".weight")], w.fused[merged] if merged else
+                             (base + ".weight",)))
+        # several products of one normed input: prepared once for all where they can share it
+        prepared = layers.prepared_for(ctx, x, [w[m + ".weight"] for m, _ in products]) \
+            if isinstance(x, layers.Normed) else None
+        for mbase, members in products:
+            if prepared is not None:
+                y = ggml.qmatmul_prepared(ctx, w[mbase + ".weight"], prepared, x.ne[1])
+            else:
+                y = layers.linear(ctx, w[mbase + ".weight"], x)
             if mbase + ".bias" in w:
                 y = ctx.add(y, w[mbase + ".bias"])
             for member, part in zip(members, layers.row_ranges(ctx, y, [w[m].ne[1] for m in members])):
