@@ -40,7 +40,7 @@ def run_graph(backend, build, inputs: dict[str, np.ndarray], shapes: dict[str, t
 
 
 def swiglu_prepared(backend, w_gu, K, F, x, norm=None):
-    """ggml.qmatmul_swiglu_prepared of Q4_K w_gu ([2F, K] bytes) and x [N, K]: the layout as f16 [F/256, npad, PITCH]."""
+    """ggml.qmatmul_swiglu_prepared of Q4_K w_gu ([2F, K] bytes) and x [N, K]: the layout, f16 [F/256, npad, PITCH]."""
     n = len(x)
     shapes = {"w": (ggml.Type.Q4_K, (K, 2 * F)), "x": (np.float32, (K, n)), "g": (np.float32, (K,))}
     inputs = {"w": w_gu, "x": x, "g": norm if norm is not None else np.ones(K, np.float32)}

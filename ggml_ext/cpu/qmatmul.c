@@ -57,9 +57,9 @@ static const float * column(const struct ggml_tensor * t, int64_t j) {
 // Column j of a prepared input (ggml-ext.h) as floats
 static void prepared_column(const struct ggml_tensor * xp, int64_t j, int64_t K, float * out) {
     const int64_t npad = xp->ne[1];
+    const ggml_fp16_t * units = (const ggml_fp16_t *) xp->data;
     for (int64_t k = 0; k < K; ++k) {
-        const ggml_fp16_t * unit = (const ggml_fp16_t *) xp->data + ((k / 256) * npad + j) * GGML_EXT_QMATMUL_HALF_PITCH;
-        out[k] = GGML_FP16_TO_FP32(unit[k % 256]);
+        out[k] = GGML_FP16_TO_FP32(units[((k / 256) * npad + j) * GGML_EXT_QMATMUL_HALF_PITCH + k % 256]);
     }
 }
 

@@ -329,8 +329,9 @@ GGML_API struct ggml_tensor * ggml_qmatmul_sigmoid_gated(
 // rounded to f16), then padding; columns N..npad-1 hold zeros. ggml_qmatmul_prepared reads it.
 #define GGML_EXT_QMATMUL_HALF_PITCH 288
 
-// An FFN's gate/up product handing the down product its input: w [K, 2F], Q4_K, holds F gate rows, then F up rows (a fused gate/up matrix; F a multiple of 256), x f32 [K, N] as ggml_qmatmul's, and with norm and eps
-// (else NULL) the columns RMS-normed first, as ggml_qmatmul_rms_norm's. Returns the columns silu(W_gate x) *
+// An FFN's gate/up product handing the down product its input: w [K, 2F], Q4_K, holds F gate rows, then F up rows
+// (a fused gate/up matrix; F a multiple of 256), x f32 [K, N] as ggml_qmatmul's, and with norm and eps (else NULL)
+// the columns RMS-normed first, as ggml_qmatmul_rms_norm's. Returns the columns silu(W_gate x) *
 // (W_up x), F values each, prepared (above). On CUDA the f16 kernel (Hopper) writes them as it stores its tiles, so
 // no kernel runs between the two products: each value is what ggml_qmatmul_fused's preparation makes of the f32
 // gate and up the kernel computed (ggml's silu times up, rounded to f16; the run sums in its butterfly order); the
@@ -368,9 +369,9 @@ GGML_API struct ggml_tensor * ggml_qmatmul_prepared(
 
 // What a ggml_qmatmul node reads and writes (op_params[3]; op_params[4]: the columns of a prepared input)
 enum ggml_ext_qmatmul_form {
-    GGML_EXT_QMATMUL_FORM_PLAIN          = 0,   // f32 x in, f32 [M, N] out
-    GGML_EXT_QMATMUL_FORM_SWIGLU_PREPARED = 1,  // ggml_qmatmul_swiglu_prepared
-    GGML_EXT_QMATMUL_FORM_PREPARED_IN    = 2,   // ggml_qmatmul_prepared
+    GGML_EXT_QMATMUL_FORM_PLAIN           = 0,   // f32 x in, f32 [M, N] out
+    GGML_EXT_QMATMUL_FORM_SWIGLU_PREPARED = 1,   // ggml_qmatmul_swiglu_prepared
+    GGML_EXT_QMATMUL_FORM_PREPARED_IN     = 2,   // ggml_qmatmul_prepared
 };
 
 // How ggml_qmatmul's up gates x (op_params[2])

@@ -387,7 +387,8 @@ def qmatmul_prepare(ctx: Context, x: Tensor, norm: Tensor | None = None, eps: fl
     _expect(x, "qmatmul_prepare x", Type.F32, (K, n))
     _expect_rows(x, "qmatmul_prepare x")
     if K % 256 or not 1 <= n <= QMATMUL_MAX_COLS:
-        raise ValueError(f"qmatmul_prepare takes K a multiple of 256 and 1 to {QMATMUL_MAX_COLS} columns, got ne {x.ne}")
+        raise ValueError(f"qmatmul_prepare takes K a multiple of 256 and 1 to {QMATMUL_MAX_COLS} columns, "
+                         f"got ne {x.ne}")
     if norm is not None:
         if norm.type != Type.F32 or not norm.is_contiguous or math.prod(norm.ne) != K:
             raise ValueError(f"qmatmul_prepare norm must be a contiguous f32 vector of {K} values, "
