@@ -44,6 +44,8 @@ run)   # (the background part of start)
     echo "JOB DONE rc=$? $(date)"
     ;;
 wait)
+    # (a machine given back between calls comes back bare: say so at once instead of waiting for a log)
+    [ -d "$hold" ] || { echo "no hold on this machine ($hold is missing): it was given back; start a new one" >&2; exit 3; }
     end=$(( $(date +%s) + ${2:-540} ))
     while [ "$(date +%s)" -lt "$end" ] && ! grep -q "^JOB DONE\|the build failed" "$hold/job.log" 2>/dev/null; do sleep 5; done
     tail -3 "$hold/gpu_run.log"; cat "$hold/job.log"
