@@ -226,7 +226,7 @@ def test_the_target_takes_the_prepared_paths_where_the_f16_kernel_runs(tmp_path,
     assert np.abs(got - ref).max() < 5e-3 * ref.std(), "the prepared values stray beyond f16 rounding"
 
 
-# --- CUDA: the prepared forms against the f16 kernel preparing its own input, bit for bit -----------------------------
+# --- CUDA: the prepared forms against the f16 kernel preparing its own input, bit for bit ---------------------------
 
 def pairs_interleaved(w_gu: np.ndarray, F: int) -> np.ndarray:
     """The rows of [gate; up] ([2F] rows) ordered as the GLU form's tiles hold them: per 8 pairs, their 8 gate rows,
