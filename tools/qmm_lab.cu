@@ -16,7 +16,8 @@
 // first stage in, last item done, exit, us from the first start: median and latest). QMM_LAB_WARPS=1 also times
 // tiles of 8 and 6 warps at two blocks an SM and of 12 and 10 at one. With QMM_LAB_ADD=1 the shape ggml_qmatmul runs is
 // also timed with a residual added as its outputs are stored (checked: the sum of the plain result and the
-// residual, bit for bit).
+// residual, bit for bit). QMM_LAB_GLU=1 also times that shape's GLU form (Q4_K matrices of 2F rows, F a multiple of
+// 256: ggml_qmatmul_swiglu_prepared's gate/up product), untested for its values here (tests/test_qmatmul_prepared.py).
 //
 // QMM_LAB_COLS=1,8,23,48 times the tensor-core kernel instead, at those column counts and each row-tile count,
 // checking that a column's result does not depend on how many columns come with it (and from 9 columns, at 1 and 2
@@ -426,7 +427,7 @@ template <ggml_type type> static void run_cols(const shape & sh, const std::vect
 
 // --- Several columns: the f16 kernel of qmatmul_shared.cuh against the best of the others -------------------
 
-template <ggml_type type, int NT, int RT, int NW, int S, int U, int MB>
+template <ggml_type type, int NT, int RT, int NW, int S, int U, int MB, bool GLU = false>
 static void shared_launch(const qmh_args & a, int P, cudaStream_t st) {
     constexpr size_t smem = qmh_smem_bytes<type, NT, RT, NW, S, U>();
     if (smem > 227 * 1024) {
@@ -435,20 +436,21 @@ static void shared_launch(const qmh_args & a, int P, cudaStream_t st) {
     }
     static bool set = false;
     if (!set) {
-        CK(cudaFuncSetAttribute(qmm_half_shared<type, NT, RT, NW, S, U, MB>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int) smem));
+        CK(cudaFuncSetAttribute(qmm_half_shared<type, NT, RT, NW, S, U, MB, GLU>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int) smem));
         set = true;
     }
-    qmm_half_shared<type, NT, RT, NW, S, U, MB><<<P, dim3(WARP_SIZE, NW), smem, st>>>(a);
+    qmm_half_shared<type, NT, RT, NW, S, U, MB, GLU><<<P, dim3(WARP_SIZE, NW), smem, st>>>(a);
 }
 
-template <ggml_type type, int RT, int NW, int S, int U, int MB> static void shared_any(const qmh_args & a, int P, cudaStream_t st) {
+template <ggml_type type, int RT, int NW, int S, int U, int MB, bool GLU = false>
+static void shared_any(const qmh_args & a, int P, cudaStream_t st) {
     switch (a.npad / 8) {
-        case 1: shared_launch<type, 1, RT, NW, S, U, MB>(a, P, st); break;
-        case 2: shared_launch<type, 2, RT, NW, S, U, MB>(a, P, st); break;
-        case 3: shared_launch<type, 3, RT, NW, S, U, MB>(a, P, st); break;
-        case 4: shared_launch<type, 4, RT, NW, S, U, MB>(a, P, st); break;
-        case 5: shared_launch<type, 5, RT, NW, S, U, MB>(a, P, st); break;
-        default: shared_launch<type, 6, RT, NW, S, U, MB>(a, P, st); break;
+        case 1: shared_launch<type, 1, RT, NW, S, U, MB, GLU>(a, P, st); break;
+        case 2: shared_launch<type, 2, RT, NW, S, U, MB, GLU>(a, P, st); break;
+        case 3: shared_launch<type, 3, RT, NW, S, U, MB, GLU>(a, P, st); break;
+        case 4: shared_launch<type, 4, RT, NW, S, U, MB, GLU>(a, P, st); break;
+        case 5: shared_launch<type, 5, RT, NW, S, U, MB, GLU>(a, P, st); break;
+        default: shared_launch<type, 6, RT, NW, S, U, MB, GLU>(a, P, st); break;
     }
 }
 
@@ -594,6 +596,26 @@ template <ggml_type type> static void run_shared(const shape & sh, const std::ve
             variant(run_name, MB, 16 * NW, RU,
                     [&](const qmh_args & a, int P) { shared_any<type, 1, NW, QMH_RUN_STAGES, RU, MB>(a, P, st); });
         });
+        if constexpr (type == GGML_TYPE_Q4_K) {   // QMM_LAB_GLU=1: the run shape's GLU form (ggml_qmatmul_swiglu_prepared)
+            if (getenv("QMM_LAB_GLU") != nullptr && sh.M % 512 == 0) {
+                qmh_with_shape<type>(sh.M, [&](auto nw, auto minb) {
+                    constexpr int NW = decltype(nw)::value, MB = decltype(minb)::value;
+                    half * glu;
+                    CK(cudaMalloc(&glu, (size_t) (sh.M / 2 / QK_K) * qmh_act_bytes(8 * nt)));
+                    const qmh_args a = {Ws[0], hx, nullptr, nb, sh.K, sh.M, N, 8 * nt, 0, nullptr, 0, ws, false, glu, sh.M / 2};
+                    const int P = (int) std::min<int64_t>((int64_t) n_sm * MB,
+                                                          (int64_t) (sh.M + 16 * NW - 1) / (16 * NW) * (sh.K / QK_K / RU));
+                    const double us = profile ? 0.0 : time_graph([&](int c) {
+                        qmh_args b = a;
+                        b.W = Ws[c];
+                        shared_any<type, 1, NW, QMH_RUN_STAGES, RU, MB, true>(b, P, st);
+                    }, copies, st);
+                    printf("        shared %-9s %7.1f us %5.0f GB/s  (the GLU form: silu(gate) * up written prepared)\n",
+                           "run glu", us, gb / us);
+                    CK(cudaFree(glu));
+                });
+            }
+        }
         variant("f16 w8 s2", 1, 128, RU, [&](const qmh_args & a, int P) { shared_any<type, 1, 8, 2, RU, 1>(a, P, st); });
         variant("f16 w16 s2 u1", 1, 256, 1, [&](const qmh_args & a, int P) { shared_any<type, 1, 16, 2, 1, 1>(a, P, st); });
         if (getenv("QMM_LAB_WARPS") != nullptr) {   // other tile heights (item counts per block), two blocks an SM
