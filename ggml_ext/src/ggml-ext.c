@@ -329,6 +329,24 @@ bool ggml_qmatmul_supported(enum ggml_type type) {
            type == GGML_TYPE_BF16;
 }
 
+// A norm of x's columns (K values; with groups, of a length dividing K) and its eps checked and set on result as
+// ggml_qmatmul's and ggml_qmatmul_prepare's nodes keep them: src[2], op_params[1]
+static void ggml_ext_qmatmul_set_norm(struct ggml_tensor * result, int64_t K, bool groups, struct ggml_tensor * norm,
+                                      float eps) {
+    GGML_ASSERT(norm->type == GGML_TYPE_F32 && ggml_is_contiguous(norm));
+    GGML_ASSERT(groups ? K % ggml_nelements(norm) == 0 : ggml_nelements(norm) == K);
+    GGML_ASSERT(eps >= 0.0f);
+    memcpy(&result->op_params[1], &eps, sizeof(float));
+    result->src[2] = norm;
+}
+
+// An added tensor of M rows and N columns checked and set on result (src[3])
+static void ggml_ext_qmatmul_set_add(struct ggml_tensor * result, struct ggml_tensor * add, int64_t M, int64_t N) {
+    GGML_ASSERT(ggml_ext_is_f32_rows(add));
+    GGML_ASSERT(add->ne[0] == M && add->ne[1] == N);
+    result->src[3] = add;
+}
+
 // A ggml_qmatmul node's operands checked and set on result: src[0] w, src[1] x, src[2] the norm (op_params[1]:
 // eps; with up, of up's groups), src[3] the added tensor, src[4] up (the gated columns silu(x) * up, or
 // sigmoid(x) * up: op_params[2], enum ggml_ext_qmatmul_gate); op_params[0] row_tiles
@@ -356,18 +374,11 @@ static void ggml_ext_qmatmul_set(
         GGML_ASSERT(up->ne[0] == x->ne[0] && up->ne[1] == x->ne[1]);
         result->src[4] = up;
     }
-    if (norm != NULL) {
-        // without up the norm spans a column; with up, groups of up's values (its length divides K)
-        GGML_ASSERT(norm->type == GGML_TYPE_F32 && ggml_is_contiguous(norm));
-        GGML_ASSERT(up != NULL ? x->ne[0] % ggml_nelements(norm) == 0 : ggml_nelements(norm) == x->ne[0]);
-        GGML_ASSERT(eps >= 0.0f);
-        memcpy(&result->op_params[1], &eps, sizeof(float));
-        result->src[2] = norm;
+    if (norm != NULL) {   // without up the norm spans a column; with up, groups of up's values
+        ggml_ext_qmatmul_set_norm(result, x->ne[0], up != NULL, norm, eps);
     }
     if (add != NULL) {
-        GGML_ASSERT(ggml_ext_is_f32_rows(add));
-        GGML_ASSERT(add->ne[0] == w->ne[1] && add->ne[1] == x->ne[1]);
-        result->src[3] = add;
+        ggml_ext_qmatmul_set_add(result, add, w->ne[1], x->ne[1]);
     }
 }
 
@@ -450,10 +461,7 @@ struct ggml_tensor * ggml_qmatmul_prepare(
     result->op     = GGML_OP_QMATMUL_PREPARE;
     result->src[0] = x;
     if (norm != NULL) {
-        GGML_ASSERT(norm->type == GGML_TYPE_F32 && ggml_is_contiguous(norm) && ggml_nelements(norm) == x->ne[0]);
-        GGML_ASSERT(eps >= 0.0f);
-        memcpy(&result->op_params[1], &eps, sizeof(float));
-        result->src[2] = norm;
+        ggml_ext_qmatmul_set_norm(result, x->ne[0], false, norm, eps);
     }
     return result;
 }
@@ -478,9 +486,7 @@ struct ggml_tensor * ggml_qmatmul_prepared(
     result->src[0] = w;
     result->src[1] = xp;
     if (add != NULL) {
-        GGML_ASSERT(ggml_ext_is_f32_rows(add));
-        GGML_ASSERT(add->ne[0] == result->ne[0] && add->ne[1] == result->ne[1]);
-        result->src[3] = add;
+        ggml_ext_qmatmul_set_add(result, add, w->ne[1], n_cols);
     }
     return result;
 }

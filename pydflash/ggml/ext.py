@@ -379,6 +379,17 @@ def qmatmul_prepared_shape(K: int, n_cols: int) -> tuple[int, int, int]:
     return QMATMUL_HALF_PITCH, -(-n_cols // 8) * 8, K // 256
 
 
+def _expect_column_norm(norm: Tensor | None, eps: float, K: int, what: str) -> None:
+    """A norm of whole columns of K values (qmatmul_prepare's, qmatmul_swiglu_prepared's), if given, and its eps."""
+    if norm is None:
+        return
+    if norm.type != Type.F32 or not norm.is_contiguous or math.prod(norm.ne) != K:
+        raise ValueError(f"{what} norm must be a contiguous f32 vector of {K} values, "
+                         f"got {norm.type.name} ne {norm.ne}")
+    if not eps >= 0.0:
+        raise ValueError(f"{what} eps must be >= 0, got {eps}")
+
+
 def qmatmul_prepare(ctx: Context, x: Tensor, norm: Tensor | None = None, eps: float = 0.0) -> Tensor:
     """The prepared activations (F16 `qmatmul_prepared_shape(K, N)`) of x f32 [K, N] (K a multiple of 256, 1 <= N
     <= 48, rows contiguous), RMS-normed first with norm f32 [K] (as qmatmul's norm) where given: what qmatmul's
@@ -389,12 +400,7 @@ def qmatmul_prepare(ctx: Context, x: Tensor, norm: Tensor | None = None, eps: fl
     if K % 256 or not 1 <= n <= QMATMUL_MAX_COLS:
         raise ValueError(f"qmatmul_prepare takes K a multiple of 256 and 1 to {QMATMUL_MAX_COLS} columns, "
                          f"got ne {x.ne}")
-    if norm is not None:
-        if norm.type != Type.F32 or not norm.is_contiguous or math.prod(norm.ne) != K:
-            raise ValueError(f"qmatmul_prepare norm must be a contiguous f32 vector of {K} values, "
-                             f"got {norm.type.name} ne {norm.ne}")
-        if not eps >= 0.0:
-            raise ValueError(f"qmatmul_prepare eps must be >= 0, got {eps}")
+    _expect_column_norm(norm, eps, K, "qmatmul_prepare")
     return Tensor(lib.ggml_qmatmul_prepare(ctx._ptr, x._ptr, _ptr_or_null(norm), eps), ctx)
 
 
@@ -414,12 +420,7 @@ def qmatmul_swiglu_prepared(ctx: Context, w: Tensor, x: Tensor, norm: Tensor | N
     _expect_rows(x, "qmatmul_swiglu_prepared x")
     if not 1 <= n <= QMATMUL_MAX_COLS:
         raise ValueError(f"qmatmul_swiglu_prepared takes 1 to {QMATMUL_MAX_COLS} columns of x, got {n}")
-    if norm is not None:
-        if norm.type != Type.F32 or not norm.is_contiguous or math.prod(norm.ne) != K:
-            raise ValueError(f"qmatmul_swiglu_prepared norm must be a contiguous f32 vector of {K} values, "
-                             f"got {norm.type.name} ne {norm.ne}")
-        if not eps >= 0.0:
-            raise ValueError(f"qmatmul_swiglu_prepared eps must be >= 0, got {eps}")
+    _expect_column_norm(norm, eps, K, "qmatmul_swiglu_prepared")
     return Tensor(lib.ggml_qmatmul_swiglu_prepared(ctx._ptr, w._ptr, x._ptr, _ptr_or_null(norm), eps), ctx)
 
 

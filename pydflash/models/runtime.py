@@ -408,7 +408,7 @@ class TargetRuntime:
         (layers.prepared_for: an attention's Q/K matrix and its V of another type)."""
         w, out, products = self.weights, {}, []   # products: (matrix name without '.weight', its members)
         for base in bases:
-            if base in out or any(base + ".weight" in members for _, members in products):
+            if any(base + ".weight" in members for _, members in products):
                 continue
             merged = w.member_of.get(base + ".weight")
             if merged and not fuse_one_token and x.ne[1] == 1 and not layers.uses_qmatmul(w[merged], x):
