@@ -39,13 +39,14 @@ def run_graph(backend, build, inputs: dict[str, np.ndarray], shapes: dict[str, t
     return graph.outputs[0].numpy()
 
 
-def swiglu_prepared(backend, w_gu, K, F, x, norm=None):
-    """ggml.qmatmul_swiglu_prepared of Q4_K w_gu ([2F, K] bytes) and x [N, K]: the layout, f16 [F/256, npad, PITCH]."""
+def swiglu_prepared(backend, w_gu, K, F, x, norm=None, reader=ggml.Type.Q4_K):
+    """ggml.qmatmul_swiglu_prepared of Q4_K w_gu ([2F, K] bytes) and x [N, K] for a reader matrix of that type: the
+    layout, f16 [F/256, npad, PITCH]."""
     n = len(x)
     shapes = {"w": (ggml.Type.Q4_K, (K, 2 * F)), "x": (np.float32, (K, n)), "g": (np.float32, (K,))}
     inputs = {"w": w_gu, "x": x, "g": norm if norm is not None else np.ones(K, np.float32)}
     out = run_graph(backend, lambda ctx, t: ggml.qmatmul_swiglu_prepared(
-        ctx, t["w"], t["x"], norm=t["g"] if norm is not None else None, eps=EPS), inputs, shapes)
+        ctx, t["w"], t["x"], reader, norm=t["g"] if norm is not None else None, eps=EPS), inputs, shapes)
     return out.reshape(F // 256, -1, PITCH)
 
 
@@ -61,9 +62,9 @@ def gated_by_ggml(backend, w_gu, K, F, x, norm=None):
     return run_graph(backend, build, inputs, shapes).reshape(n, F)
 
 
-def prepared_layout(values: np.ndarray) -> np.ndarray:
+def prepared_layout(values: np.ndarray, sums: bool = True) -> np.ndarray:
     """The layout of ggml-ext.h for columns values [N, F] (f32): f16 values, the f32 sums of each run of 32 rounded
-    values in index order rounded to f16, zero padding and zero padding columns."""
+    values in index order rounded to f16 (without sums: zeros), zero padding and zero padding columns."""
     n, F = values.shape
     npad = -(-n // 8) * 8
     out = np.zeros((F // 256, npad, PITCH), np.float16)
@@ -72,7 +73,7 @@ def prepared_layout(values: np.ndarray) -> np.ndarray:
         for u in range(F // 256):
             unit = h[j, 256 * u: 256 * u + 256]
             out[u, j, :256] = unit
-            for r in range(8):
+            for r in range(8 if sums else 0):
                 out[u, j, 256 + r] = np.cumsum(unit[32 * r: 32 * r + 32].astype(np.float32), dtype=np.float32)[-1]
     return out
 
@@ -91,19 +92,21 @@ def qmatmul_prepared(backend, wtype, w, K, M, layout, n, add=None):
         ctx, t["w"], t["xp"], n, add=t["r"] if add is not None else None), inputs, shapes).reshape(n, M)
 
 
+@pytest.mark.parametrize("reader", [ggml.Type.Q4_K, ggml.Type.Q6_K], ids=["for_Q4_K", "for_Q6_K"])
 @pytest.mark.parametrize("normed", [False, True], ids=["plain", "rms_norm"])
-def test_swiglu_prepared_on_the_cpu_is_ggml_swiglu_rounded_into_the_layout(rng, normed):
+def test_swiglu_prepared_on_the_cpu_is_ggml_swiglu_rounded_into_the_layout(rng, normed, reader):
     """The CPU reference: every value is ggml's swiglu of the reference product's two halves rounded to f16, each run
-    sum the f32 sum of the 32 rounded values in order, padding and the padding columns zero; the values are within
-    f16 rounding of float64's swiglu of the dequantised product."""
+    sum the f32 sum of the 32 rounded values in order (for a Q6_K reader, which never reads them: zeros), padding
+    and the padding columns zero; the values are within f16 rounding of float64's swiglu of the dequantised
+    product."""
     backend = ggml.Backend("cpu")
     K, F = 512, 768
     w_gu, w_ref = quantized(rng, ggml.Type.Q4_K, 2 * F, K, scale=0.05)
     norm = rng.uniform(0.5, 1.5, K).astype(np.float32) if normed else None
     for n in (1, 5, 9, 23):
         x = rng.standard_normal((n, K)).astype(np.float32)
-        got = swiglu_prepared(backend, w_gu, K, F, x, norm)
-        want = prepared_layout(gated_by_ggml(backend, w_gu, K, F, x, norm))
+        got = swiglu_prepared(backend, w_gu, K, F, x, norm, reader)
+        want = prepared_layout(gated_by_ggml(backend, w_gu, K, F, x, norm), sums=reader == ggml.Type.Q4_K)
         assert got.shape == want.shape and np.array_equal(got.view(np.uint16), want.view(np.uint16)), f"N={n}"
         xd = x.astype(np.float64)
         if normed:
@@ -158,21 +161,28 @@ def test_qmatmul_prepare_on_the_cpu_is_the_layout_of_the_reference_columns(rng, 
 
 
 def test_prepared_ops_reject_bad_input():
-    ctx = ggml.Context(n_tensors=16)
+    ctx = ggml.Context(n_tensors=32)
     w_gu = ctx.new_tensor(ggml.Type.Q4_K, (512, 1024))
     x = ctx.new_tensor(np.float32, (512, 9))
+    Q4, Q6 = ggml.Type.Q4_K, ggml.Type.Q6_K
     with pytest.raises(ValueError, match="Q4_K matrix"):
-        ggml.qmatmul_swiglu_prepared(ctx, ctx.new_tensor(ggml.Type.Q6_K, (512, 1024)), x)
+        ggml.qmatmul_swiglu_prepared(ctx, ctx.new_tensor(Q6, (512, 1024)), x, Q6)
     with pytest.raises(ValueError, match="multiples of 256"):
-        ggml.qmatmul_swiglu_prepared(ctx, ctx.new_tensor(ggml.Type.Q4_K, (512, 768)), x)   # F = 384
+        ggml.qmatmul_swiglu_prepared(ctx, ctx.new_tensor(Q4, (512, 768)), x, Q6)   # F = 384
     with pytest.raises(ValueError, match="ne"):
-        ggml.qmatmul_swiglu_prepared(ctx, w_gu, ctx.new_tensor(np.float32, (256, 9)))
+        ggml.qmatmul_swiglu_prepared(ctx, w_gu, ctx.new_tensor(np.float32, (256, 9)), Q6)
     with pytest.raises(ValueError, match="norm"):
-        ggml.qmatmul_swiglu_prepared(ctx, w_gu, x, norm=ctx.new_tensor(np.float32, (256,)))
-    xp = ggml.qmatmul_swiglu_prepared(ctx, w_gu, x)
+        ggml.qmatmul_swiglu_prepared(ctx, w_gu, x, Q6, norm=ctx.new_tensor(np.float32, (256,)))
+    with pytest.raises(ValueError, match="Q4_K or Q6_K reader"):
+        ggml.qmatmul_swiglu_prepared(ctx, w_gu, x, ggml.Type.Q8_0)
+    xp = ggml.qmatmul_swiglu_prepared(ctx, w_gu, x, Q6)
     assert xp.type == ggml.Type.F16 and xp.ne[:3] == ggml.qmatmul_prepared_shape(512, 9) == (PITCH, 16, 2)
-    w_down = ctx.new_tensor(ggml.Type.Q6_K, (512, 64))
+    w_down = ctx.new_tensor(Q6, (512, 64))
     assert ggml.qmatmul_prepared(ctx, w_down, xp, 9).ne[:2] == (64, 9)
+    with pytest.raises(ValueError, match="Q6_K reader"):   # its run sums left out: a Q4_K matrix would read zeros
+        ggml.qmatmul_prepared(ctx, ctx.new_tensor(Q4, (512, 64)), xp, 9)
+    xp4 = ggml.qmatmul_swiglu_prepared(ctx, w_gu, x, Q4)
+    assert ggml.qmatmul_prepared(ctx, ctx.new_tensor(Q4, (512, 64)), xp4, 9).ne[:2] == (64, 9)
     with pytest.raises(ValueError, match="ne"):
         ggml.qmatmul_prepared(ctx, w_down, xp, 17)   # 24 padded columns, not 16
     with pytest.raises(ValueError, match="columns"):
@@ -257,7 +267,8 @@ def prepared_chain(backend, w_gu, K, F, wtype, w_down, M, x, norm=None):
               "d": (wtype, (F, M))}
 
     def build(ctx, t):
-        xp = ggml.qmatmul_swiglu_prepared(ctx, t["w"], t["x"], norm=t["g"] if norm is not None else None, eps=EPS)
+        xp = ggml.qmatmul_swiglu_prepared(ctx, t["w"], t["x"], wtype, norm=t["g"] if norm is not None else None,
+                                          eps=EPS)
         return ggml.qmatmul_prepared(ctx, t["d"], xp, n)
     inputs = {"w": w_gu, "x": x, "g": norm if norm is not None else np.ones(K, np.float32), "d": w_down}
     return run_graph(backend, build, inputs, shapes).reshape(n, M)
@@ -296,7 +307,8 @@ GLU_SHAPES = ((512, 1024), (256, 12544))
 @pytest.mark.parametrize("normed", [False, True], ids=["plain", "rms_norm"])
 def test_swiglu_prepared_is_the_separate_preparation_bit_for_bit(rng, wtype, normed):
     """The GLU form's down product equals the f16 kernel over the same pairs' rows with f32 outputs, gated and
-    prepared by the down product itself, bit for bit (values and run sums), at every column count; its column j is
+    prepared by the down product itself, bit for bit (values and run sums; for a Q6_K down the layout without run
+    sums holds the values of the one with them, and zeros for the sums), at every column count; its column j is
     the same alone or among 48; and the whole is within float64 bounds of the f16-rounded SwiGLU (two products,
     each rounding its weights and activations to f16: ~2^-11 each)."""
     backend = ggml.Backend("cuda")
@@ -315,6 +327,11 @@ def test_swiglu_prepared_is_the_separate_preparation_bit_for_bit(rng, wtype, nor
             want = separate_chain(backend, w_perm, K, F, wtype, w_down, M, x[:n], norm)
             assert np.array_equal(got, want), f"K={K} F={F} N={n}: not the separate preparation's bits"
             assert np.array_equal(got, full[:n]), f"K={K} F={F}: the first {n} of 48 columns differ when N={n}"
+            if wtype == ggml.Type.Q6_K:   # for a Q6_K reader: the run sums left out, the values those written for Q4_K
+                bare = swiglu_prepared(backend, w_gu, K, F, x[:n], norm, ggml.Type.Q6_K)
+                summed = swiglu_prepared(backend, w_gu, K, F, x[:n], norm, ggml.Type.Q4_K)
+                assert not bare[:, :, 256:264].any() and summed[:, :n, 256:264].any(), f"K={K} F={F} N={n}: sums"
+                assert np.array_equal(bare[:, :, :256].view(np.uint16), summed[:, :, :256].view(np.uint16))
         xd = x.astype(np.float64)
         if normed:
             xd = xd / np.sqrt((xd * xd).mean(axis=1, keepdims=True) + EPS) * norm

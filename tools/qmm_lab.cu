@@ -17,7 +17,8 @@
 // tiles of 8 and 6 warps at two blocks an SM and of 12 and 10 at one. With QMM_LAB_ADD=1 the shape ggml_qmatmul runs is
 // also timed with a residual added as its outputs are stored (checked: the sum of the plain result and the
 // residual, bit for bit). QMM_LAB_GLU=1 also times that shape's GLU form (Q4_K matrices of 2F rows, F a multiple of
-// 256: ggml_qmatmul_swiglu_prepared's gate/up product), untested for its values here (tests/test_qmatmul_prepared.py).
+// 256: ggml_qmatmul_swiglu_prepared's gate/up product) with and without the run sums, untested for its values here
+// (tests/test_qmatmul_prepared.py).
 //
 // QMM_LAB_COLS=1,8,23,48 times the tensor-core kernel instead, at those column counts and each row-tile count,
 // checking that a column's result does not depend on how many columns come with it (and from 9 columns, at 1 and 2
@@ -602,16 +603,19 @@ template <ggml_type type> static void run_shared(const shape & sh, const std::ve
                     constexpr int NW = decltype(nw)::value, MB = decltype(minb)::value;
                     half * glu;
                     CK(cudaMalloc(&glu, (size_t) (sh.M / 2 / QK_K) * qmh_act_bytes(8 * nt)));
-                    const qmh_args a = {Ws[0], hx, nullptr, nb, sh.K, sh.M, N, 8 * nt, 0, nullptr, 0, ws, false, glu, sh.M / 2};
                     const int P = (int) std::min<int64_t>((int64_t) n_sm * MB,
                                                           (int64_t) (sh.M + 16 * NW - 1) / (16 * NW) * (sh.K / QK_K / RU));
-                    const double us = profile ? 0.0 : time_graph([&](int c) {
-                        qmh_args b = a;
-                        b.W = Ws[c];
-                        shared_any<type, 1, NW, QMH_RUN_STAGES, RU, MB, true>(b, P, st);
-                    }, copies, st);
-                    printf("        shared %-9s %7.1f us %5.0f GB/s  (the GLU form: silu(gate) * up written prepared)\n",
-                           "run glu", us, gb / us);
+                    for (const bool sums : {true, false}) {   // with the run sums (a Q4_K down), without (Q6_K)
+                        const qmh_args a = {Ws[0], hx, nullptr, nb, sh.K, sh.M, N, 8 * nt, 0, nullptr, 0, ws, false, glu,
+                                            sh.M / 2, sums};
+                        const double us = profile ? 0.0 : time_graph([&](int c) {
+                            qmh_args b = a;
+                            b.W = Ws[c];
+                            shared_any<type, 1, NW, QMH_RUN_STAGES, RU, MB, true>(b, P, st);
+                        }, copies, st);
+                        printf("        shared %-9s %7.1f us %5.0f GB/s  (the GLU form: silu(gate) * up written prepared%s)\n",
+                               sums ? "run glu" : "glu nosum", us, gb / us, sums ? ", run sums" : ", no run sums");
+                    }
                     CK(cudaFree(glu));
                 });
             }

@@ -63,8 +63,9 @@ static void prepared_column(const struct ggml_tensor * xp, int64_t j, int64_t K,
     }
 }
 
-// Column j of a prepared tensor from F values s (NULL: a padding column, zeros)
-static void prepare_column(const float * s, int64_t F, int64_t j, struct ggml_tensor * dst) {
+// Column j of a prepared tensor from F values s (NULL: a padding column, zeros); without sums (a Q6_K reader) the run
+// sums are zeros
+static void prepare_column(const float * s, int64_t F, int64_t j, bool sums, struct ggml_tensor * dst) {
     const int64_t npad = dst->ne[1];
     for (int64_t u = 0; u < F / 256; ++u) {
         ggml_fp16_t * unit = (ggml_fp16_t *) dst->data + (u * npad + j) * GGML_EXT_QMATMUL_HALF_PITCH;
@@ -78,7 +79,7 @@ static void prepare_column(const float * s, int64_t F, int64_t j, struct ggml_te
                 unit[i] = GGML_FP32_TO_FP16(s[256 * u + i]);
                 sum += GGML_FP16_TO_FP32(unit[i]);
             }
-            unit[256 + r] = GGML_FP32_TO_FP16(sum);
+            unit[256 + r] = GGML_FP32_TO_FP16(sums ? sum : 0.0f);
         }
     }
 }
@@ -99,7 +100,7 @@ void ggml_ext_cpu_qmatmul_prepare(const struct ggml_compute_params * params, str
                 col[k] = column(x, j)[k] * scale * g[k];
             }
         }
-        prepare_column(j >= N ? NULL : norm != NULL ? col : column(x, j), K, j, dst);
+        prepare_column(j >= N ? NULL : norm != NULL ? col : column(x, j), K, j, true, dst);
     }
 }
 
@@ -198,7 +199,7 @@ void ggml_ext_cpu_qmatmul(const struct ggml_compute_params * params, struct ggml
             if (j < N) {
                 ggml_vec_swiglu_f32((int) F, row, product + j * M, product + j * M + F);
             }
-            prepare_column(j < N ? row : NULL, F, j, dst);
+            prepare_column(j < N ? row : NULL, F, j, dst->op_params[4] != 0, dst);
         }
     }
 }

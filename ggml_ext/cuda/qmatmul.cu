@@ -495,7 +495,7 @@ static void qmatmul_half(ggml_backend_cuda_context & ctx, const ggml_tensor * w,
                         GLU ? nullptr : (float *) dst->data, K / QMM_UNIT, K, M, N, npad,
                         GLU ? 0 : (int) (dst->nb[1] / sizeof(float)), add ? (const float *) add->data : nullptr,
                         add ? (int) (add->nb[1] / sizeof(float)) : 0, ws.get(), qmm_early_launch(),
-                        GLU ? (half *) dst->data : nullptr, GLU ? M / 2 : 0};
+                        GLU ? (half *) dst->data : nullptr, GLU ? M / 2 : 0, GLU && dst->op_params[4] != 0};
     qmh_run<type, GLU>(p, ctx.device, P, ctx.stream());
 }
 

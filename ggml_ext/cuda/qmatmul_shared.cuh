@@ -96,6 +96,7 @@ struct qmh_args {
     bool early_launch;      // let the next kernel launch once every block has computed its items
     half * glu_out;         // the GLU form (qmm_half_shared): silu(gate) * up, prepared; else null
     int F;                  // the GLU form: gate rows 0..F-1, up rows F..2F-1 (M = 2F)
+    bool glu_sums;          // the GLU form: the run sums written (else zeros: a Q6_K reader never reads them)
 };
 
 // Segments counted per row tile: zero between calls (each tile's finisher puts its count back). One array per
@@ -365,10 +366,14 @@ qmm_half_shared(const qmh_args p) {
         // and up acc[0][t][2 + e]: qmm_gated's value rounded to f16 (what qmm_quantize_x makes of those f32 outputs),
         // and per run of 32 pairs the sum of the rounded values, in the order of qmm_quantize_block's butterfly over
         // lanes 0-31 = 8 (warp % 4) + g: first across the four warps (lane bits 4, then 3), then across g (bits 2,
-        // 1, 0: lane bits 4, 3, 2 here). Every column of npad is written: a padding column's values are zeros.
+        // 1, 0: lane bits 4, 3, 2 here); without p.glu_sums zeros in their place, and no block barriers. Every column of
+        // npad is written: a padding column's values are zeros.
         auto store_glu = [&]() {
             const int q = tile * (shape::rows / 2) + 8 * warp + g;
             half * unit = p.glu_out + (size_t) (q / QMM_UNIT) * p.npad * QMH_HALF_PITCH + q % QMM_UNIT;
+            // this thread's column's run sum, where the run's first warp (lane g 0) writes it
+            half * run_sum = unit + QMM_UNIT - q % QMM_UNIT + (q % QMM_UNIT) / QK8_1;
+            const bool sums_here = warp % 4 == 0 && q - g < p.F;
             float * vals = glu_vals + (8 * warp + g) * 8;
 #pragma unroll
             for (int t = 0; t < NT; ++t) {
@@ -379,21 +384,28 @@ qmm_half_shared(const qmh_args p) {
                     if (q < p.F) {
                         unit[(size_t) col * QMH_HALF_PITCH] = h;
                     }
-                    vals[2 * t4 + e] = __half2float(h);
+                    if (p.glu_sums) {
+                        vals[2 * t4 + e] = __half2float(h);
+                    } else if (sums_here && g == 0) {
+                        run_sum[(size_t) col * QMH_HALF_PITCH] = __float2half_rn(0.0f);
+                    }
                     acc[0][t][e] = acc[0][t][2 + e] = 0.0f;
                 }
+                if (!p.glu_sums) {   // (uniform: no block barrier taken or skipped by a part of the block)
+                    continue;
+                }
                 __syncthreads();
-                if (warp % 4 == 0 && q - g < p.F) {   // the run's first warp sums it
+                if (sums_here) {   // the run's first warp sums it
 #pragma unroll
                     for (int e = 0; e < 2; ++e) {
                         const int c = 2 * t4 + e;
-                        float sum = __fadd_rn(__fadd_rn(vals[c], vals[2 * 64 + c]), __fadd_rn(vals[64 + c], vals[3 * 64 + c]));
+                        float sum = __fadd_rn(__fadd_rn(vals[c], vals[2 * 64 + c]),
+                                              __fadd_rn(vals[64 + c], vals[3 * 64 + c]));
                         sum += __shfl_xor_sync(0xFFFFFFFFu, sum, 16);
                         sum += __shfl_xor_sync(0xFFFFFFFFu, sum, 8);
                         sum += __shfl_xor_sync(0xFFFFFFFFu, sum, 4);
                         if (g == 0) {
-                            unit[(size_t) (8 * t + c) * QMH_HALF_PITCH + QMM_UNIT - q % QMM_UNIT + (q % QMM_UNIT) / QK8_1] =
-                                __float2half_rn(sum);
+                            run_sum[(size_t) (8 * t + c) * QMH_HALF_PITCH] = __float2half_rn(sum);
                         }
                     }
                 }

@@ -10,7 +10,7 @@ extern "C" {
 #endif
 
 // Bumped whenever an op's signature or semantics change; the Python bindings check it at load.
-#define GGML_EXT_ABI_VERSION 19
+#define GGML_EXT_ABI_VERSION 20
 
 // The number of ops in ggml-ext-ops.def.
 enum {
@@ -332,7 +332,9 @@ GGML_API struct ggml_tensor * ggml_qmatmul_sigmoid_gated(
 // An FFN's gate/up product handing the down product its input: w [K, 2F], Q4_K, holds F gate rows, then F up rows
 // (a fused gate/up matrix; F a multiple of 256), x f32 [K, N] as ggml_qmatmul's, and with norm and eps (else NULL)
 // the columns RMS-normed first, as ggml_qmatmul_rms_norm's. Returns the columns silu(W_gate x) *
-// (W_up x), F values each, prepared (above). On CUDA the f16 kernel (Hopper) writes them as it stores its tiles, so
+// (W_up x), F values each, prepared (above), for a ggml_qmatmul_prepared whose matrix has type `reader` (Q4_K or
+// Q6_K): Q6_K never reads the run sums, so for it they are left out (zeros; ggml_qmatmul_prepared refuses a Q4_K
+// matrix over them). On CUDA the f16 kernel (Hopper) writes them as it stores its tiles, so
 // no kernel runs between the two products: each value is what ggml_qmatmul_fused's preparation makes of the f32
 // gate and up the kernel computed (ggml's silu times up, rounded to f16; the run sums in its butterfly order); the
 // gate and up rows of a pair sit in one row tile, so their sums are cut at other K units than W's alone would be.
@@ -342,7 +344,8 @@ GGML_API struct ggml_tensor * ggml_qmatmul_swiglu_prepared(
         struct ggml_tensor  * w,
         struct ggml_tensor  * x,
         struct ggml_tensor  * norm,
-        float                 eps);
+        float                 eps,
+        enum ggml_type        reader);
 
 // The prepared activations (above) of x f32 [K, N] (K a multiple of 256, 1 <= N <= GGML_EXT_QMATMUL_MAX_COLS, rows
 // contiguous), RMS-normed first with norm and eps as ggml_qmatmul_rms_norm's (norm NULL: x as it is): what
@@ -367,7 +370,8 @@ GGML_API struct ggml_tensor * ggml_qmatmul_prepared(
         int                   n_cols,
         struct ggml_tensor  * add);
 
-// What a ggml_qmatmul node reads and writes (op_params[3]; op_params[4]: the columns of a prepared input)
+// What a ggml_qmatmul node reads and writes (op_params[3]; op_params[4]: the columns of a prepared input, or for
+// GGML_EXT_QMATMUL_FORM_SWIGLU_PREPARED 1 where the run sums are written)
 enum ggml_ext_qmatmul_form {
     GGML_EXT_QMATMUL_FORM_PLAIN           = 0,   // f32 x in, f32 [M, N] out
     GGML_EXT_QMATMUL_FORM_SWIGLU_PREPARED = 1,   // ggml_qmatmul_swiglu_prepared

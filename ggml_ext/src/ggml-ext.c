@@ -438,13 +438,16 @@ struct ggml_tensor * ggml_qmatmul_swiglu_prepared(
         struct ggml_tensor  * w,
         struct ggml_tensor  * x,
         struct ggml_tensor  * norm,
-        float                 eps) {
+        float                 eps,
+        enum ggml_type        reader) {
     GGML_ASSERT(w->type == GGML_TYPE_Q4_K);
+    GGML_ASSERT(reader == GGML_TYPE_Q4_K || reader == GGML_TYPE_Q6_K);
     GGML_ASSERT(w->ne[0] % 256 == 0 && w->ne[1] % (2 * 256) == 0);   // F gate rows, F up rows: F a multiple of 256
     struct ggml_tensor * result = ggml_new_tensor_3d(ctx, GGML_TYPE_F16, GGML_EXT_QMATMUL_HALF_PITCH,
                                                      ggml_ext_qmatmul_npad(x->ne[1]), w->ne[1] / 2 / 256);
     ggml_ext_qmatmul_set(result, w, x, NULL, norm, eps, NULL, GGML_EXT_QMATMUL_F16);
     result->op_params[3] = GGML_EXT_QMATMUL_FORM_SWIGLU_PREPARED;
+    result->op_params[4] = reader == GGML_TYPE_Q4_K;   // the run sums: Q4_K's minimum term reads them
     return result;
 }
 
@@ -478,6 +481,9 @@ struct ggml_tensor * ggml_qmatmul_prepared(
     GGML_ASSERT(xp->type == GGML_TYPE_F16 && ggml_is_contiguous(xp) && xp->ne[3] == 1);
     GGML_ASSERT(xp->ne[0] == GGML_EXT_QMATMUL_HALF_PITCH && xp->ne[1] == ggml_ext_qmatmul_npad(n_cols) &&
                 xp->ne[2] == w->ne[0] / 256);
+    const bool sums_left_out = xp->op == GGML_OP_QMATMUL &&
+                               xp->op_params[3] == GGML_EXT_QMATMUL_FORM_SWIGLU_PREPARED && !xp->op_params[4];
+    GGML_ASSERT(!(sums_left_out && w->type == GGML_TYPE_Q4_K) && "prepared for a Q6_K reader: no run sums");
     struct ggml_tensor * result = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, w->ne[1], n_cols);
     result->op     = GGML_OP_QMATMUL;
     result->op_params[0] = GGML_EXT_QMATMUL_F16;

@@ -10,7 +10,7 @@ from pathlib import Path
 import cffi
 
 # Must equal GGML_EXT_ABI_VERSION in ggml_ext/include/ggml-ext.h of the libraries we load.
-EXT_ABI_VERSION = 19
+EXT_ABI_VERSION = 20
 
 _PKG = Path(__file__).resolve().parent.parent
 LIB_DIR = Path(os.environ.get("PYDFLASH_LIB_DIR", _PKG / "lib"))

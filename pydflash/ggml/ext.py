@@ -8,7 +8,7 @@ import math
 import numpy as np
 
 from ._ffi import ffi, lib
-from .core import Context, Tensor, Type
+from .core import Context, Op, Tensor, Type
 
 
 def check_parents(parent: np.ndarray) -> np.ndarray:
@@ -404,24 +404,34 @@ def qmatmul_prepare(ctx: Context, x: Tensor, norm: Tensor | None = None, eps: fl
     return Tensor(lib.ggml_qmatmul_prepare(ctx._ptr, x._ptr, _ptr_or_null(norm), eps), ctx)
 
 
-def qmatmul_swiglu_prepared(ctx: Context, w: Tensor, x: Tensor, norm: Tensor | None = None, eps: float = 0.0
-                            ) -> Tensor:
+def qmatmul_swiglu_prepared(ctx: Context, w: Tensor, x: Tensor, reader: Type, norm: Tensor | None = None,
+                            eps: float = 0.0) -> Tensor:
     """An FFN's gate/up product handing the down product its input: w Q4_K [K, 2F] (F gate rows, then F up rows; F
     and K multiples of 256), x f32 [K, N] as qmatmul's (with norm f32 [K]: its RMS-normed columns, as qmatmul's
     norm) -> the columns silu(W_gate x) * (W_up x) prepared (F16 `qmatmul_prepared_shape(F, N)`), for
-    `qmatmul_prepared`. On CUDA (Hopper only) the f16 kernel writes them as it stores its tiles: no kernel between
-    the two products (ggml-ext.h says which bits)."""
+    `qmatmul_prepared` of a `reader` matrix (Q4_K, or Q6_K: which never reads the run sums, so they are left out).
+    On CUDA (Hopper only) the f16 kernel writes them as it stores its tiles: no kernel between the two products
+    (ggml-ext.h says which bits)."""
     if w.type != Type.Q4_K or w.ne[2:] != (1, 1) or w.ne[0] % 256 or w.ne[1] % 512:
         raise ValueError(f"qmatmul_swiglu_prepared takes a Q4_K matrix [K, 2F], K and F multiples of 256, "
                          f"got {w.type.name} ne {w.ne}")
     _expect_contiguous(w, "qmatmul_swiglu_prepared weight")
+    if reader not in (Type.Q4_K, Type.Q6_K):
+        raise ValueError(f"qmatmul_swiglu_prepared prepares for a Q4_K or Q6_K reader, got {Type(reader).name}")
     K, n = w.ne[0], x.ne[1]
     _expect(x, "qmatmul_swiglu_prepared x", Type.F32, (K, n))
     _expect_rows(x, "qmatmul_swiglu_prepared x")
     if not 1 <= n <= QMATMUL_MAX_COLS:
         raise ValueError(f"qmatmul_swiglu_prepared takes 1 to {QMATMUL_MAX_COLS} columns of x, got {n}")
     _expect_column_norm(norm, eps, K, "qmatmul_swiglu_prepared")
-    return Tensor(lib.ggml_qmatmul_swiglu_prepared(ctx._ptr, w._ptr, x._ptr, _ptr_or_null(norm), eps), ctx)
+    return Tensor(lib.ggml_qmatmul_swiglu_prepared(ctx._ptr, w._ptr, x._ptr, _ptr_or_null(norm), eps, int(reader)),
+                  ctx)
+
+
+def _without_run_sums(xp: Tensor) -> bool:
+    """xp is a qmatmul_swiglu_prepared result for a Q6_K reader (ggml-ext.h: op_params[3] the form, [4] the sums)."""
+    params = xp._ptr.op_params
+    return xp.op == Op.QMATMUL and params[3] == lib.GGML_EXT_QMATMUL_FORM_SWIGLU_PREPARED and params[4] == 0
 
 
 def qmatmul_prepared(ctx: Context, w: Tensor, xp: Tensor, n_cols: int, add: Tensor | None = None) -> Tensor:
@@ -437,6 +447,8 @@ def qmatmul_prepared(ctx: Context, w: Tensor, xp: Tensor, n_cols: int, add: Tens
         raise ValueError(f"qmatmul_prepared takes 1 to {QMATMUL_MAX_COLS} columns, got {n_cols}")
     _expect(xp, "qmatmul_prepared xp", Type.F16, qmatmul_prepared_shape(w.ne[0], n_cols))
     _expect_contiguous(xp, "qmatmul_prepared xp")
+    if w.type == Type.Q4_K and _without_run_sums(xp):
+        raise ValueError("qmatmul_prepared: xp was prepared for a Q6_K reader (no run sums); a Q4_K matrix needs them")
     if add is not None:
         _expect(add, "qmatmul_prepared add", Type.F32, (w.ne[1], n_cols))
         _expect_rows(add, "qmatmul_prepared add")

@@ -326,9 +326,9 @@ def swiglu_down(ctx: ggml.Context, w_gate_up: ggml.Tensor, x: ggml.Tensor | Norm
     if qmatmul_row_tiles(w_gate_up, n) != ggml.QMATMUL_F16 or qmatmul_row_tiles(w_down, n) != ggml.QMATMUL_F16:
         return None
     if isinstance(x, Normed) and x.fuses_into(w_gate_up):
-        xp = ggml.qmatmul_swiglu_prepared(ctx, w_gate_up, x.h, norm=x.weight, eps=x.eps)
+        xp = ggml.qmatmul_swiglu_prepared(ctx, w_gate_up, x.h, w_down.type, norm=x.weight, eps=x.eps)
     else:
-        xp = ggml.qmatmul_swiglu_prepared(ctx, w_gate_up, x.tensor() if isinstance(x, _Deferred) else x)
+        xp = ggml.qmatmul_swiglu_prepared(ctx, w_gate_up, x.tensor() if isinstance(x, _Deferred) else x, w_down.type)
     return ggml.qmatmul_prepared(ctx, w_down, xp, n, add=add)
 
 
