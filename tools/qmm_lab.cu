@@ -530,8 +530,8 @@ template <ggml_type type> static void run_shared(const shape & sh, const std::ve
         half * hx = half_layout(yq, yds, sh.K, npad, nt);
         auto variant = [&](const char * name, int per_sm, int block_rows, int U, auto launch) {
             qmh_args a = {Ws[0], hx, dst, nb, sh.K, sh.M, N, 8 * nt, sh.M, nullptr, 0, ws};
-            const int P = (int) std::min<int64_t>((int64_t) n_sm * per_sm,
-                                                  (int64_t) (sh.M + block_rows - 1) / block_rows * (sh.K / QK_K / U));
+            const int P = qmh_grid_of((int64_t) (sh.M + block_rows - 1) / block_rows * (sh.K / QK_K / U),
+                                      (int64_t) n_sm * per_sm);   // (as ggml_qmatmul's grid)
             const std::vector<float> got = lc.output(N, [&] { launch(a, P); });
             if (N == cols[0]) col0[v] = std::vector<float>(got.begin(), got.begin() + sh.M);
             const bool same = memcmp(got.data(), col0[v].data(), (size_t) sh.M * 4) == 0;
@@ -596,6 +596,25 @@ template <ggml_type type> static void run_shared(const shape & sh, const std::ve
             snprintf(run_name, sizeof run_name, "run w%d s%d u%d x%d", NW, QMH_RUN_STAGES, RU, MB);
             variant(run_name, MB, 16 * NW, RU,
                     [&](const qmh_args & a, int P) { shared_any<type, 1, NW, QMH_RUN_STAGES, RU, MB>(a, P, st); });
+            // QMM_LAB_BLOCK_ITEMS=1,2,3,...: the run shape on a grid of at most items / b blocks (b items a block at
+            // least; qmh_grid_of takes QMH_MIN_BLOCK_ITEMS), for small matrices, whose grid of one item a block is all
+            // pipeline start and fix-up
+            if (const char * env = getenv("QMM_LAB_BLOCK_ITEMS")) {
+                const int64_t items = (int64_t) ((sh.M + 16 * NW - 1) / (16 * NW)) * (sh.K / QK_K / RU);
+                for (const char * e = env; *e; e += strspn(e, ",")) {
+                    const int b = atoi(e);
+                    e += strcspn(e, ",");
+                    const int P = (int) std::min<int64_t>((int64_t) n_sm * MB, (items + b - 1) / b);
+                    qmh_args a = {Ws[0], hx, dst, nb, sh.K, sh.M, N, 8 * nt, sh.M, nullptr, 0, ws};
+                    const double us = profile ? 0.0 : time_graph([&](int c) {
+                        qmh_args q = a;
+                        q.W = Ws[c];
+                        shared_any<type, 1, NW, QMH_RUN_STAGES, RU, MB>(q, P, st);
+                    }, copies, st);
+                    printf("        shared %-9s %7.1f us %5.0f GB/s  (%d blocks for %lld items: >= %d a block)\n", "run items",
+                           us, gb / us, P, (long long) items, b);
+                }
+            }
         });
         if constexpr (type == GGML_TYPE_Q4_K) {   // QMM_LAB_GLU=1: the run shape's GLU form (ggml_qmatmul_swiglu_prepared)
             if (getenv("QMM_LAB_GLU") != nullptr && sh.M % 512 == 0) {
@@ -603,8 +622,8 @@ template <ggml_type type> static void run_shared(const shape & sh, const std::ve
                     constexpr int NW = decltype(nw)::value, MB = decltype(minb)::value;
                     half * glu;
                     CK(cudaMalloc(&glu, (size_t) (sh.M / 2 / QK_K) * qmh_act_bytes(8 * nt)));
-                    const int P = (int) std::min<int64_t>((int64_t) n_sm * MB,
-                                                          (int64_t) (sh.M + 16 * NW - 1) / (16 * NW) * (sh.K / QK_K / RU));
+                    const int P = qmh_grid_of((int64_t) (sh.M + 16 * NW - 1) / (16 * NW) * (sh.K / QK_K / RU),
+                                              (int64_t) n_sm * MB);
                     for (const bool sums : {true, false}) {   // with the run sums (a Q4_K down), without (Q6_K)
                         const qmh_args a = {Ws[0], hx, nullptr, nb, sh.K, sh.M, N, 8 * nt, 0, nullptr, 0, ws, false, glu,
                                             sh.M / 2, sums};

@@ -545,12 +545,22 @@ template <ggml_type type, bool GLU = false> static int qmh_per_sm(int M, int dev
     });
 }
 
-// CUDA blocks of its grid: as many as the SMs hold at once (qmh_per_sm), no more than there are items (each block
-// must get one). Depends on the shape and the GPU, never on N.
+// CUDA blocks of its grid: the fewest that give no block more items than the SMs' worth of blocks would
+// (qmh_per_sm: all resident at once), and every block at least QMH_MIN_BLOCK_ITEMS: a block's run starts with its
+// pipeline's fill (~2.5 us to the first stage on the H100) and a cut tile ends with its fix-up, so on a small
+// matrix one item a block is slower than two (lab, docs/benchmarks.md "twenty-seventh session": the attention's V,
+// 1,024 Q6_K rows, 18.5 us at 23 columns on 220 blocks against 13.2 on 110), and on the GDN/attention output (480
+// items) 120 blocks of 4 items beat 132 of 3-4. Depends on the shape and the GPU, never on N.
+#define QMH_MIN_BLOCK_ITEMS 2
+
+static int qmh_grid_of(int64_t items, int64_t slots) {   // (slots: the blocks the SMs hold at once)
+    const int64_t per_block = std::max<int64_t>(QMH_MIN_BLOCK_ITEMS, (items + slots - 1) / slots);
+    return (int) std::min<int64_t>(slots, (items + per_block - 1) / per_block);
+}
+
 template <ggml_type type> static int qmh_grid(int M, int K, int n_sm, int per_sm) {
     constexpr int U = qmh_run_units<type>();
-    const int64_t items = (int64_t) qmh_tiles<type>(M) * ((K / QMM_UNIT + U - 1) / U);
-    return (int) std::min<int64_t>((int64_t) n_sm * per_sm, items);
+    return qmh_grid_of((int64_t) qmh_tiles<type>(M) * ((K / QMM_UNIT + U - 1) / U), (int64_t) n_sm * per_sm);
 }
 
 // Workspace floats for nt column tiles and a grid of P blocks
