@@ -14,7 +14,8 @@
 // to f16; checking that its column 0 has the same bits at every N and how far it is from qmm_mma's result (the f16
 // roundings of the weights and activations); and where one call's time goes (QMH_TRACE: the CUDA blocks' start,
 // first stage in, last item done, exit, us from the first start: median and latest). QMM_LAB_WARPS=1 also times
-// tiles of 8 and 6 warps at two blocks an SM and of 12 and 10 at one. With QMM_LAB_ADD=1 the shape ggml_qmatmul runs is
+// tiles of 8 and 6 warps at two blocks an SM and of 12 and 10 at one, QMM_LAB_STAGES=1 tiles of 6, 8 and 12 warps
+// with three stages at one block an SM. With QMM_LAB_ADD=1 the shape ggml_qmatmul runs is
 // also timed with a residual added as its outputs are stored (checked: the sum of the plain result and the
 // residual, bit for bit). QMM_LAB_GLU=1 also times that shape's GLU form (Q4_K matrices of 2F rows, F a multiple of
 // 256: ggml_qmatmul_swiglu_prepared's gate/up product) with and without the run sums, untested for its values here
@@ -646,6 +647,11 @@ template <ggml_type type> static void run_shared(const shape & sh, const std::ve
             variant("f16 w12 s2", 1, 192, RU, [&](const qmh_args & a, int P) { shared_any<type, 1, 12, 2, RU, 1>(a, P, st); });
             variant("f16 w6 s2 x2", 2, 96, RU, [&](const qmh_args & a, int P) { shared_any<type, 1, 6, 2, RU, 2>(a, P, st); });
             variant("f16 w10 s2", 1, 160, RU, [&](const qmh_args & a, int P) { shared_any<type, 1, 10, 2, RU, 1>(a, P, st); });
+        }
+        if (getenv("QMM_LAB_STAGES") != nullptr) {   // three stages a block, one block an SM
+            variant("f16 w6 s3", 1, 96, RU, [&](const qmh_args & a, int P) { shared_any<type, 1, 6, 3, RU, 1>(a, P, st); });
+            variant("f16 w8 s3", 1, 128, RU, [&](const qmh_args & a, int P) { shared_any<type, 1, 8, 3, RU, 1>(a, P, st); });
+            variant("f16 w12 s3", 1, 192, RU, [&](const qmh_args & a, int P) { shared_any<type, 1, 12, 3, RU, 1>(a, P, st); });
         }
         fflush(stdout);
         CK(cudaFree(hx));
