@@ -56,7 +56,6 @@ struct gdn_tree_args {
     int64_t par_s1;                                        // in ints: per sequence
     float scale;
     bool o_only;           // ggml_gated_delta_net_tree_o: store only the node states that the walk reloads
-    bool early;            // the chunk kernel: the committed state asked for before the wait (ggml_ext_cuda_gdn_early)
 };
 
 // A lane's 32 rows of a column are NCH chunks of CH consecutive rows, CH = 16 bytes of the node type (4 f32 or
@@ -403,27 +402,16 @@ gdn_tree_chunk_kernel(const gdn_tree_args a) {
     const int tid  = warp * WARP_SIZE + lane;
     const int n    = a.n_t;
 
+    ggml_cuda_pdl_sync();
+
     // Stage q and k rows (zero past n: those nodes' products vanish), the block's state columns and v: every
-    // load asked for before the first store, one memory latency for the lot. The committed state, which no kernel
-    // of a verify writes, early: before the wait on the kernel before us (the conv, which computes q, k, v and the
-    // gates), whose tail then hides its DRAM latency.
+    // load asked for before the first store, one memory latency for the lot.
     const float * q_h = a.q + (h % a.H_q) * a.sq1;
     const float * k_h = a.k + (h % a.H_k) * a.sk1;
     const float * s0  = a.state + ((int64_t) h * S_v + col0) * S_v;
     const float * v_h = a.v + h * a.sv1 + col0;
     float4 kr[RK], qr[RK], sr[RS];
     float  vr[RV];
-    if (!a.early) {
-        ggml_cuda_pdl_sync();
-    }
-#pragma unroll
-    for (int e = 0; e < RS; ++e) {
-        const int i = tid + e * NT;
-        sr[e] = *(const float4 *) (s0 + (i / C4) * S_v + 4 * (i % C4));
-    }
-    if (a.early) {
-        ggml_cuda_pdl_sync();
-    }
 #pragma unroll
     for (int e = 0; e < RK; ++e) {
         const int i = tid + e * NT, t = i / C4, r = 4 * (i % C4);
@@ -432,6 +420,11 @@ gdn_tree_chunk_kernel(const gdn_tree_args a) {
             kr[e] = *(const float4 *) (k_h + t * a.sk2 + r);
             qr[e] = *(const float4 *) (q_h + t * a.sq2 + r);
         }
+    }
+#pragma unroll
+    for (int e = 0; e < RS; ++e) {
+        const int i = tid + e * NT;
+        sr[e] = *(const float4 *) (s0 + (i / C4) * S_v + 4 * (i % C4));
     }
 #pragma unroll
     for (int e = 0; e < RV; ++e) {
@@ -639,7 +632,6 @@ static void gdn_tree(ggml_backend_cuda_context & ctx, ggml_tensor * dst, const g
     a.steps  = nullptr;
     a.steps_ld = 0;
     a.delta_ts = S_v * H;
-    a.early  = ggml_ext_cuda_gdn_early();
 
     const bool kda = g->ne[0] == S_v;
     cudaStream_t stream = ctx.stream();

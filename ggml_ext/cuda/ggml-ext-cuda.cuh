@@ -17,17 +17,6 @@ template <auto KERNEL> static void ggml_ext_cuda_allow_smem(size_t smem, int dev
     }
 }
 
-// Whether a verify's recurrent conv and chunk kernels ask for what no kernel of the graph writes (the tree, the conv
-// weights, the committed states) before waiting on the kernel before them, the conv letting the chunk kernel launch
-// early (programmatic dependent launch). PYDFLASH_GDN_EARLY=0 turns it off (for an A/B; read once per file).
-static bool ggml_ext_cuda_gdn_early() {
-    static const bool on = [] {
-        const char * e = getenv("PYDFLASH_GDN_EARLY");
-        return e == nullptr || atoi(e) != 0;
-    }();
-    return on;
-}
-
 // one function per op
 void ggml_ext_cuda_ssm_conv_tree(ggml_backend_cuda_context & ctx, ggml_tensor * dst);
 bool ggml_ext_cuda_ssm_conv_tree_supported(const ggml_tensor * op);

@@ -76,7 +76,7 @@ static __global__ void __launch_bounds__(SSM_CONV_TREE_THREADS)
 ssm_conv_tree_kernel(const char * sx, const char * xin, const float * c, const int * parent, float * dst,
                      int d_inner, int n_t, size_t sx_nb1, size_t sx_nb2, size_t x_nb1, size_t x_nb2, size_t c_nb1,
                      size_t par_nb1, size_t dst_nb1, size_t dst_nb2, int qk, float eps, float scale, char * copy,
-                     size_t copy_nb1, size_t copy_nb2, const conv_tree_gates gates, bool early) {
+                     size_t copy_nb1, size_t copy_nb2, const conv_tree_gates gates) {
     __shared__ int cols[SSM_CONV_TREE_TOKENS][D_CONV];
     __shared__ float warp_sums[SSM_CONV_TREE_TOKENS][SSM_CONV_TREE_THREADS / WARP_SIZE];
 
@@ -85,8 +85,8 @@ ssm_conv_tree_kernel(const char * sx, const char * xin, const float * c, const i
     const int s  = blockIdx.z;
     const int tc = min(SSM_CONV_TREE_TOKENS, n_t - t0);
 
+    ggml_cuda_pdl_sync();
     if (gates.beta != nullptr && blockIdx.x == gridDim.x - 1) {   // (the whole block)
-        ggml_cuda_pdl_sync();
         for (int i = threadIdx.x; i < gates.H * tc; i += SSM_CONV_TREE_THREADS) {
             const int h = i % gates.H, t = t0 + i / gates.H;
             const float alpha = gates.alpha[t * gates.s_alpha + h];
@@ -95,18 +95,11 @@ ssm_conv_tree_kernel(const char * sx, const char * xin, const float * c, const i
         }
         return;
     }
-    // early (ggml_ext_cuda_gdn_early): the chunk kernel after us may launch; and the tree (the graph's input), the
-    // kernel rows and, split, the state columns (the layer's committed conv state) are asked for before the wait on
-    // the product before us, which writes only xin (split) or the whole of sx (the concatenated window)
-    if (early) {
-        ggml_cuda_pdl_lc();
-    } else {
-        ggml_cuda_pdl_sync();
-    }
     if (threadIdx.x < tc) {
         ggml_ext_conv_tree_window((const int *) ((const char *) parent + s * par_nb1), t0 + threadIdx.x, D_CONV,
                                   cols[threadIdx.x]);
     }
+    __syncthreads();
     // (no early exit past d_inner: the norm's block barriers need every thread)
     const bool live = r < d_inner;
     float w[D_CONV];
@@ -116,15 +109,6 @@ ssm_conv_tree_kernel(const char * sx, const char * xin, const float * c, const i
     }
     const float * x = (const float *) (sx + (live ? r : 0) * sx_nb1 + s * sx_nb2);
     const char  * xr = SPLIT ? xin + (live ? r : 0) * sizeof(float) + s * x_nb2 : nullptr;
-    float state[D_CONV - 1];   // split: the state columns
-#pragma unroll
-    for (int j = 0; j < D_CONV - 1; ++j) {
-        state[j] = SPLIT && live ? x[j] : 0.0f;
-    }
-    if (early) {
-        ggml_cuda_pdl_sync();
-    }
-    __syncthreads();   // (the window's columns)
     float y[SSM_CONV_TREE_TOKENS];
 #pragma unroll
     for (int tt = 0; tt < SSM_CONV_TREE_TOKENS; ++tt) {
@@ -136,18 +120,7 @@ ssm_conv_tree_kernel(const char * sx, const char * xin, const float * c, const i
 #pragma unroll
         for (int j = 0; j < D_CONV; ++j) {
             const int col = cols[tt][j];
-            float v;
-            if (!SPLIT) {
-                v = x[col];
-            } else if (col < D_CONV - 1) {
-                v = state[0];
-#pragma unroll
-                for (int i = 1; i < D_CONV - 1; ++i) {   // (a select: state stays in registers)
-                    v = col == i ? state[i] : v;
-                }
-            } else {
-                v = *(const float *) (xr + (col - (D_CONV - 1)) * x_nb1);
-            }
+            const float v = !SPLIT || col < D_CONV - 1 ? x[col] : *(const float *) (xr + (col - (D_CONV - 1)) * x_nb1);
             sum += v * w[j];
         }
         y[tt] = SILU ? ggml_cuda_op_silu_single(sum) : sum;
@@ -240,5 +213,5 @@ void ggml_ext_cuda_ssm_conv_tree(ggml_backend_cuda_context & ctx, ggml_tensor * 
         (const char *) sx->data, x, (const float *) c->data, (const int *) parent->data, (float *) dst->data,
         d_inner, n_t, sx->nb[1], sx->nb[2], x_nb1, x_nb2, c->nb[1], parent->nb[1], dst_nb1, dst_nb2, qk,
         ggml_get_op_params_f32(dst, 3), ggml_get_op_params_f32(dst, 4), copy ? (char *) copy->data : nullptr,
-        copy ? copy->nb[1] : 0, copy ? copy->nb[2] : 0, gates, ggml_ext_cuda_gdn_early());
+        copy ? copy->nb[1] : 0, copy ? copy->nb[2] : 0, gates);
 }
