@@ -129,13 +129,13 @@ static __device__ __forceinline__ void qmh_cp16(char * smem, const char * gmem) 
 }
 
 // NW warps of RT 16-row tiles each, a ring of STAGES stages of U K units (a row tile's last stage: what is left of
-// K), MINB CUDA blocks per SM (the grid: MINB per SM, at most the item count). K: a multiple of 256.
+// K), MINB CUDA blocks per SM (the grid: at most MINB per SM, qmh_grid_of). K: a multiple of 256.
 //
 // GLU (ggml_qmatmul_swiglu_prepared; Q4_K): W's rows are F gate rows, then F up rows, and a warp's 16-row tile takes 8
 // pairs: rows g of the MMA tile are gate rows, rows g + 8 the up rows of the same index, so that the thread storing
 // an output holds both; a block's tile is NW * 8 pairs (a multiple of 32, F too: a run of 32 pairs, whose sum the
 // prepared layout holds, is four warps of one block). The tile's finisher writes silu(gate) * up rounded to f16 into
-// p.glu_out (ggml-ext.h's prepared layout) and no f32 outputs.
+// p.glu_out (ggml-ext.h's prepared layout; the run sums where p.glu_sums) and no f32 outputs.
 template <ggml_type type, int NT, int RT, int NW, int STAGES, int U, int MINB, bool GLU = false>
 static __global__ void __launch_bounds__(NW * WARP_SIZE, MINB)
 qmm_half_shared(const qmh_args p) {
