@@ -35,9 +35,14 @@ void ggml_ext_cuda_tq3_0_to_fp32_nc(const void * x, float * y, int64_t ne00, int
 void ggml_ext_cuda_tq3_0_to_fp16_nc(const void * x, half * y, int64_t ne00, int64_t ne01, int64_t ne02,
                                     int64_t ne03, int64_t s01, int64_t s02, int64_t s03, cudaStream_t stream);
 
-// decode flash attention over TQ3_0 K and V (tq3_0_fattn.cu); fattn.cu uses it where it applies
+// flash attention where ggml_ext has a kernel (fattn_split.cu): upstream's fattn.cu asks first
+bool ggml_ext_cuda_fattn_applies(const ggml_tensor * dst);
+void ggml_ext_cuda_fattn(ggml_backend_cuda_context & ctx, ggml_tensor * dst);
+// ... over TQ3_0 K and V (tq3_0_fattn.cu), and over f16 K and V at a tree verify's sizes (fattn_split.cu)
 bool ggml_ext_cuda_fattn_tq3_0_applies(const ggml_tensor * dst);
 void ggml_ext_cuda_fattn_tq3_0(ggml_backend_cuda_context & ctx, ggml_tensor * dst);
+bool ggml_ext_cuda_fattn_f16_applies(const ggml_tensor * dst);
+void ggml_ext_cuda_fattn_f16(ggml_backend_cuda_context & ctx, ggml_tensor * dst);
 
 void ggml_ext_cuda_gated_delta_net_tree(ggml_backend_cuda_context & ctx, ggml_tensor * dst);
 void ggml_ext_cuda_gated_delta_net_tree_persist(ggml_backend_cuda_context & ctx, ggml_tensor * dst);

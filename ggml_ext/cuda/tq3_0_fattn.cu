@@ -10,6 +10,7 @@
 // dequantising the D/32 values j = lane + 32 b. Larger batches (prefill) go to upstream's kernels, which read
 // TQ3_0 through the f16 converters, except over a long cache (ggml_ext_cuda_fattn_tq3_0_applies).
 
+#include "fattn_split.cuh"
 #include "ggml-ext-cuda.cuh"
 #include "ggml-ext.h"
 
@@ -209,54 +210,11 @@ k_tq3_0_fattn_decode(const tq3_0_fattn_params p) {
 // and the block's 4 warps take every 4th tile of the slice, each with its own buffer; a tree verify (23 tokens
 // x 6 heads = 138 rows) uses WR = 4, so 4 warps share one dequantised tile. Scores and the running softmax
 // stay in registers (the accumulator layout of S is the A-operand layout of P); each warp (or group of WR
-// warps) writes its own partial (max, sum, output), merged by k_tq3_0_fattn_merge.
+// warps) writes its own partial (max, sum, output), merged by fa_split_merge.
 
 #define TQ3_0_FA_KT       16   // keys per tile: one k-step of the P.V mma
 #define TQ3_0_FA_MMA_ROWS 256  // query rows per KV head up to which the tensor-core kernel is used ...
 #define TQ3_0_FA_COPY_MIB 512  // ... and beyond, where upstream's f16 copy of K and V would be this large
-
-static __device__ __forceinline__ void tq3_0_fa_mma(float c[4], const uint32_t a[4], const uint32_t b0, const uint32_t b1) {
-#if __CUDA_ARCH__ >= GGML_CUDA_CC_AMPERE
-    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
-                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-#else
-    GGML_UNUSED(c); GGML_UNUSED(a); GGML_UNUSED(b0); GGML_UNUSED(b1);
-    NO_DEVICE_CODE;
-#endif
-}
-
-// Four 8x8 f16 matrices from shared memory; lane l gives the address of row l % 8 of matrix l / 8.
-static __device__ __forceinline__ void tq3_0_fa_ldmatrix(uint32_t r[4], const half * row) {
-#if __CUDA_ARCH__ >= GGML_CUDA_CC_TURING
-    const uint32_t addr = (uint32_t) __cvta_generic_to_shared(row);
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr) : "memory");
-#else
-    GGML_UNUSED(r); GGML_UNUSED(row);
-    NO_DEVICE_CODE;
-#endif
-}
-
-// The same, each matrix transposed (for V: rows in memory are keys, the mma wants them along k).
-static __device__ __forceinline__ void tq3_0_fa_ldmatrix_trans(uint32_t r[4], const half * row) {
-#if __CUDA_ARCH__ >= GGML_CUDA_CC_TURING
-    const uint32_t addr = (uint32_t) __cvta_generic_to_shared(row);
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr) : "memory");
-#else
-    GGML_UNUSED(r); GGML_UNUSED(row);
-    NO_DEVICE_CODE;
-#endif
-}
-
-static __device__ __forceinline__ uint32_t tq3_0_fa_h2u(const half2 h) {
-    return *(const uint32_t *) &h;
-}
-
-static __device__ __forceinline__ uint32_t tq3_0_fa_pack(const float lo, const float hi) {
-    return tq3_0_fa_h2u(__floats2half2_rn(lo, hi)); // lo in the low 16 bits: the lower column of an mma fragment
-}
 
 // The raw sub-blocks of keys [k0, k0 + 16) of one head (rows nb1 bytes apart) that thread t of NT loads: one
 // 14-byte sub-block (32 values) per step, read as 7 halfwords (a sub-block is only 2-byte aligned). Keys at or
@@ -312,10 +270,10 @@ struct tq3_0_fa_raw {
                 const uint32_t ia = ((qs0 >> 2*c) & 0x03030303u) | (((hb & 0xFu) * 0x00810204u) & 0x04040404u);
                 const uint32_t ib = ((qs1 >> 2*c) & 0x03030303u) | ((((hb >> 4) & 0xFu) * 0x00810204u) & 0x04040404u);
                 // bytes (r, r+1) of ia/ib -> r | (r+1) << 3: the upper byte shifted right by 5
-                out[4*c + 0] = tq3_0_fa_h2u(__hmul2(d2, pair_lev[(ia | ia >> 5) & 63]));
-                out[4*c + 1] = tq3_0_fa_h2u(__hmul2(d2, pair_lev[((ia >> 16) | (ia >> 21)) & 63]));
-                out[4*c + 2] = tq3_0_fa_h2u(__hmul2(d2, pair_lev[(ib | ib >> 5) & 63]));
-                out[4*c + 3] = tq3_0_fa_h2u(__hmul2(d2, pair_lev[((ib >> 16) | (ib >> 21)) & 63]));
+                out[4*c + 0] = fa_h2u(__hmul2(d2, pair_lev[(ia | ia >> 5) & 63]));
+                out[4*c + 1] = fa_h2u(__hmul2(d2, pair_lev[((ia >> 16) | (ia >> 21)) & 63]));
+                out[4*c + 2] = fa_h2u(__hmul2(d2, pair_lev[(ib | ib >> 5) & 63]));
+                out[4*c + 3] = fa_h2u(__hmul2(d2, pair_lev[((ib >> 16) | (ib >> 21)) & 63]));
             }
             uint4 * dst = (uint4 *) &tile[u / SPR][(u % SPR)*TQ3_0_QK];
 #pragma unroll
@@ -442,12 +400,12 @@ k_tq3_0_fattn_mma(const tq3_0_fattn_params p) {
 #pragma unroll
         for (int kb = 0; kb < D; kb += 16) {
             uint32_t a[4], b[4];
-            tq3_0_fa_ldmatrix(a, &sQ[rg*16 + lane % 16][kb + (lane / 16)*8]);
+            fa_ldmatrix(a, &sQ[rg*16 + lane % 16][kb + (lane / 16)*8]);
             // matrices: keys 0-7 at kb, keys 0-7 at kb+8, keys 8-15 at kb, keys 8-15 at kb+8
-            tq3_0_fa_ldmatrix(b, &buf[lane % 8 + (lane / 16)*8][kb + ((lane / 8) % 2)*8]);
+            fa_ldmatrix(b, &buf[lane % 8 + (lane / 16)*8][kb + ((lane / 8) % 2)*8]);
             float (*acc)[4] = (kb / 16) % 2 ? S2 : S;
-            tq3_0_fa_mma(acc[0], a, b[0], b[1]);
-            tq3_0_fa_mma(acc[1], a, b[2], b[3]);
+            fa_mma(acc[0], a, b[0], b[1]);
+            fa_mma(acc[1], a, b[2], b[3]);
         }
 #pragma unroll
         for (int n = 0; n < 2; ++n) {
@@ -498,7 +456,7 @@ k_tq3_0_fattn_mma(const tq3_0_fattn_params p) {
             for (int h = 0; h < 2; ++h) {
                 const float p0 = M[h] == -INFINITY ? 0.0f : exp2f(S[n][2*h]     - M[h]);
                 const float p1 = M[h] == -INFINITY ? 0.0f : exp2f(S[n][2*h + 1] - M[h]);
-                P[2*n + h] = tq3_0_fa_pack(p0, p1);
+                P[2*n + h] = fa_pack(p0, p1);
                 const half2 ph = *(const half2 *) &P[2*n + h];
                 L[h] = (n == 0 ? L[h]*alpha[h] : L[h]) + __low2float(ph) + __high2float(ph); // sum what V is weighed by
             }
@@ -516,9 +474,9 @@ k_tq3_0_fattn_mma(const tq3_0_fattn_params p) {
 #pragma unroll
         for (int c = 0; c < D; c += 16) {
             uint32_t b[4];
-            tq3_0_fa_ldmatrix_trans(b, &buf[lane % 16][c + (lane / 16)*8]);
-            tq3_0_fa_mma(O[c/8],     P, b[0], b[1]);
-            tq3_0_fa_mma(O[c/8 + 1], P, b[2], b[3]);
+            fa_ldmatrix_trans(b, &buf[lane % 16][c + (lane / 16)*8]);
+            fa_mma(O[c/8],     P, b[0], b[1]);
+            fa_mma(O[c/8 + 1], P, b[2], b[3]);
         }
         tq3_0_fa_group_sync<WR>(kg); // done with V before the next tile's K
     }
@@ -547,33 +505,6 @@ k_tq3_0_fattn_mma(const tq3_0_fattn_params p) {
     GGML_UNUSED(p);
     NO_DEVICE_CODE;
 #endif
-}
-
-// One CUDA block per output row: merge the slices (max, sum, output) into softmax(...) V.
-template <int D>
-static __global__ void k_tq3_0_fattn_merge(const float * __restrict__ partial, float * __restrict__ dst, const int n_splits) {
-    const int64_t row = blockIdx.x;
-    const float * part = partial + row*n_splits*(D + 2);
-    float m = -INFINITY;
-    for (int i = 0; i < n_splits; ++i) {
-        m = fmaxf(m, part[i*(D + 2)]);
-    }
-    float sum = 0.0f;
-    for (int i = 0; i < n_splits; ++i) {
-        const float mi = part[i*(D + 2)];
-        sum += mi == -INFINITY ? 0.0f : expf(mi - m)*part[i*(D + 2) + 1];
-    }
-    const float inv = sum == 0.0f ? 0.0f : 1.0f/sum; // a fully masked row gives 0, as on the CPU
-    for (int d = threadIdx.x; d < D; d += blockDim.x) {
-        float a = 0.0f;
-        for (int i = 0; i < n_splits; ++i) {
-            const float mi = part[i*(D + 2)];
-            if (mi != -INFINITY) {
-                a += expf(mi - m)*part[i*(D + 2) + 2 + d];
-            }
-        }
-        dst[row*D + d] = a*inv;
-    }
 }
 
 // Tensor cores (Ampere and newer) on the current device, unless PYDFLASH_TQ3_FA_SCALAR=1 asks for the scalar
@@ -606,7 +537,7 @@ static void tq3_0_fattn_mma_launch(ggml_backend_cuda_context & ctx, tq3_0_fattn_
     p.partial = partial.get();
     cudaStream_t stream = ctx.stream();
     k_tq3_0_fattn_mma<D, WR><<<dim3(blocks_x, n_splits), TQ3_0_FA_WARPS*WARP_SIZE, 0, stream>>>(p);
-    k_tq3_0_fattn_merge<D><<<out_rows, D, 0, stream>>>(p.partial, dst, p.n_splits);
+    fa_split_merge<D><<<out_rows, D, 0, stream>>>(p.partial, dst, p.n_splits);
 }
 
 template <int D>
@@ -721,10 +652,10 @@ void ggml_ext_cuda_fattn_tq3_0(ggml_backend_cuda_context & ctx, ggml_tensor * ds
     const dim3 grid(blocks_x, n_splits);
     if (D == 128) {
         k_tq3_0_fattn_decode<128><<<grid, TQ3_0_FA_WARPS*WARP_SIZE, 0, stream>>>(p);
-        k_tq3_0_fattn_merge<128><<<out_rows, 128, 0, stream>>>(p.partial, (float *) dst->data, n_splits);
+        fa_split_merge<128><<<out_rows, 128, 0, stream>>>(p.partial, (float *) dst->data, n_splits);
     } else {
         k_tq3_0_fattn_decode<256><<<grid, TQ3_0_FA_WARPS*WARP_SIZE, 0, stream>>>(p);
-        k_tq3_0_fattn_merge<256><<<out_rows, 256, 0, stream>>>(p.partial, (float *) dst->data, n_splits);
+        fa_split_merge<256><<<out_rows, 256, 0, stream>>>(p.partial, (float *) dst->data, n_splits);
     }
     CUDA_CHECK(cudaGetLastError());
 }

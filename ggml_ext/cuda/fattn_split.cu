@@ -1,0 +1,132 @@
+// ggml_flash_attn_ext on CUDA where ggml_ext has a kernel for it: the hook upstream's fattn.cu calls first
+// (vendor/patches/0002-tq3_0-type.patch), and the f16 split-KV kernel of fattn_split.cuh for a tree verify's
+// sizes (a few tokens times the GQA heads over an f16 cache). TQ3_0 caches go to tq3_0_fattn.cu.
+
+#include "fattn_split.cuh"
+#include "ggml-ext-cuda.cuh"
+
+#include <cstdlib>
+#include <cstring>
+
+// The shape the f16 kernel runs: 3 m-tiles of 16 rows a block, 2 warps each (the scores' head dimensions split
+// between them), 3 stages of 32 keys in flight; one block an SM's worth of slices (tools/fa_lab.cu compared these).
+#define FA_F16_MT 3
+#define FA_F16_DS 2
+#define FA_F16_ST 3
+#define FA_F16_MAX_ROWS 256 // query rows per KV head (tokens x GQA ratio) up to which the f16 kernel is used
+
+// PYDFLASH_FA_SPLIT=0 leaves every f16 attention to upstream's kernels (read at each call, so a benchmark can
+// compare the two in one process).
+static bool fa_split_f16_enabled() {
+    const char * env = getenv("PYDFLASH_FA_SPLIT");
+    return env == nullptr || atoi(env) != 0;
+}
+
+static bool aligned16(const void * p) {
+    return ((uintptr_t) p) % 16 == 0;
+}
+
+bool ggml_ext_cuda_fattn_f16_applies(const ggml_tensor * dst) {
+    const ggml_tensor * Q = dst->src[0];
+    const ggml_tensor * K = dst->src[1];
+    const ggml_tensor * V = dst->src[2];
+    const ggml_tensor * mask = dst->src[3];
+    if (!fa_split_f16_enabled() || !ampere_mma_available(ggml_cuda_info().devices[ggml_cuda_get_device()].cc)) {
+        return false;
+    }
+    if (K->type != GGML_TYPE_F16 || V->type != GGML_TYPE_F16 || Q->type != GGML_TYPE_F32 || dst->type != GGML_TYPE_F32) {
+        return false;
+    }
+    const int64_t D = Q->ne[0];
+    if (K->ne[0] != D || V->ne[0] != D || (D != 128 && D != 256) || !ggml_is_contiguous(dst)) {
+        return false;
+    }
+    float max_bias = 0.0f, softcap = 0.0f;
+    memcpy(&max_bias, (const float *) dst->op_params + 1, sizeof(float));
+    memcpy(&softcap,  (const float *) dst->op_params + 2, sizeof(float));
+    if (max_bias != 0.0f || softcap != 0.0f || dst->src[4] != nullptr) {
+        return false; // ALiBi, softcap, sinks: upstream's kernels
+    }
+    if (K->ne[2] != V->ne[2] || Q->ne[2] % K->ne[2] != 0 || K->ne[3] != Q->ne[3] || V->ne[3] != Q->ne[3] ||
+        V->ne[1] != K->ne[1]) {
+        return false;
+    }
+    // 16-byte pieces: rows of K, V and the mask, and float4 reads of Q; a piece of 8 keys wholly in or out
+    if (K->nb[0] != sizeof(half) || V->nb[0] != sizeof(half) || Q->nb[0] != sizeof(float) || K->ne[1] % 8 != 0 ||
+        !aligned16(K->data) || !aligned16(V->data) || !aligned16(Q->data)) {
+        return false;
+    }
+    for (int i = 1; i < 4; ++i) {
+        if (K->nb[i] % 16 != 0 || V->nb[i] % 16 != 0 || Q->nb[i] % 16 != 0) {
+            return false;
+        }
+    }
+    if (mask && (mask->type != GGML_TYPE_F16 || mask->nb[0] != sizeof(half) || !aligned16(mask->data) ||
+                 mask->nb[1] % 16 != 0 || mask->nb[2] % 16 != 0 || mask->nb[3] % 16 != 0)) {
+        return false;
+    }
+    if (K->ne[1] > INT32_MAX || ggml_nrows(dst) > INT32_MAX) {
+        return false;
+    }
+    // a decode (one token) stays with upstream's vector kernel; past 256 rows (prefill micro-batches) upstream's
+    // tensor-core tiles are the better fit
+    const int64_t rows_per_kv_head = Q->ne[1] * (Q->ne[2] / K->ne[2]);
+    return Q->ne[1] >= 2 && rows_per_kv_head <= FA_F16_MAX_ROWS;
+}
+
+template <int D>
+static void fa_split_f16_launch(ggml_backend_cuda_context & ctx, fa_split_params p, float * dst, const int64_t out_rows) {
+    constexpr int MT = FA_F16_MT, DS = FA_F16_DS, ST = FA_F16_ST;
+    constexpr size_t smem = fa_split_f16_smem<D, MT, DS, ST, true>();
+    ggml_ext_cuda_allow_smem<k_fa_split_f16<D, MT, DS, ST, true>>(smem, ctx.device);
+    const dim3 grid = fa_split_f16_plan<MT>(p, ggml_cuda_info().devices[ctx.device].nsm, 1);
+
+    ggml_cuda_pool_alloc<float> partial(ctx.pool(), out_rows * p.n_splits * (D + 2));
+    p.partial = partial.get();
+    cudaStream_t stream = ctx.stream();
+    k_fa_split_f16<D, MT, DS, ST, true><<<grid, MT*DS*WARP_SIZE, smem, stream>>>(p);
+    fa_split_merge<D><<<out_rows, D, 0, stream>>>(p.partial, dst, p.n_splits);
+    CUDA_CHECK(cudaGetLastError());
+}
+
+void ggml_ext_cuda_fattn_f16(ggml_backend_cuda_context & ctx, ggml_tensor * dst) {
+    const ggml_tensor * Q = dst->src[0];
+    const ggml_tensor * K = dst->src[1];
+    const ggml_tensor * V = dst->src[2];
+    const ggml_tensor * mask = dst->src[3];
+
+    fa_split_params p = {};
+    p.q = (const char *) Q->data; p.k = (const char *) K->data; p.v = (const char *) V->data;
+    p.mask = mask ? (const char *) mask->data : nullptr;
+    p.nbq1 = Q->nb[1]; p.nbq2 = Q->nb[2]; p.nbq3 = Q->nb[3];
+    p.nbk1 = K->nb[1]; p.nbk2 = K->nb[2]; p.nbk3 = K->nb[3];
+    p.nbv1 = V->nb[1]; p.nbv2 = V->nb[2]; p.nbv3 = V->nb[3];
+    if (mask) {
+        p.nbm1 = mask->nb[1]; p.nbm2 = mask->nb[2]; p.nbm3 = mask->nb[3];
+        p.mask_ne2 = (int) mask->ne[2]; p.mask_ne3 = (int) mask->ne[3];
+    } else {
+        p.mask_ne2 = 1; p.mask_ne3 = 1;
+    }
+    p.n_q = (int) Q->ne[1]; p.n_head = (int) Q->ne[2]; p.n_head_kv = (int) K->ne[2];
+    p.n_kv = (int) K->ne[1]; p.n_seq = (int) Q->ne[3];
+    memcpy(&p.scale, (const float *) dst->op_params + 0, sizeof(float));
+
+    const int64_t out_rows = (int64_t) p.n_seq * p.n_q * p.n_head;
+    if (Q->ne[0] == 128) {
+        fa_split_f16_launch<128>(ctx, p, (float *) dst->data, out_rows);
+    } else {
+        fa_split_f16_launch<256>(ctx, p, (float *) dst->data, out_rows);
+    }
+}
+
+bool ggml_ext_cuda_fattn_applies(const ggml_tensor * dst) {
+    return ggml_ext_cuda_fattn_tq3_0_applies(dst) || ggml_ext_cuda_fattn_f16_applies(dst);
+}
+
+void ggml_ext_cuda_fattn(ggml_backend_cuda_context & ctx, ggml_tensor * dst) {
+    if (ggml_ext_cuda_fattn_tq3_0_applies(dst)) {
+        ggml_ext_cuda_fattn_tq3_0(ctx, dst);
+    } else {
+        ggml_ext_cuda_fattn_f16(ctx, dst);
+    }
+}
