@@ -1,8 +1,8 @@
 """Flash attention over an f16 KV cache at a tree verify's sizes: ggml_flash_attn_ext as the target's attention
 calls it (K and V views of a cache of [head_dim x n_head_kv] cells, a tree mask, f32 accumulation).
 
-On CUDA, up to 256 query rows per KV head (tokens x GQA ratio) of two or more tokens take ggml_ext's split-KV
-kernel (ggml_ext/cuda/fattn_split.cuh); the rest upstream's kernels. The oracle is float64 attention over the f16
+On CUDA, up to 256 query rows per KV head (tokens x GQA ratio) of two or more tokens over up to 4,096 cells take
+ggml_ext's split-KV kernel (ggml_ext/cuda/fattn_split.cuh); the rest upstream's kernels. The oracle is float64 attention over the f16
 values the cache holds.
 """
 from __future__ import annotations
@@ -45,7 +45,8 @@ def tree_mask(rng, n_q, n_kv, hole):
 
 
 def cache_attention(backend, q, k, v, mask, scale):
-    """ggml_flash_attn_ext over K/V held like the target's cache: q [n_q, H, D] f32, k/v [n_kv, Hkv, D] f16."""
+    """ggml_flash_attn_ext over K/V held like the target's cache: q [n_q, H, D] f32, k/v [n_kv, Hkv, D] f16;
+    mask None: no mask tensor (every key visible)."""
     n_q, h, d = q.shape
     n_kv, hkv, _ = k.shape
 
@@ -53,11 +54,14 @@ def cache_attention(backend, q, k, v, mask, scale):
         qq = ctx.permute(t["q"], 0, 2, 1, 3)                     # [D, n_q, H]
         kk = ctx.permute(t["k"], 0, 2, 1, 3)                     # [D, n_kv, Hkv], cells hkv * D apart
         vv = ctx.permute(t["v"], 0, 2, 1, 3)
-        out = ctx.flash_attn_ext(qq, kk, vv, t["mask"], float(scale), 0.0, 0.0)
+        out = ctx.flash_attn_ext(qq, kk, vv, t.get("mask"), float(scale), 0.0, 0.0)
         out.accumulate_f32()
         return out
 
-    out = run_graph(backend, build, {"q": q, "k": k, "v": v, "mask": mask.astype(np.float16)})
+    tensors = {"q": q, "k": k, "v": v}
+    if mask is not None:
+        tensors["mask"] = mask.astype(np.float16)
+    out = run_graph(backend, build, tensors)
     return out.reshape(n_q, h, d)
 
 
@@ -68,10 +72,20 @@ def inputs(rng, dim, h, hkv, n_q, n_kv, hole=False):
     return q, k, v, tree_mask(rng, n_q, n_kv, hole), 1.0 / np.sqrt(dim)
 
 
+@pytest.mark.parametrize("dim,h,hkv,n_q,n_kv", [(128, 32, 8, 16, 272), (256, 24, 4, 23, 768)])
+def test_flash_attention_f16_no_mask(backend, rng, dim, h, hkv, n_q, n_kv):
+    """No mask tensor (the draft's block attention can run so): every key counts for every query."""
+    q, k, v, _, scale = inputs(rng, dim, h, hkv, n_q, n_kv)
+    out = cache_attention(backend, q, k, v, None, scale)
+    ref, row_scale = attention_f64(q, k, v, np.zeros((n_q, n_kv)), scale)
+    row_err = np.linalg.norm(out - ref, axis=-1) / row_scale
+    assert row_err.max() < (1e-3 if backend.is_cpu else 2e-3)   # bounds as test_flash_attention_f16_cache
+
+
 # The 27B shape's verify (23 tokens x 6 GQA heads = 138 rows per KV head, 3 row tiles) at a short and a long
 # cache, the long one with a hidden stretch; 2 tokens (12 rows, one part-filled tile); 42 tokens (252 rows, the
-# kernel's largest); head size 128; and two shapes the kernel leaves to upstream: a cache length that is no
-# multiple of 8 and 43 tokens (258 rows).
+# kernel's largest); head size 128; and three shapes the kernel leaves to upstream: a cache length that is no
+# multiple of 8, 43 tokens (258 rows) and a cache longer than 4,096 cells.
 @pytest.mark.parametrize("dim,h,hkv,n_q,n_kv,hole", [
     (256, 24, 4, 23, 768, False),
     (256, 24, 4, 23, 4096, True),
@@ -80,6 +94,7 @@ def inputs(rng, dim, h, hkv, n_q, n_kv, hole=False):
     (128, 16, 2, 23, 520, False),
     (256, 24, 4, 23, 300, False),
     (256, 24, 4, 43, 512, False),
+    (256, 24, 4, 23, 4352, True),
 ])
 def test_flash_attention_f16_cache(backend, rng, dim, h, hkv, n_q, n_kv, hole):
     q, k, v, mask, scale = inputs(rng, dim, h, hkv, n_q, n_kv, hole)

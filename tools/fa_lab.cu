@@ -31,6 +31,11 @@ void ggml_cuda_error(const char * stmt, const char * func, const char * file, in
     fprintf(stderr, "CUDA error %s at %s (%s:%d): %s\n", msg, func, file, line, stmt);
     exit(1);
 }
+int ggml_cuda_get_device() {
+    int d;
+    CK(cudaGetDevice(&d));
+    return d;
+}
 void ggml_abort(const char * file, int line, const char * fmt, ...) {
     fprintf(stderr, "abort at %s:%d: %s\n", file, line, fmt);
     exit(1);
@@ -123,7 +128,17 @@ static fa_split_params params_of(const inputs & in, int copy) {
     return p;
 }
 
-struct config { int MT, DS, ST; };
+// the attention and (with_merge) its merge, launched as ggml_ext launches them (programmatic dependent launch
+// unless GGML_CUDA_PDL=0)
+template <int MT, int DS, int ST, bool SQ>
+static void launch_pair(const fa_split_params & p, dim3 grid, size_t smem, int rows_out, float * out, bool with_merge,
+                        cudaStream_t st) {
+    ggml_cuda_kernel_launch(k_fa_split_f16<D, MT, DS, ST, SQ>, ggml_cuda_kernel_launch_params(grid, MT*DS*WARP_SIZE, smem, st), p);
+    if (with_merge) {
+        ggml_cuda_kernel_launch(fa_split_merge<D>, ggml_cuda_kernel_launch_params(dim3(rows_out), D, 0, st),
+                                (const float *) p.partial, out, p.n_splits);
+    }
+}
 
 template <int MT, int DS, int ST, bool SQ>
 static void run_config(const inputs & in, const float * ref, int target_mult, int min_tiles, float * partial, float * out,
@@ -141,8 +156,7 @@ static void run_config(const inputs & in, const float * ref, int target_mult, in
     CK(cudaStreamCreate(&st));
     // check copy 0
     p0.partial = partial;
-    kern<<<grid, MT*DS*WARP_SIZE, smem, st>>>(p0);
-    fa_split_merge<D><<<rows_out, D, 0, st>>>(partial, out, p0.n_splits);
+    launch_pair<MT, DS, ST, SQ>(p0, grid, smem, rows_out, out, true, st);
     CK(cudaStreamSynchronize(st));
     CK(cudaGetLastError());
     std::vector<float> h((size_t) rows_out * D);
@@ -165,10 +179,7 @@ static void run_config(const inputs & in, const float * ref, int target_mult, in
             fa_split_params p = params_of(in, (int) c);
             fa_split_f16_plan<MT>(p, target, min_tiles);
             p.partial = partial;
-            kern<<<grid, MT*DS*WARP_SIZE, smem, st>>>(p);
-            if (with_merge) {
-                fa_split_merge<D><<<rows_out, D, 0, st>>>(partial, out, p.n_splits);
-            }
+            launch_pair<MT, DS, ST, SQ>(p, grid, smem, rows_out, out, with_merge, st);
         }
         CK(cudaStreamEndCapture(st, &graph));
         cudaGraphExec_t exec;

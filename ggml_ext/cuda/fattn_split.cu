@@ -1,6 +1,7 @@
 // ggml_flash_attn_ext on CUDA where ggml_ext has a kernel for it: the hook upstream's fattn.cu calls first
 // (vendor/patches/0002-tq3_0-type.patch), and the f16 split-KV kernel of fattn_split.cuh for a tree verify's
-// sizes (a few tokens times the GQA heads over an f16 cache). TQ3_0 caches go to tq3_0_fattn.cu.
+// sizes (a few tokens times the GQA heads over an f16 cache of up to 4,096 cells). TQ3_0 caches go to
+// tq3_0_fattn.cu.
 
 #include "fattn_split.cuh"
 #include "ggml-ext-cuda.cuh"
@@ -13,7 +14,10 @@
 #define FA_F16_MT 3
 #define FA_F16_DS 2
 #define FA_F16_ST 3
-#define FA_F16_MAX_ROWS 256 // query rows per KV head (tokens x GQA ratio) up to which the f16 kernel is used
+#define FA_F16_MAX_ROWS 256  // query rows per KV head (tokens x GQA ratio) up to which the f16 kernel is used ...
+#define FA_F16_MAX_KV   4096 // ... and cache cells: the 27B verify's attention per layer (Nsight Compute, H100) took
+                             // 25 us against upstream's 35 at 768 cells, 48 against 48 at ~4,400, 123 against 85
+                             // at ~16,400 (docs/benchmarks.md)
 
 // PYDFLASH_FA_SPLIT=0 leaves every f16 attention to upstream's kernels (read at each call, so a benchmark can
 // compare the two in one process).
@@ -68,10 +72,10 @@ bool ggml_ext_cuda_fattn_f16_applies(const ggml_tensor * dst) {
     if (K->ne[1] > INT32_MAX || ggml_nrows(dst) > INT32_MAX) {
         return false;
     }
-    // a decode (one token) stays with upstream's vector kernel; past 256 rows (prefill micro-batches) upstream's
-    // tensor-core tiles are the better fit
+    // a decode (one token) stays with upstream's vector kernel; past 256 rows (prefill micro-batches) and past
+    // 4,096 cells upstream's tensor-core tiles are the better fit
     const int64_t rows_per_kv_head = Q->ne[1] * (Q->ne[2] / K->ne[2]);
-    return Q->ne[1] >= 2 && rows_per_kv_head <= FA_F16_MAX_ROWS;
+    return Q->ne[1] >= 2 && rows_per_kv_head <= FA_F16_MAX_ROWS && K->ne[1] <= FA_F16_MAX_KV;
 }
 
 template <int D>
@@ -84,9 +88,10 @@ static void fa_split_f16_launch(ggml_backend_cuda_context & ctx, fa_split_params
     ggml_cuda_pool_alloc<float> partial(ctx.pool(), out_rows * p.n_splits * (D + 2));
     p.partial = partial.get();
     cudaStream_t stream = ctx.stream();
-    k_fa_split_f16<D, MT, DS, ST, true><<<grid, MT*DS*WARP_SIZE, smem, stream>>>(p);
-    fa_split_merge<D><<<out_rows, D, 0, stream>>>(p.partial, dst, p.n_splits);
-    CUDA_CHECK(cudaGetLastError());
+    ggml_cuda_kernel_launch(k_fa_split_f16<D, MT, DS, ST, true>,
+                            ggml_cuda_kernel_launch_params(grid, MT*DS*WARP_SIZE, smem, stream), p);
+    ggml_cuda_kernel_launch(fa_split_merge<D>, ggml_cuda_kernel_launch_params(dim3(out_rows), D, 0, stream),
+                            (const float *) p.partial, dst, p.n_splits);
 }
 
 void ggml_ext_cuda_fattn_f16(ggml_backend_cuda_context & ctx, ggml_tensor * dst) {

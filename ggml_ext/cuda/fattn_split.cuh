@@ -208,6 +208,9 @@ k_fa_split_f16(const fa_split_params p) {
 
     extern __shared__ __align__(16) unsigned char fa_smem[];
     half (*sQ)[LD]      = (half (*)[LD]) fa_smem;
+    // Q and this batch's K/V rows are the previous kernels' output. (No early trigger for the merge: a programmatic
+    // launch only sees the writes made before the trigger, and the partials are this kernel's last writes.)
+    ggml_cuda_pdl_sync();
     half (*sK)[KT][LD]  = (half (*)[KT][LD]) (fa_smem + RB*LD*sizeof(half));
     half (*sV)[KT][LD]  = sK + ST;
     half (*sM)[RB][KT]  = (half (*)[RB][KT]) (sV + ST);
