@@ -192,9 +192,9 @@ static constexpr size_t fa_split_f16_smem() {
            (SQ ? (size_t) MT*DS*16*FA_SPLIT_KT*sizeof(float) : 0);
 }
 
-// MT m-tiles of 16 query rows, DS warps per m-tile (each computes the m-tile's scores in full, then the P.V
-// product for D/DS of the output columns: fewer accumulators per thread for a second product of Q.K, which tensor
-// cores do in a fraction of the time the tile's loads take), ST stages of K and V in flight.
+// MT m-tiles of 16 query rows, DS warps per m-tile, each taking the P.V product for D/DS of the output columns (fewer
+// accumulators per thread) and, with SQ, the scores' sums over D/DS of the head dimensions (without, each warp
+// computes the m-tile's scores in full); ST stages of K and V in flight.
 template <int D, int MT, int DS, int ST, bool SQ>
 static __global__ void __launch_bounds__(MT*DS*WARP_SIZE)
 k_fa_split_f16(const fa_split_params p) {
@@ -208,13 +208,14 @@ k_fa_split_f16(const fa_split_params p) {
 
     extern __shared__ __align__(16) unsigned char fa_smem[];
     half (*sQ)[LD]      = (half (*)[LD]) fa_smem;
-    // Q and this batch's K/V rows are the previous kernels' output. (No early trigger for the merge: a programmatic
-    // launch only sees the writes made before the trigger, and the partials are this kernel's last writes.)
-    ggml_cuda_pdl_sync();
     half (*sK)[KT][LD]  = (half (*)[KT][LD]) (fa_smem + RB*LD*sizeof(half));
     half (*sV)[KT][LD]  = sK + ST;
     half (*sM)[RB][KT]  = (half (*)[RB][KT]) (sV + ST);
     float (*sS)[DS][KT/2][WARP_SIZE] = (float (*)[DS][KT/2][WARP_SIZE]) (sM + ST); // SQ: [m-tile][warp][value][lane]
+
+    // Q and this batch's K/V rows are the previous kernels' output. (The merge is not let in early: in the lab, an
+    // attention that triggered its dependents before writing its partials gave wrong merges; docs/benchmarks.md.)
+    ggml_cuda_pdl_sync();
 
     const int lane = threadIdx.x % WARP_SIZE;
     const int warp = threadIdx.x / WARP_SIZE;
