@@ -111,9 +111,9 @@ static __device__ __forceinline__ void fa_cp_async_wait() {
 #define FA_MERGE_UNROLL 8
 
 template <int D>
-static __global__ void __launch_bounds__(D) fa_split_merge(const float * __restrict__ partial, float * __restrict__ dst,
-                                                           const int n_splits) {
+static __global__ void __launch_bounds__(D) fa_split_merge(const float * partial, float * dst, const int n_splits) {
     static_assert(D % WARP_SIZE == 0 && D <= FA_MERGE_CHUNK, "one thread per output column");
+    ggml_cuda_pdl_sync(); // the partials are the attention's output (a programmatic launch may start before its end)
     __shared__ float s_w[FA_MERGE_CHUNK];    // a chunk of slices' weights exp(m_i - m)
     __shared__ float s_red[D / WARP_SIZE];
     const int64_t row = blockIdx.x;
@@ -213,9 +213,7 @@ k_fa_split_f16(const fa_split_params p) {
     half (*sM)[RB][KT]  = (half (*)[RB][KT]) (sV + ST);
     float (*sS)[DS][KT/2][WARP_SIZE] = (float (*)[DS][KT/2][WARP_SIZE]) (sM + ST); // SQ: [m-tile][warp][value][lane]
 
-    // Q and this batch's K/V rows are the previous kernels' output. (The merge is not let in early: in the lab, an
-    // attention that triggered its dependents before writing its partials gave wrong merges; docs/benchmarks.md.)
-    ggml_cuda_pdl_sync();
+    ggml_cuda_pdl_sync(); // Q and this batch's K/V rows are the previous kernels' output
 
     const int lane = threadIdx.x % WARP_SIZE;
     const int warp = threadIdx.x / WARP_SIZE;
