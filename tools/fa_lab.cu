@@ -2,7 +2,8 @@
 // one nvcc call on the GPU machine (seconds), then the kernel in several shapes (m-tiles per block, warps per
 // m-tile, stages; blocks aimed at; key tiles a slice at least) at the 27B model's attention (D 256, 24 query heads
 // over 4 KV heads) for a few query counts and cache lengths, each checked against a plain f32 kernel (worst
-// relative error of an output row) and timed with its merge.
+// relative error of an output row) and timed with its merge, both launched as ggml_ext launches them (programmatic
+// dependent launch unless GGML_CUDA_PDL=0).
 //
 //   nvcc -std=c++17 -O3 -arch=sm_90 -o /tmp/fa_lab tools/fa_lab.cu -DGGML_USE_CUDA \
 //        -Iggml_ext/include -Iggml_ext/cuda -I$GGML/include -I$GGML/src -I$GGML/src/ggml-cuda
@@ -231,17 +232,17 @@ int main(int argc, char ** argv) {
         std::vector<float> href((size_t) rows_out * D);
         CK(cudaMemcpy(href.data(), ref, href.size() * 4, cudaMemcpyDeviceToHost));
         printf("n_q=%d n_kv=%d (%zu copies; K+V %.2f MB a call)\n", n_q, n_kv, in.k.size(), 2.0 * in.bytes_kv / 1e6);
+        // blocks aimed at: 0 = as many as fit the GPU at once, else that many times its SMs; slices >= 1 key tile
         for (int target : {0, 1, 2}) {
-            for (int min_tiles : {1}) {
-                run_config<3, 2, 2, false>(in, href.data(), target, min_tiles, partial, out, nsm);
-                run_config<3, 2, 2, true>(in, href.data(), target, min_tiles, partial, out, nsm);
-                run_config<3, 4, 2, true>(in, href.data(), target, min_tiles, partial, out, nsm);
-                run_config<2, 4, 2, true>(in, href.data(), target, min_tiles, partial, out, nsm);
-                run_config<3, 2, 3, true>(in, href.data(), target, min_tiles, partial, out, nsm);
-                run_config<5, 2, 2, true>(in, href.data(), target, min_tiles, partial, out, nsm);
-                run_config<1, 4, 3, true>(in, href.data(), target, min_tiles, partial, out, nsm);
-                run_config<1, 4, 3, false>(in, href.data(), target, min_tiles, partial, out, nsm);
-            }
+            const int min_tiles = 1;
+            run_config<3, 2, 2, false>(in, href.data(), target, min_tiles, partial, out, nsm);
+            run_config<3, 2, 2, true>(in, href.data(), target, min_tiles, partial, out, nsm);
+            run_config<3, 4, 2, true>(in, href.data(), target, min_tiles, partial, out, nsm);
+            run_config<2, 4, 2, true>(in, href.data(), target, min_tiles, partial, out, nsm);
+            run_config<3, 2, 3, true>(in, href.data(), target, min_tiles, partial, out, nsm); // ggml_ext's (target 1)
+            run_config<5, 2, 2, true>(in, href.data(), target, min_tiles, partial, out, nsm);
+            run_config<1, 4, 3, true>(in, href.data(), target, min_tiles, partial, out, nsm);
+            run_config<1, 4, 3, false>(in, href.data(), target, min_tiles, partial, out, nsm);
         }
         CK(cudaFree(ref)); CK(cudaFree(out)); CK(cudaFree(partial));
         for (size_t c = 0; c < in.k.size(); ++c) { cudaFree(in.k[c]); cudaFree(in.v[c]); cudaFree(in.mask[c]); }
