@@ -24,23 +24,7 @@
 #include <string>
 #include <vector>
 
-#define CK(x) do { cudaError_t e_ = (x); if (e_ != cudaSuccess) { \
-    fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); exit(1); } } while (0)
-
-// ggml-cuda.cu's, which the lab does not link
-void ggml_cuda_error(const char * stmt, const char * func, const char * file, int line, const char * msg) {
-    fprintf(stderr, "CUDA error %s at %s (%s:%d): %s\n", msg, func, file, line, stmt);
-    exit(1);
-}
-int ggml_cuda_get_device() {
-    int d;
-    CK(cudaGetDevice(&d));
-    return d;
-}
-void ggml_abort(const char * file, int line, const char * fmt, ...) {
-    fprintf(stderr, "abort at %s:%d: %s\n", file, line, fmt);
-    exit(1);
-}
+#include "lab_ggml_stubs.cuh"
 
 constexpr int D = 256, H = 24, HKV = 4;
 

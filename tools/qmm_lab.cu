@@ -44,42 +44,7 @@
 #include <string>
 #include <vector>
 
-#define CK(x) do { cudaError_t e_ = (x); if (e_ != cudaSuccess) { \
-    fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); exit(1); } } while (0)
-
-// ggml-cuda.cu's, which the lab does not link: CUDA_CHECK (in ggml_cuda_kernel_launch) reports through it
-void ggml_cuda_error(const char * stmt, const char * func, const char * file, int line, const char * msg) {
-    fprintf(stderr, "CUDA error %s at %s (%s:%d): %s\n", msg, func, file, line, stmt);
-    exit(1);
-}
-
-// ggml's, likewise, for ggml_cuda_kernel_launch and GGML_ABORT
-int ggml_cuda_get_device() {
-    int d;
-    CK(cudaGetDevice(&d));
-    return d;
-}
-
-// ggml's, likewise, for the launchers that size themselves from the device (this machine's device 0 only)
-const ggml_cuda_device_info & ggml_cuda_info() {
-    static const ggml_cuda_device_info info = [] {
-        ggml_cuda_device_info i = {};
-        cudaDeviceProp p;
-        CK(cudaGetDeviceProperties(&p, 0));
-        i.device_count = 1;
-        i.devices[0].cc    = 100 * p.major + 10 * p.minor;
-        i.devices[0].nsm   = p.multiProcessorCount;
-        i.devices[0].smpb  = p.sharedMemPerBlock;
-        i.devices[0].smpbo = p.sharedMemPerBlockOptin;
-        return i;
-    }();
-    return info;
-}
-
-void ggml_abort(const char * file, int line, const char * fmt, ...) {
-    fprintf(stderr, "abort at %s:%d: %s\n", file, line, fmt);
-    exit(1);
-}
+#include "lab_ggml_stubs.cuh"
 
 struct shape { const char * name; int K, M; ggml_type type; };
 static const shape SHAPES[] = {

@@ -26,10 +26,6 @@ static bool fa_split_f16_enabled() {
     return env == nullptr || atoi(env) != 0;
 }
 
-static bool aligned16(const void * p) {
-    return ((uintptr_t) p) % 16 == 0;
-}
-
 bool ggml_ext_cuda_fattn_f16_applies(const ggml_tensor * dst) {
     const ggml_tensor * Q = dst->src[0];
     const ggml_tensor * K = dst->src[1];
@@ -95,29 +91,9 @@ static void fa_split_f16_launch(ggml_backend_cuda_context & ctx, fa_split_params
 }
 
 void ggml_ext_cuda_fattn_f16(ggml_backend_cuda_context & ctx, ggml_tensor * dst) {
-    const ggml_tensor * Q = dst->src[0];
-    const ggml_tensor * K = dst->src[1];
-    const ggml_tensor * V = dst->src[2];
-    const ggml_tensor * mask = dst->src[3];
-
-    fa_split_params p = {};
-    p.q = (const char *) Q->data; p.k = (const char *) K->data; p.v = (const char *) V->data;
-    p.mask = mask ? (const char *) mask->data : nullptr;
-    p.nbq1 = Q->nb[1]; p.nbq2 = Q->nb[2]; p.nbq3 = Q->nb[3];
-    p.nbk1 = K->nb[1]; p.nbk2 = K->nb[2]; p.nbk3 = K->nb[3];
-    p.nbv1 = V->nb[1]; p.nbv2 = V->nb[2]; p.nbv3 = V->nb[3];
-    if (mask) {
-        p.nbm1 = mask->nb[1]; p.nbm2 = mask->nb[2]; p.nbm3 = mask->nb[3];
-        p.mask_ne2 = (int) mask->ne[2]; p.mask_ne3 = (int) mask->ne[3];
-    } else {
-        p.mask_ne2 = 1; p.mask_ne3 = 1;
-    }
-    p.n_q = (int) Q->ne[1]; p.n_head = (int) Q->ne[2]; p.n_head_kv = (int) K->ne[2];
-    p.n_kv = (int) K->ne[1]; p.n_seq = (int) Q->ne[3];
-    memcpy(&p.scale, (const float *) dst->op_params + 0, sizeof(float));
-
+    const fa_split_params p = fa_split_params_of(dst); // (no softcap: ggml_ext_cuda_fattn_f16_applies)
     const int64_t out_rows = (int64_t) p.n_seq * p.n_q * p.n_head;
-    if (Q->ne[0] == 128) {
+    if (dst->src[0]->ne[0] == 128) {
         fa_split_f16_launch<128>(ctx, p, (float *) dst->data, out_rows);
     } else {
         fa_split_f16_launch<256>(ctx, p, (float *) dst->data, out_rows);

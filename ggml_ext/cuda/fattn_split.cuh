@@ -17,6 +17,7 @@
 #include "common.cuh"
 
 #include <cuda_fp16.h>
+#include <cstring>
 
 struct fa_split_params {
     const char * q; const char * k; const char * v; const char * mask;
@@ -27,9 +28,38 @@ struct fa_split_params {
     int64_t nbm1, nbm2, nbm3;
     int n_q, n_head, n_head_kv, n_kv, n_seq, mask_ne2, mask_ne3;
     int n_tiles, n_splits, keys_per_split;
-    uint3 group_div;                // fastdiv values of the GQA ratio n_head / n_head_kv
-    float scale;
+    uint3 group_div;                // fastdiv values of the GQA ratio n_head / n_head_kv (the f16 kernel's plan)
+    float scale, softcap;           // with a softcap, scale is divided by it: softcap * tanh(scale/softcap * q.k)
 };
+
+// The parameters of a GGML_OP_FLASH_ATTN_EXT node (Q, K, V, mask as its sources; strides in bytes), before any
+// kernel's tiles and slices.
+static fa_split_params fa_split_params_of(const ggml_tensor * dst) {
+    const ggml_tensor * Q    = dst->src[0];
+    const ggml_tensor * K    = dst->src[1];
+    const ggml_tensor * V    = dst->src[2];
+    const ggml_tensor * mask = dst->src[3];
+    fa_split_params p = {};
+    p.q = (const char *) Q->data; p.k = (const char *) K->data; p.v = (const char *) V->data;
+    p.mask = mask ? (const char *) mask->data : nullptr;
+    p.nbq1 = Q->nb[1]; p.nbq2 = Q->nb[2]; p.nbq3 = Q->nb[3];
+    p.nbk1 = K->nb[1]; p.nbk2 = K->nb[2]; p.nbk3 = K->nb[3];
+    p.nbv1 = V->nb[1]; p.nbv2 = V->nb[2]; p.nbv3 = V->nb[3];
+    if (mask) {
+        p.nbm1 = mask->nb[1]; p.nbm2 = mask->nb[2]; p.nbm3 = mask->nb[3];
+        p.mask_ne2 = (int) mask->ne[2]; p.mask_ne3 = (int) mask->ne[3];
+    } else {
+        p.mask_ne2 = 1; p.mask_ne3 = 1;
+    }
+    p.n_q = (int) Q->ne[1]; p.n_head = (int) Q->ne[2]; p.n_head_kv = (int) K->ne[2];
+    p.n_kv = (int) K->ne[1]; p.n_seq = (int) Q->ne[3];
+    memcpy(&p.scale,   (const float *) dst->op_params + 0, sizeof(float));
+    memcpy(&p.softcap, (const float *) dst->op_params + 2, sizeof(float));
+    if (p.softcap != 0.0f) {
+        p.scale /= p.softcap; // as upstream
+    }
+    return p;
+}
 
 // --- tensor-core and copy primitives (Ampere and newer) -------------------------------------------------------
 

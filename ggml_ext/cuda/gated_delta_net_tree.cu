@@ -585,12 +585,6 @@ static void launch_for(const gdn_tree_args & a, int S_v, bool kda, bool vec, int
 #undef GDN_TREE_LAUNCH
 }
 
-// Whether a lane's 32 rows can move 16 bytes at a time: every column starts a multiple of S_v elements after the
-// base (S_v = 64 or 128), so the base decides.
-static bool aligned16(const void * p) {
-    return ((uintptr_t) p) % 16 == 0;
-}
-
 // inter: the persist op's node states; steps: ggml_gated_delta_net_tree_steps' replay steps (else null)
 static void gdn_tree(ggml_backend_cuda_context & ctx, ggml_tensor * dst, const ggml_tensor * inter,
                      const ggml_tensor * steps) {
@@ -650,6 +644,8 @@ static void gdn_tree(ggml_backend_cuda_context & ctx, ggml_tensor * dst, const g
             return;
         }
     }
+    // the tree kernel's lanes move their 32 rows 16 bytes at a time where the state's and the nodes' bases allow it:
+    // every column starts a multiple of S_v elements (64 or 128) after the base, so the base decides
     if (inter == nullptr) {
         a.nodes   = (float *) dst->data + S_v * H * n_t * n_s;
         if (steps == nullptr) {

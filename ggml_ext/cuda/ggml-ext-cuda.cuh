@@ -17,6 +17,11 @@ template <auto KERNEL> static void ggml_ext_cuda_allow_smem(size_t smem, int dev
     }
 }
 
+// whether a pointer allows 16-byte loads and stores
+static inline bool aligned16(const void * p) {
+    return ((uintptr_t) p) % 16 == 0;
+}
+
 // one function per op
 void ggml_ext_cuda_ssm_conv_tree(ggml_backend_cuda_context & ctx, ggml_tensor * dst);
 bool ggml_ext_cuda_ssm_conv_tree_supported(const ggml_tensor * op);

@@ -22,18 +22,6 @@ static __constant__ float tq3_0_fa_levels[8] = TQ3_0_LEVELS_INIT;
 #define TQ3_0_FA_NC       8    // query rows per CUDA block
 #define TQ3_0_FA_MAX_ROWS 32   // query rows per KV head up to which this kernel is used
 
-struct tq3_0_fattn_params {
-    const char * q; const char * k; const char * v; const char * mask;
-    float * partial;
-    int64_t nbq1, nbq2, nbq3;       // bytes
-    int64_t nbk1, nbk2, nbk3;
-    int64_t nbv1, nbv2, nbv3;
-    int64_t nbm1, nbm2, nbm3;
-    int n_q, n_head, n_head_kv, n_kv, n_seq, mask_ne2, mask_ne3;
-    int n_tiles, n_splits, keys_per_split;
-    float scale, softcap;
-};
-
 // The D/32 values of key/value row `row` that lane `lane` owns (j = lane + 32 b), dequantised.
 template <int VPL>
 static __device__ __forceinline__ void tq3_0_fa_load_row(const char * row, const int lane, float out[VPL]) {
@@ -48,7 +36,7 @@ static __device__ __forceinline__ void tq3_0_fa_load_row(const char * row, const
 
 template <int D>
 static __global__ void __launch_bounds__(TQ3_0_FA_WARPS*WARP_SIZE)
-k_tq3_0_fattn_decode(const tq3_0_fattn_params p) {
+k_tq3_0_fattn_decode(const fa_split_params p) {
     constexpr int VPL = D / WARP_SIZE;
     constexpr int NC  = TQ3_0_FA_NC;
     const int lane = threadIdx.x % WARP_SIZE;
@@ -295,7 +283,7 @@ static __device__ __forceinline__ void tq3_0_fa_group_sync(const int kg) {
 
 template <int D, int WR>
 static __global__ void __launch_bounds__(TQ3_0_FA_WARPS*WARP_SIZE)
-k_tq3_0_fattn_mma(const tq3_0_fattn_params p) {
+k_tq3_0_fattn_mma(const fa_split_params p) {
 #if __CUDA_ARCH__ >= GGML_CUDA_CC_AMPERE
     constexpr int WK = TQ3_0_FA_WARPS / WR; // groups of warps that take every WK-th tile
     constexpr int RB = 16*WR;               // query rows per CUDA block
@@ -516,7 +504,7 @@ static bool tq3_0_fa_use_mma() {
 
 // Launch the tensor-core kernel with WR warps over the rows: slices of the keys fill the GPU once.
 template <int D, int WR>
-static void tq3_0_fattn_mma_launch(ggml_backend_cuda_context & ctx, tq3_0_fattn_params p, float * dst, const int64_t out_rows) {
+static void tq3_0_fattn_mma_launch(ggml_backend_cuda_context & ctx, fa_split_params p, float * dst, const int64_t out_rows) {
     constexpr int WK = TQ3_0_FA_WARPS / WR;
     constexpr int KT = TQ3_0_FA_KT;
     const int n_rows = (p.n_head / p.n_head_kv) * p.n_q;
@@ -541,7 +529,7 @@ static void tq3_0_fattn_mma_launch(ggml_backend_cuda_context & ctx, tq3_0_fattn_
 }
 
 template <int D>
-static void tq3_0_fattn_mma(ggml_backend_cuda_context & ctx, const tq3_0_fattn_params & p, float * dst, const int64_t out_rows) {
+static void tq3_0_fattn_mma(ggml_backend_cuda_context & ctx, const fa_split_params & p, float * dst, const int64_t out_rows) {
     const int n_rows = (p.n_head / p.n_head_kv) * p.n_q;
     if (n_rows <= 16) {
         tq3_0_fattn_mma_launch<D, 1>(ctx, p, dst, out_rows); // decode: 4 warps over the keys
@@ -596,34 +584,8 @@ bool ggml_ext_cuda_fattn_tq3_0_applies(const ggml_tensor * dst) {
 }
 
 void ggml_ext_cuda_fattn_tq3_0(ggml_backend_cuda_context & ctx, ggml_tensor * dst) {
-    const ggml_tensor * Q = dst->src[0];
-    const ggml_tensor * K = dst->src[1];
-    const ggml_tensor * V = dst->src[2];
-    const ggml_tensor * mask = dst->src[3];
-    const int D = (int) K->ne[0];
-
-    tq3_0_fattn_params p = {};
-    p.q = (const char *) Q->data; p.k = (const char *) K->data; p.v = (const char *) V->data;
-    p.mask = mask ? (const char *) mask->data : nullptr;
-    p.nbq1 = Q->nb[1]; p.nbq2 = Q->nb[2]; p.nbq3 = Q->nb[3];
-    p.nbk1 = K->nb[1]; p.nbk2 = K->nb[2]; p.nbk3 = K->nb[3];
-    p.nbv1 = V->nb[1]; p.nbv2 = V->nb[2]; p.nbv3 = V->nb[3];
-    if (mask) {
-        p.nbm1 = mask->nb[1]; p.nbm2 = mask->nb[2]; p.nbm3 = mask->nb[3];
-        p.mask_ne2 = (int) mask->ne[2]; p.mask_ne3 = (int) mask->ne[3];
-    } else {
-        p.mask_ne2 = 1; p.mask_ne3 = 1;
-    }
-    p.n_q = (int) Q->ne[1]; p.n_head = (int) Q->ne[2]; p.n_head_kv = (int) K->ne[2];
-    p.n_kv = (int) K->ne[1]; p.n_seq = (int) Q->ne[3];
-
-    float scale = 1.0f, softcap = 0.0f;
-    memcpy(&scale,   (const float *) dst->op_params + 0, sizeof(float));
-    memcpy(&softcap, (const float *) dst->op_params + 2, sizeof(float));
-    if (softcap != 0.0f) {
-        scale /= softcap; // as upstream: softcap * tanh(scale/softcap * q.k)
-    }
-    p.scale = scale; p.softcap = softcap;
+    const int D = (int) dst->src[1]->ne[0];
+    fa_split_params p = fa_split_params_of(dst);
 
     const int64_t out_rows = (int64_t) p.n_seq * p.n_q * p.n_head;
     if (tq3_0_fa_use_mma()) {
