@@ -131,6 +131,79 @@ static __device__ __forceinline__ void fa_cp_async_wait() {
 #endif
 }
 
+// --- the online softmax of a key tile, shared by the f16 and TQ3_0 tensor-core kernels -----------------------
+
+// One tile's step for this thread's two rows (h = 0: fragment row g, 1: row g + 8) of an m16 tile: S holds the
+// tile's NK n-tiles of 8 scores in log2 units, masked keys at -inf. The rows' running max M moves to the tile's
+// (over the quad's 4 threads), L and the output accumulators O (NO n-tiles) are rescaled to it, and P gets the
+// weights as the A operand of P.V, one k-step of 16 keys per P[j]: (g, keys 2t4..), (g+8, keys 2t4..), (g, keys
+// 8+2t4..), (g+8, keys 8+2t4..). L adds the weights as rounded to f16, which is what V is weighed by.
+template <int NK, int NO>
+static __device__ __forceinline__ void fa_online_softmax(const float (&S)[NK][4], float (&M)[2], float (&L)[2],
+                                                         float (&O)[NO][4], uint32_t (&P)[NK/2][4]) {
+    static_assert(NK % 2 == 0, "whole k-steps of 16 keys");
+    float mx[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+    for (int n = 0; n < NK; ++n) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            mx[e / 2] = fmaxf(mx[e / 2], S[n][e]);
+        }
+    }
+    float alpha[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffff, mx[h], 1)); // the 4 threads of a row
+        mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffff, mx[h], 2));
+        const float m_new = fmaxf(M[h], mx[h]);
+        alpha[h] = m_new == -INFINITY ? 1.0f : exp2f(M[h] - m_new); // 0 on the first unmasked key
+        M[h] = m_new;
+        L[h] *= alpha[h];
+    }
+#pragma unroll
+    for (int n = 0; n < NK; ++n) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const float p0 = M[h] == -INFINITY ? 0.0f : exp2f(S[n][2*h]     - M[h]);
+            const float p1 = M[h] == -INFINITY ? 0.0f : exp2f(S[n][2*h + 1] - M[h]);
+            P[n/2][2*(n % 2) + h] = fa_pack(p0, p1);
+            const half2 ph = *(const half2 *) &P[n/2][2*(n % 2) + h];
+            L[h] += __low2float(ph) + __high2float(ph);
+        }
+    }
+    if (__any_sync(0xffffffff, alpha[0] != 1.0f || alpha[1] != 1.0f)) { // deep in the context the max rarely moves
+#pragma unroll
+        for (int n = 0; n < NO; ++n) {
+            O[n][0] *= alpha[0]; O[n][1] *= alpha[0];
+            O[n][2] *= alpha[1]; O[n][3] *= alpha[1];
+        }
+    }
+}
+
+// A slice's partial result for this thread's row h (after fa_online_softmax's last tile): the quad's sums of L
+// (every thread of the quad must call this, row past the end or not), then, where out is not null (the row's
+// partial, [D + 2] floats), the max in natural units and the sum (by the thread that write_ml says) and this
+// thread's output columns, from col0 on.
+template <int NO>
+static __device__ __forceinline__ void fa_store_partial(float * out, const float (&M)[2], float (&L)[2],
+                                                        const float (&O)[NO][4], const int h, const int t4,
+                                                        const bool write_ml, const int col0) {
+    constexpr float LOG2E = 1.4426950408889634f;
+    L[h] += __shfl_xor_sync(0xffffffff, L[h], 1);
+    L[h] += __shfl_xor_sync(0xffffffff, L[h], 2);
+    if (out == nullptr) {
+        return;
+    }
+    if (write_ml) {
+        out[0] = M[h] == -INFINITY ? -INFINITY : M[h] / LOG2E; // the merge works in natural units
+        out[1] = L[h];
+    }
+#pragma unroll
+    for (int n = 0; n < NO; ++n) {
+        *(float2 *) &out[2 + col0 + 8*n + 2*t4] = make_float2(O[n][2*h], O[n][2*h + 1]);
+    }
+}
+
 // --- merge -----------------------------------------------------------------------------------------------------
 
 // One CUDA block per output row: merge the slices (max, sum, output) into softmax(...) V. dst rows are
@@ -407,55 +480,22 @@ k_fa_split_f16(const fa_split_params p) {
             }
         }
 
-        // mask and keys past the slice; online softmax in log2 units
+        // mask and keys past the slice, then the online softmax (log2 units)
         const int k0 = k_begin + it*KT;
-        float mx[2] = {-INFINITY, -INFINITY};
 #pragma unroll
         for (int n = 0; n < KT/8; ++n) {
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
                 const int key = k0 + 8*n + 2*t4 + e % 2;
-                float x = S[n][e];
                 if (key >= k_end) {
-                    x = -INFINITY;
+                    S[n][e] = -INFINITY;
                 } else if (p.mask) {
-                    x = fmaf(__half2float(sM[s][mt*16 + g + 8*(e / 2)][8*n + 2*t4 + e % 2]), LOG2E, x);
+                    S[n][e] = fmaf(__half2float(sM[s][mt*16 + g + 8*(e / 2)][8*n + 2*t4 + e % 2]), LOG2E, S[n][e]);
                 }
-                S[n][e] = x;
-                mx[e / 2] = fmaxf(mx[e / 2], x);
             }
         }
-        float alpha[2];
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffff, mx[h], 1)); // the 4 threads of a row
-            mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffff, mx[h], 2));
-            const float m_new = fmaxf(M[h], mx[h]);
-            alpha[h] = m_new == -INFINITY ? 1.0f : exp2f(M[h] - m_new); // 0 on the first unmasked key
-            M[h] = m_new;
-            L[h] *= alpha[h];
-        }
-        // P as the A operand of P.V, one k-step of 16 keys at a time: (g, keys 2t4..), (g+8, keys 2t4..),
-        // (g, keys 8+2t4..), (g+8, keys 8+2t4..); the sums add the f16 weights V is weighed by
         uint32_t P[KT/16][4];
-#pragma unroll
-        for (int n = 0; n < KT/8; ++n) {
-#pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                const float p0 = M[h] == -INFINITY ? 0.0f : exp2f(S[n][2*h]     - M[h]);
-                const float p1 = M[h] == -INFINITY ? 0.0f : exp2f(S[n][2*h + 1] - M[h]);
-                P[n/2][2*(n % 2) + h] = fa_pack(p0, p1);
-                const half2 ph = *(const half2 *) &P[n/2][2*(n % 2) + h];
-                L[h] += __low2float(ph) + __high2float(ph);
-            }
-        }
-        if (__any_sync(0xffffffff, alpha[0] != 1.0f || alpha[1] != 1.0f)) { // deep in the context the max rarely moves
-#pragma unroll
-            for (int n = 0; n < DW/8; ++n) {
-                O[n][0] *= alpha[0]; O[n][1] *= alpha[0];
-                O[n][2] *= alpha[1]; O[n][3] *= alpha[1];
-            }
-        }
+        fa_online_softmax(S, M, L, O, P);
 
         // O += P V over this warp's columns: per 16 columns, matrices keys 0-7 / keys 8-15 at column c, then
         // the same at c + 8
@@ -471,27 +511,19 @@ k_fa_split_f16(const fa_split_params p) {
         }
     }
     fa_cp_async_wait<0>(); // no copy outlives the block
+    ggml_cuda_pdl_lc();    // the merge may launch: it waits for this kernel's end before reading the partials
 
     // this block's partial result of its slice
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-        L[h] += __shfl_xor_sync(0xffffffff, L[h], 1);
-        L[h] += __shfl_xor_sync(0xffffffff, L[h], 2);
         const int r = tile*RB + mt*16 + g + 8*h;
-        if (r >= n_rows) {
-            continue;
+        float * out = nullptr;
+        if (r < n_rows) {
+            const int t = token_of(r);
+            const int64_t row_out = ((int64_t) seq*p.n_q + t)*p.n_head + hk*group + r - t*group;
+            out = p.partial + (row_out*p.n_splits + split)*(D + 2);
         }
-        const int t = token_of(r);
-        const int64_t row_out = ((int64_t) seq*p.n_q + t)*p.n_head + hk*group + r - t*group;
-        float * out = p.partial + (row_out*p.n_splits + split)*(D + 2);
-        if (t4 == 0 && ds == 0) {
-            out[0] = M[h] == -INFINITY ? -INFINITY : M[h] / LOG2E; // the merge works in natural units
-            out[1] = L[h];
-        }
-#pragma unroll
-        for (int n = 0; n < DW/8; ++n) {
-            *(float2 *) &out[2 + ds*DW + 8*n + 2*t4] = make_float2(O[n][2*h], O[n][2*h + 1]);
-        }
+        fa_store_partial(out, M, L, O, h, t4, t4 == 0 && ds == 0, ds*DW);
     }
 #else
     GGML_UNUSED(p);

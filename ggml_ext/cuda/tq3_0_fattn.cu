@@ -408,8 +408,7 @@ k_tq3_0_fattn_mma(const fa_split_params p) {
             rv.load(vbase, p.nbv1, k0 + WK*KT, k_end, gt);
         }
 
-        // softcap, mask, keys past the slice; online softmax in log2 units
-        float mx[2] = {-INFINITY, -INFINITY};
+        // softcap, mask, keys past the slice, then the online softmax (log2 units)
 #pragma unroll
         for (int n = 0; n < 2; ++n) {
 #pragma unroll
@@ -425,37 +424,10 @@ k_tq3_0_fattn_mma(const fa_split_params p) {
                     x += __half2float(mrow[e / 2][key]);
                 }
                 S[n][e] = x * LOG2E;
-                mx[e / 2] = fmaxf(mx[e / 2], S[n][e]);
             }
         }
-        float alpha[2];
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffff, mx[h], 1)); // the 4 threads of a row
-            mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffff, mx[h], 2));
-            const float m_new = fmaxf(M[h], mx[h]);
-            alpha[h] = m_new == -INFINITY ? 1.0f : exp2f(M[h] - m_new); // 0 on the first unmasked key
-            M[h] = m_new;
-        }
-        uint32_t P[4]; // A operand of P.V: (g, keys 2t4..), (g+8, keys 2t4..), (g, keys 8+2t4..), (g+8, 8+2t4..)
-#pragma unroll
-        for (int n = 0; n < 2; ++n) {
-#pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                const float p0 = M[h] == -INFINITY ? 0.0f : exp2f(S[n][2*h]     - M[h]);
-                const float p1 = M[h] == -INFINITY ? 0.0f : exp2f(S[n][2*h + 1] - M[h]);
-                P[2*n + h] = fa_pack(p0, p1);
-                const half2 ph = *(const half2 *) &P[2*n + h];
-                L[h] = (n == 0 ? L[h]*alpha[h] : L[h]) + __low2float(ph) + __high2float(ph); // sum what V is weighed by
-            }
-        }
-        if (__any_sync(0xffffffff, alpha[0] != 1.0f || alpha[1] != 1.0f)) { // deep in the context the max rarely moves
-#pragma unroll
-            for (int n = 0; n < D/8; ++n) {
-                O[n][0] *= alpha[0]; O[n][1] *= alpha[0];
-                O[n][2] *= alpha[1]; O[n][3] *= alpha[1];
-            }
-        }
+        uint32_t P[1][4];
+        fa_online_softmax(S, M, L, O, P);
         tq3_0_fa_group_sync<WR>(kg); // V is in the buffer
 
         // O += P V: per 16 columns, matrices keys 0-7 / keys 8-15 at columns c, then the same at c + 8
@@ -463,8 +435,8 @@ k_tq3_0_fattn_mma(const fa_split_params p) {
         for (int c = 0; c < D; c += 16) {
             uint32_t b[4];
             fa_ldmatrix_trans(b, &buf[lane % 16][c + (lane / 16)*8]);
-            fa_mma(O[c/8],     P, b[0], b[1]);
-            fa_mma(O[c/8 + 1], P, b[2], b[3]);
+            fa_mma(O[c/8],     P[0], b[0], b[1]);
+            fa_mma(O[c/8 + 1], P[0], b[2], b[3]);
         }
         tq3_0_fa_group_sync<WR>(kg); // done with V before the next tile's K
     }
@@ -472,22 +444,13 @@ k_tq3_0_fattn_mma(const fa_split_params p) {
     // this warp's partial result: slice index split*WK + kg
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-        L[h] += __shfl_xor_sync(0xffffffff, L[h], 1);
-        L[h] += __shfl_xor_sync(0xffffffff, L[h], 2);
         const int r = tile*RB + rg*16 + g + 8*h;
-        if (r >= n_rows) {
-            continue;
+        float * out = nullptr;
+        if (r < n_rows) {
+            const int64_t row_out = ((int64_t) seq*p.n_q + r / group)*p.n_head + hk*group + r % group;
+            out = p.partial + (row_out*p.n_splits + split*WK + kg)*(D + 2);
         }
-        const int64_t row_out = ((int64_t) seq*p.n_q + r / group)*p.n_head + hk*group + r % group;
-        float * out = p.partial + (row_out*p.n_splits + split*WK + kg)*(D + 2);
-        if (t4 == 0) {
-            out[0] = M[h] == -INFINITY ? -INFINITY : M[h] / LOG2E; // the merge works in natural units
-            out[1] = L[h];
-        }
-#pragma unroll
-        for (int n = 0; n < D/8; ++n) {
-            *(float2 *) &out[2 + 8*n + 2*t4] = make_float2(O[n][2*h], O[n][2*h + 1]);
-        }
+        fa_store_partial(out, M, L, O, h, t4, t4 == 0, 0);
     }
 #else
     GGML_UNUSED(p);
