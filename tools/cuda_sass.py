@@ -1,0 +1,97 @@
+"""What the compiler made of a ggml_ext kernel, on a machine without a GPU: compile one of our CUDA sources for
+sm_90 to a cubin (as tools/cuda_check.sh compiles it), disassemble it with cuobjdump, and for every kernel whose
+name matches a pattern print its instruction count and the opcode mix of each basic block that holds tensor-core
+instructions (HMMA): the inner loops, where a weight's decoding or a score's softmax costs issue slots.
+
+    python tools/cuda_sass.py ggml_ext/cuda/qmatmul.cu 'qmm_half_shared.*type12ELi3ELi1ELi12' [--dump-block ADDR]
+
+cuobjdump is not part of the nvcc install here; it comes from PyPI as a wheel of its own (no GPU needed):
+
+    pip download --no-deps nvidia-cuda-cuobjdump==13.4.92 -d /tmp/whl && unzip -oq /tmp/whl/*.whl -d /tmp/cuobjdump
+
+(then --cuobjdump /tmp/cuobjdump/nvidia/cu13/bin/cuobjdump, or put that folder on PATH). Extra nvcc flags go after
+--: e.g. `-- -DGGML_TYPE_TQ3_0=GGML_TYPE_COUNT` for tq3_0_fattn.cu (see tools/cuda_check.sh).
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def opcode(instr: str) -> str:
+    instr = re.sub(r"^@!?U?P\w+\s+", "", instr)   # (a predicate guard)
+    return instr.split()[0].split(".")[0]
+
+
+def kernels(sass: str) -> dict[str, list[tuple[int, str]]]:
+    out = {}
+    for part in sass.split("Function : ")[1:]:
+        name = part.split()[0]
+        out[name] = [(int(a, 16), i.strip()) for a, i in re.findall(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", part)]
+    return out
+
+
+def basic_blocks(code: list[tuple[int, str]]) -> list[list[tuple[int, str]]]:
+    targets = {int(m.group(1), 16) for _, i in code for m in [re.search(r"BRA.*0x([0-9a-f]+)", i)] if m}
+    blocks, cur = [], []
+    for addr, instr in code:
+        if addr in targets and cur:
+            blocks.append(cur)
+            cur = []
+        cur.append((addr, instr))
+        if opcode(instr) in ("BRA", "EXIT", "RET"):
+            blocks.append(cur)
+            cur = []
+    return blocks + ([cur] if cur else [])
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    extra = argv[argv.index("--") + 1:] if "--" in argv else []
+    argv = argv[:argv.index("--")] if "--" in argv else argv
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("source", help="a .cu file of ggml_ext/cuda")
+    p.add_argument("pattern", help="a regular expression over the kernels' mangled names")
+    p.add_argument("--cuobjdump", default=shutil.which("cuobjdump") or "cuobjdump")
+    p.add_argument("--dump-block", type=lambda s: int(s, 16), help="print the block at this address (hex)")
+    args = p.parse_args(argv)
+
+    ggml = ROOT / ".device" / "ggml-src"
+    if not (ggml / "src" / "ggml-cuda").is_dir():
+        p.error(f"no {ggml}: run python tools/prepare_gpu_carry.py first")
+    if not (shutil.which(args.cuobjdump) or Path(args.cuobjdump).is_file()):
+        p.error(f"no cuobjdump at {args.cuobjdump!r}: see this script's docstring for the PyPI wheel")
+    with tempfile.TemporaryDirectory() as tmp:
+        cubin = Path(tmp) / "k.cubin"
+        includes = ["tools/cuda_check", "ggml_ext/include", "ggml_ext/cuda", f"{ggml}/include", f"{ggml}/src",
+                    f"{ggml}/src/ggml-cuda"]
+        subprocess.run(["nvcc", "-std=c++17", "-O3", "-arch=sm_90", "-cubin", "-o", str(cubin), args.source,
+                        "-DGGML_USE_CUDA", *[f"-I{i}" for i in includes], *extra], cwd=ROOT, check=True)
+        sass = subprocess.run([args.cuobjdump, "-sass", str(cubin)], check=True, capture_output=True,
+                              text=True).stdout
+    found = {n: c for n, c in kernels(sass).items() if re.search(args.pattern, n)}
+    if not found:
+        print(f"no kernel matches {args.pattern!r}", file=sys.stderr)
+        return 1
+    for name, code in found.items():
+        print(f"{name}: {len(code)} instructions")
+        for block in basic_blocks(code):
+            mix = collections.Counter(opcode(i) for _, i in block)
+            if mix["HMMA"]:
+                top = ", ".join(f"{op} {n}" for op, n in mix.most_common(12))
+                print(f"  block at {block[0][0]:#x}: {len(block)} instructions: {top}")
+            if args.dump_block is not None and block[0][0] == args.dump_block:
+                print("\n".join(f"    {a:#06x}  {i}" for a, i in block))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
