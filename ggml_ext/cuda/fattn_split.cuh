@@ -510,8 +510,8 @@ k_fa_split_f16(const fa_split_params p) {
             }
         }
     }
-    fa_cp_async_wait<0>(); // no copy outlives the block
-    ggml_cuda_pdl_lc();    // the merge may launch: it waits for this kernel's end before reading the partials
+    fa_cp_async_wait<0>(); // no copy outlives the block (and no early trigger for the merge here: measured slower,
+                           // docs/benchmarks.md, twenty-ninth session)
 
     // this block's partial result of its slice
 #pragma unroll
