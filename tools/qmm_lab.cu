@@ -19,7 +19,10 @@
 // also timed with a residual added as its outputs are stored (checked: the sum of the plain result and the
 // residual, bit for bit). QMM_LAB_GLU=1 also times that shape's GLU form (Q4_K matrices of 2F rows, F a multiple of
 // 256: ggml_qmatmul_swiglu_prepared's gate/up product) with and without the run sums, untested for its values here
-// (tests/test_qmatmul_prepared.py).
+// (tests/test_qmatmul_prepared.py). QMM_LAB_PREFETCH=1 times the run shape launched as ggml_ext launches it
+// (programmatic dependent launch, each call letting the next launch early), alone, with an idle kernel node before
+// each call, and with a node that asks the L2 for the call's first stages of weights while the previous call ends
+// (docs/benchmarks.md, twenty-ninth session: the prefetch made every shape slower).
 //
 // QMM_LAB_COLS=1,8,23,48 times the tensor-core kernel instead, at those column counts and each row-tile count,
 // checking that a column's result does not depend on how many columns come with it (and from 9 columns, at 1 and 2
@@ -392,6 +395,33 @@ template <ggml_type type> static void run_cols(const shape & sh, const std::vect
     fflush(stdout);
 }
 
+// QMM_LAB_PREFETCH=1: a small kernel between two calls that may run beside the first one's last blocks (launched
+// programmatically, which the f16 kernel's blocks, filling an SM's registers, cannot) and asks the L2 for the next
+// call's first `stages` items of weights, block by block as the f16 kernel cuts them (prefetch false: the same node
+// doing nothing, for what the node itself costs). Its end implies the end of the kernel before it, so the call after
+// it, waiting on it, still waits for that one.
+static __global__ void prefetch_first_stages(const char * W, int64_t row_bytes, int ub, int rows, int U, int units,
+                                             int M, int P, int stages, bool prefetch) {
+    ggml_cuda_pdl_lc();   // the call after us may launch at once
+    if (prefetch) {
+        const int n_stages = (units + U - 1) / U;
+        const int items = (M + rows - 1) / rows * n_stages;
+        const int64_t total = (M * row_bytes) & ~(int64_t) 15;
+        const int j0 = (int) qmh_first_item(blockIdx.x, items, P), j1 = (int) qmh_first_item(blockIdx.x + 1, items, P);
+        for (int j = j0; j < min(j0 + stages, j1); ++j) {
+            const int tile = j / n_stages, st = j % n_stages, su = min(U, units - U * st);
+            for (int r = threadIdx.x; r < rows && tile * rows + r < M; r += blockDim.x) {
+                const int64_t at = (tile * rows + r) * row_bytes + (int64_t) st * U * ub;
+                const int64_t a0 = at & ~(int64_t) 15, a1 = min(total, (at + su * ub + 15) & ~(int64_t) 15);
+                if (a1 > a0) {
+                    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" : : "l"(W + a0), "r"((int) (a1 - a0)) : "memory");
+                }
+            }
+        }
+    }
+    ggml_cuda_pdl_sync();
+}
+
 // --- Several columns: the f16 kernel of qmatmul_shared.cuh against the best of the others -------------------
 
 template <ggml_type type, int NT, int RT, int NW, int S, int U, int MB, bool GLU = false>
@@ -562,6 +592,38 @@ template <ggml_type type> static void run_shared(const shape & sh, const std::ve
             snprintf(run_name, sizeof run_name, "run w%d s%d u%d x%d", NW, QMH_RUN_STAGES, RU, MB);
             variant(run_name, MB, 16 * NW, RU,
                     [&](const qmh_args & a, int P) { shared_any<type, 1, NW, QMH_RUN_STAGES, RU, MB>(a, P, st); });
+            if (getenv("QMM_LAB_PREFETCH") != nullptr) {   // launched as ggml_ext launches it, each call early
+                constexpr size_t smem = qmh_smem_bytes<type, 6, 1, NW, QMH_RUN_STAGES, RU>();
+                const int P = qmh_grid_of((int64_t) (sh.M + 16 * NW - 1) / (16 * NW) * (sh.K / QK_K / RU),
+                                          (int64_t) n_sm * MB);
+                const qmh_args a = {Ws[0], hx, dst, nb, sh.K, sh.M, N, 8 * nt, sh.M, nullptr, 0, ws, true};
+                auto call = [&](int c) {
+                    qmh_args b = a;
+                    b.W = Ws[c];
+                    switch (nt) {
+#define QMM_LAB_PDL_CASE(T) case T: { constexpr auto k = qmm_half_shared<type, T, 1, NW, QMH_RUN_STAGES, RU, MB, false>; \
+                        CK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, (int) smem)); \
+                        ggml_cuda_kernel_launch(k, ggml_cuda_kernel_launch_params(dim3(P), dim3(WARP_SIZE, NW), smem, st), b); \
+                        break; }
+                        QMM_LAB_PDL_CASE(1) QMM_LAB_PDL_CASE(2) QMM_LAB_PDL_CASE(3)
+                        QMM_LAB_PDL_CASE(4) QMM_LAB_PDL_CASE(5) QMM_LAB_PDL_CASE(6)
+#undef QMM_LAB_PDL_CASE
+                    }
+                };
+                const int64_t row_bytes = (int64_t) nb * block_bytes(type);
+                for (int mode = 0; mode < 3; ++mode) {   // plain, with an idle node, with the prefetching node
+                    const double us = profile ? 0.0 : time_graph([&](int c) {
+                        if (mode > 0) {
+                            ggml_cuda_kernel_launch(prefetch_first_stages, ggml_cuda_kernel_launch_params(dim3(P), dim3(128), 0, st),
+                                                    (const char *) Ws[c], row_bytes, block_bytes(type), 16 * NW, RU, nb,
+                                                    sh.M, P, QMH_RUN_STAGES, mode == 2);
+                        }
+                        call(c);
+                    }, copies, st);
+                    printf("        shared %-9s %7.1f us %5.0f GB/s  (programmatic launches, early; %s)\n", "run pdl", us,
+                           gb / us, mode == 0 ? "alone" : mode == 1 ? "an idle node before each" : "L2 prefetch node before each");
+                }
+            }
             // QMM_LAB_BLOCK_ITEMS=1,2,3,...: the run shape on a grid of at most items / b blocks (b items a block at
             // least; qmh_grid_of takes QMH_MIN_BLOCK_ITEMS), for small matrices, whose grid of one item a block is all
             // pipeline start and fix-up
