@@ -156,34 +156,14 @@ static void run_config(const inputs & in, const float * ref, int target_mult, in
         worst = std::max(worst, std::sqrt(e / std::max(n, 1e-30)));
     }
     // time: a graph of one call per copy, the attention alone and with its merge
-    float us[2];
+    double us[2];
     for (int with_merge = 0; with_merge < 2; ++with_merge) {
-        cudaGraph_t graph;
-        CK(cudaStreamBeginCapture(st, cudaStreamCaptureModeGlobal));
-        for (size_t c = 0; c < in.k.size(); ++c) {
-            fa_split_params p = params_of(in, (int) c);
+        us[with_merge] = time_graph([&](int c) {
+            fa_split_params p = params_of(in, c);
             fa_split_f16_plan<MT>(p, target, min_tiles);
             p.partial = partial;
             launch_pair<MT, DS, ST, SQ>(p, grid, smem, rows_out, out, with_merge, st);
-        }
-        CK(cudaStreamEndCapture(st, &graph));
-        cudaGraphExec_t exec;
-        CK(cudaGraphInstantiate(&exec, graph, 0));
-        cudaEvent_t e0, e1;
-        CK(cudaEventCreate(&e0)); CK(cudaEventCreate(&e1));
-        std::vector<float> times;
-        for (int rep = 0; rep < 30; ++rep) {
-            CK(cudaEventRecord(e0, st));
-            CK(cudaGraphLaunch(exec, st));
-            CK(cudaEventRecord(e1, st));
-            CK(cudaEventSynchronize(e1));
-            float ms;
-            CK(cudaEventElapsedTime(&ms, e0, e1));
-            times.push_back(ms * 1000.0f / in.k.size());
-        }
-        std::sort(times.begin(), times.end());
-        us[with_merge] = times[times.size() / 2];
-        CK(cudaGraphExecDestroy(exec)); CK(cudaGraphDestroy(graph));
+        }, (int) in.k.size(), st, 30);
     }
     printf("  MT=%d DS=%d ST=%d SQ=%d target=%-4d min_tiles=%d: %3d x %2d blocks (%d/SM), %4d keys a slice: %6.2f us, "
            "with merge %6.2f (worst row err %.1e)%s\n", MT, DS, ST, (int) SQ, target, min_tiles, grid.x, grid.y, per_sm,

@@ -170,33 +170,6 @@ static __global__ void read_kernel(const uint4 * p, size_t n, unsigned * out) {
     if (x == 0x12345678u) out[0] = x;   // keeps the loads
 }
 
-// median time per launch (us) of `launch(copy)` for every copy, in one graph
-template <typename F> static double time_graph(F launch, int copies, cudaStream_t st, int reps = 10) {
-    cudaGraph_t g;
-    cudaGraphExec_t ge;
-    CK(cudaStreamBeginCapture(st, cudaStreamCaptureModeGlobal));
-    for (int c = 0; c < copies; ++c) launch(c);
-    CK(cudaStreamEndCapture(st, &g));
-    CK(cudaGraphInstantiate(&ge, g, 0));
-    cudaEvent_t e0, e1;
-    CK(cudaEventCreate(&e0));
-    CK(cudaEventCreate(&e1));
-    std::vector<float> t;
-    for (int r = 0; r < reps + 2; ++r) {
-        CK(cudaEventRecord(e0, st));
-        CK(cudaGraphLaunch(ge, st));
-        CK(cudaEventRecord(e1, st));
-        CK(cudaEventSynchronize(e1));
-        float ms;
-        CK(cudaEventElapsedTime(&ms, e0, e1));
-        if (r >= 2) t.push_back(ms);
-    }
-    std::sort(t.begin(), t.end());
-    CK(cudaGraphExecDestroy(ge));
-    CK(cudaGraphDestroy(g));
-    return 1000.0 * t[t.size() / 2] / copies;
-}
-
 struct candidate { std::string name; double us; bool same; };
 
 // the streaming kernel: NW warps per block (a ring of S stages each), persistent
