@@ -54,6 +54,23 @@ def rel_err(got: np.ndarray, ref: np.ndarray) -> float:
     return float(np.linalg.norm(got - ref) / max(np.linalg.norm(ref), 1e-300))
 
 
+def attention_f64(q, k, v, mask, scale, softcap=0.0, weights=False):
+    """Float64 attention, the flash-attention tests' oracle: q [n_seq, H, n_q, D], k/v [n_seq, Hkv, n_kv, D] (each
+    KV head serving H / Hkv query heads), mask [n_q, n_kv] additive -> [n_seq, n_q, H, Dv]; with weights, also the
+    softmax weights [n_seq, H, n_q, n_kv]."""
+    h, hkv = q.shape[1], k.shape[1]
+    k = np.repeat(k, h // hkv, axis=1).astype(np.float64)
+    v = np.repeat(v, h // hkv, axis=1).astype(np.float64)
+    s = np.einsum("shqd,shkd->shqk", q.astype(np.float64), k) * scale
+    if softcap:
+        s = softcap * np.tanh(s / softcap)
+    s = s + mask
+    p = np.exp(s - s.max(axis=-1, keepdims=True))
+    p /= p.sum(axis=-1, keepdims=True)
+    out = np.einsum("shqk,shkd->sqhd", p, v)
+    return (out, p) if weights else out
+
+
 def llama_cpp_plain(path, **kwargs):
     """llama_cpp.Llama(path, **kwargs) with the weights in the plain CPU buffer: no repacking into interleaved
     layouts, whose kernels round differently (and whose AMX variant crashes on the CI host)."""

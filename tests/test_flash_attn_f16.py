@@ -12,21 +12,19 @@ import pytest
 
 from pydflash import ggml
 
-from conftest import rel_err, run_graph
+from conftest import attention_f64, rel_err, run_graph
 
 
-def attention_f64(q, k, v, mask, scale):
-    """q [n_q, H, D], k/v [n_kv, Hkv, D] (cache order), mask [n_q, n_kv] additive -> the output [n_q, H, D] and
-    each row's scale sqrt(sum_k p_k |v_k|^2) [n_q, H]: an error of relative size e in every term p_k v_k moves
-    the output by at most e times that (the output itself can be much shorter when the weights spread)."""
+def cache_attention_f64(q, k, v, mask, scale):
+    """conftest.attention_f64 over the cache's layout: q [n_q, H, D], k/v [n_kv, Hkv, D], mask [n_q, n_kv] additive ->
+    the output [n_q, H, D] and each row's scale sqrt(sum_k p_k |v_k|^2) [n_q, H]: an error of relative size e in
+    every term p_k v_k moves the output by at most e times that (the output itself can be much shorter when the
+    weights spread)."""
     h, hkv = q.shape[1], k.shape[1]
-    k = np.repeat(k.astype(np.float64), h // hkv, axis=1)
-    v = np.repeat(v.astype(np.float64), h // hkv, axis=1)
-    s = np.einsum("qhd,khd->hqk", q.astype(np.float64), k) * scale + mask[None]
-    p = np.exp(s - s.max(axis=-1, keepdims=True))
-    p /= p.sum(axis=-1, keepdims=True)
-    row_scale = np.sqrt(np.einsum("hqk,kh->qh", p, (v * v).sum(axis=-1)))
-    return np.einsum("hqk,khd->qhd", p, v), row_scale
+    out, p = attention_f64(q.transpose(1, 0, 2)[None], k.transpose(1, 0, 2)[None], v.transpose(1, 0, 2)[None], mask,
+                           scale, weights=True)
+    v_sq = np.repeat((v.astype(np.float64) ** 2).sum(axis=-1), h // hkv, axis=1)   # [n_kv, H]
+    return out[0], np.sqrt(np.einsum("hqk,kh->qh", p[0], v_sq))
 
 
 def tree_mask(rng, n_q, n_kv, hole):
@@ -77,7 +75,7 @@ def test_flash_attention_f16_no_mask(backend, rng, dim, h, hkv, n_q, n_kv):
     """No mask tensor (the draft's block attention can run so): every key counts for every query."""
     q, k, v, _, scale = inputs(rng, dim, h, hkv, n_q, n_kv)
     out = cache_attention(backend, q, k, v, None, scale)
-    ref, row_scale = attention_f64(q, k, v, np.zeros((n_q, n_kv)), scale)
+    ref, row_scale = cache_attention_f64(q, k, v, np.zeros((n_q, n_kv)), scale)
     row_err = np.linalg.norm(out - ref, axis=-1) / row_scale
     assert row_err.max() < (1e-3 if backend.is_cpu else 2e-3)   # bounds as test_flash_attention_f16_cache
 
@@ -99,7 +97,7 @@ def test_flash_attention_f16_no_mask(backend, rng, dim, h, hkv, n_q, n_kv):
 def test_flash_attention_f16_cache(backend, rng, dim, h, hkv, n_q, n_kv, hole):
     q, k, v, mask, scale = inputs(rng, dim, h, hkv, n_q, n_kv, hole)
     out = cache_attention(backend, q, k, v, mask, scale)
-    ref, row_scale = attention_f64(q, k, v, mask, scale)
+    ref, row_scale = cache_attention_f64(q, k, v, mask, scale)
     # Every row against its scale (a wrong row would hide in the norm of the others). CUDA: Q and the softmax
     # weights rounded to f16 (2^-11 relative each), f32 accumulation. CPU (upstream's kernel): Q rounded to f16 for
     # the dot products with f16 K, and the weighted sum of f16 V kept in f16 (a rounding per key).
@@ -114,7 +112,7 @@ def test_cuda_split_kernel_is_the_one_taken(monkeypatch, rng):
     reference, and they are different kernels (their roundings differ), so the default really runs ours."""
     cuda = ggml.Backend("cuda")
     q, k, v, mask, scale = inputs(rng, 256, 24, 4, 23, 1024)
-    ref, _ = attention_f64(q, k, v, mask, scale)
+    ref, _ = cache_attention_f64(q, k, v, mask, scale)
     monkeypatch.setenv("PYDFLASH_FA_SPLIT", "0")
     upstream = cache_attention(cuda, q, k, v, mask, scale)
     monkeypatch.setenv("PYDFLASH_FA_SPLIT", "1")

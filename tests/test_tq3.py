@@ -12,7 +12,7 @@ import pytest
 from pydflash import ggml, tq3
 from pydflash.ggml import Type
 
-from conftest import rel_err, run_graph
+from conftest import attention_f64, rel_err, run_graph
 
 D = tq3.LLOYD_MAX_MSE
 # Norm preservation: each 32-value sub-block keeps its norm exactly before its scale is rounded to f16, so the
@@ -202,20 +202,6 @@ def test_get_rows_and_cpy_dequantise(backend, rng):
 
 
 # --- attention ---------------------------------------------------------------------------------------------
-
-def attention_f64(q, k, v, mask, scale, softcap=0.0):
-    """q [n_seq, H, n_q, D], k/v [n_seq, Hkv, n_kv, D], mask [n_q, n_kv] additive -> [n_seq, n_q, H, Dv]."""
-    h, hkv = q.shape[1], k.shape[1]
-    k = np.repeat(k, h // hkv, axis=1).astype(np.float64)
-    v = np.repeat(v, h // hkv, axis=1).astype(np.float64)
-    s = np.einsum("shqd,shkd->shqk", q.astype(np.float64), k) * scale
-    if softcap:
-        s = softcap * np.tanh(s / softcap)
-    s = s + mask
-    p = np.exp(s - s.max(axis=-1, keepdims=True))
-    p /= p.sum(axis=-1, keepdims=True)
-    return np.einsum("shqk,shkd->sqhd", p, v)
-
 
 def make_mask(rng, n_q, n_kv):
     """Causal over the last n_q positions plus random holes; every row keeps at least its own position."""
