@@ -5,17 +5,21 @@ instructions (HMMA): the inner loops, where a weight's decoding or a score's sof
 
     python tools/cuda_sass.py ggml_ext/cuda/qmatmul.cu 'qmm_half_shared.*type12ELi3ELi1ELi12' [--dump-block ADDR]
 
-cuobjdump is not part of the nvcc install here; it comes from PyPI as a wheel of its own (no GPU needed):
+cuobjdump and the nvdisasm it runs are not part of the nvcc install here; they come from PyPI as wheels of their own
+(no GPU needed):
 
-    pip download --no-deps nvidia-cuda-cuobjdump==13.4.92 -d /tmp/whl && unzip -oq /tmp/whl/*.whl -d /tmp/cuobjdump
+    pip download --no-deps nvidia-cuda-cuobjdump==13.4.92 nvidia-cuda-nvdisasm==13.5.37 -d /tmp/whl
+    for w in /tmp/whl/nvidia_cuda_*.whl; do unzip -oq $w -d /tmp/cuobjdump; done
 
-(then --cuobjdump /tmp/cuobjdump/nvidia/cu13/bin/cuobjdump, or put that folder on PATH). Extra nvcc flags go after
+(then --cuobjdump /tmp/cuobjdump/nvidia/cu13/bin/cuobjdump, or put that folder on PATH: nvdisasm is looked for beside
+it). Extra nvcc flags go after
 --: e.g. `-- -DGGML_TYPE_TQ3_0=GGML_TYPE_COUNT` for tq3_0_fattn.cu (see tools/cuda_check.sh).
 """
 from __future__ import annotations
 
 import argparse
 import collections
+import os
 import re
 import shutil
 import subprocess
@@ -75,8 +79,12 @@ def main(argv=None) -> int:
                     f"{ggml}/src/ggml-cuda"]
         subprocess.run(["nvcc", "-std=c++17", "-O3", "-arch=sm_90", "-cubin", "-o", str(cubin), args.source,
                         "-DGGML_USE_CUDA", *[f"-I{i}" for i in includes], *extra], cwd=ROOT, check=True)
-        sass = subprocess.run([args.cuobjdump, "-sass", str(cubin)], check=True, capture_output=True,
-                              text=True).stdout
+        tools_dir = str(Path(shutil.which(args.cuobjdump) or args.cuobjdump).resolve().parent)
+        env = dict(os.environ, PATH=tools_dir + os.pathsep + os.environ.get("PATH", ""))
+        run = subprocess.run([args.cuobjdump, "-sass", str(cubin)], capture_output=True, text=True, env=env)
+        if run.returncode != 0:
+            p.error(f"cuobjdump failed: {run.stderr.strip()}")
+        sass = run.stdout
     found = {n: c for n, c in kernels(sass).items() if re.search(args.pattern, n)}
     if not found:
         print(f"no kernel matches {args.pattern!r}", file=sys.stderr)

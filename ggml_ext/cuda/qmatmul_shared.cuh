@@ -178,25 +178,47 @@ qmm_half_shared(const qmh_args p) {
     };
     // this warp's rows of the next item it has not asked for (one commit group per item, empty past the block's last
     // item; items are asked for in order, so a cursor, not a division, says which tile and stage); chunk i = lane +
-    // 32 k of them is row i / CH's 16 bytes at 16 (i % CH) from its units' boundary
+    // 32 k of them is row i / CH's 16 bytes at 16 (i % CH) from its units' boundary (a warp's copy: ~500 contiguous
+    // bytes of W; 16 rows x 32 bytes a copy was ~10% slower, docs/benchmarks.md, thirtieth session).
     int ask_j = j0, ask_tile = j0 / n_stages, ask_st = j0 % n_stages;
     auto ask_weights = [&]() {
         if (ask_j < j1) {
-            const int row0 = ask_tile * shape::rows + warp * RW;
-            const int ch   = stage_units(ask_st) == U ? CH : qmh_chunks<type>(stage_units(ask_st));
+            const int ch = stage_units(ask_st) == U ? CH : qmh_chunks<type>(stage_units(ask_st));
             char * wstage = qmh_smem + stage_of(ask_j) * stage_bytes + warp * RW * pitch;
+            // the warp's first row; the others at 32-bit offsets from it: r row_bytes, or in the GLU form (8 gate rows,
+            // then the 8 up rows of the same pairs) (r % 8) row_bytes, plus F row_bytes for r >= 8
+            const int row0 = GLU ? ask_tile * (shape::rows / 2) + 8 * warp : ask_tile * shape::rows + warp * RW;
+            const int64_t last_off = GLU ? (int64_t) (p.F + 7) * row_bytes : (int64_t) (RW - 1) * row_bytes;
+            const int64_t base = unit_at(row0, U * ask_st);
+            // as a rule: a whole stage of rows all in the matrix, none near its end, offsets in 32 bits (a uniform test)
+            if (ch == CH && (GLU ? row0 + 8 <= p.F : row0 + RW <= p.M) && last_off + 16 * CH + 16 <= INT32_MAX &&
+                (qmh_type<type>::aligned || base + last_off + 16 * CH <= total)) {
+                const char * from = p.W + (base & ~(int64_t) 15);
+                const uint32_t mis = (uint32_t) (base & 15), rb = (uint32_t) row_bytes;
+                const uint32_t up = GLU ? (uint32_t) p.F * rb : 0u;
 #pragma unroll
-            for (int k = 0; k < KC; ++k) {
-                const int i = lane + WARP_SIZE * k, r = i / CH, c = i % CH;
-                const int row = GLU ? glu_row(ask_tile, warp * RW + r) : row0 + r;
-                if (i < RW * CH && (GLU ? row >= 0 : r < p.M - row0) && c < ch) {
-                    const int64_t at = (unit_at(row, U * ask_st) & ~(int64_t) 15) + 16 * c;
-                    char * to = wstage + r * pitch + 16 * c;
-                    if (qmh_type<type>::aligned || at + 16 <= total) {
-                        qmh_cp16(to, p.W + at);
-                    } else {   // the matrix's last bytes, past its last 16-byte boundary
-                        for (int64_t b = at; b < total; ++b) {
-                            to[b - at] = p.W[b];
+                for (int k = 0; k < KC; ++k) {
+                    const int i = lane + WARP_SIZE * k, r = i / CH, c = i % CH;
+                    if ((RW * CH) % WARP_SIZE == 0 || i < RW * CH) {
+                        const uint32_t roff = GLU ? (r % 8) * rb + (r >= 8 ? up : 0u) : r * rb;
+                        const uint32_t off  = (qmh_type<type>::aligned ? roff : (mis + roff) & ~15u) + 16 * c;
+                        qmh_cp16(wstage + r * pitch + 16 * c, from + off);
+                    }
+                }
+            } else {   // a row tile's short last stage, the matrix's last rows (its last bytes past a 16-byte boundary)
+#pragma unroll
+                for (int k = 0; k < KC; ++k) {
+                    const int i = lane + WARP_SIZE * k, r = i / CH, c = i % CH;
+                    const int row = GLU ? glu_row(ask_tile, warp * RW + r) : row0 + r;
+                    if (i < RW * CH && (GLU ? row >= 0 : row < p.M) && c < ch) {
+                        const int64_t at = (unit_at(row, U * ask_st) & ~(int64_t) 15) + 16 * c;
+                        char * to = wstage + r * pitch + 16 * c;
+                        if (qmh_type<type>::aligned || at + 16 <= total) {
+                            qmh_cp16(to, p.W + at);
+                        } else {
+                            for (int64_t b = at; b < total; ++b) {
+                                to[b - at] = p.W[b];
+                            }
                         }
                     }
                 }
