@@ -12,9 +12,12 @@ weights are one quantised 256-row block of random values tiled over the matrix (
 minutes; the kernels' speed does not depend on the values). Also prints, per shape, the time at N over the
 time at N=1 (the issue's targets: <= 1.3 at 16-24 columns, <= 1.6 at 48).
 
-`--row-tiles R` forces the kernel's 16-row tiles per warp (ggml.qmatmul's row_tiles; 0, the default, lets it
-choose). `--sweep` times ggml_qmatmul at its own choice and at every forced count, per shape and N, and marks the
-fastest: the data for the choice the kernel makes (qmm_auto_row_tiles in ggml_ext/cuda/qmatmul.cu).
+By default ggml_qmatmul runs with the row_tiles the runtime gives it (pydflash.models.layers.qmatmul_row_tiles: on
+Hopper the f16 kernel for the large Q4_K / Q6_K matrices from 9 columns, else the int8 kernels' own choice; one
+column the streaming kernel): what the model's products take. `--row-tiles R` forces the kernel's 16-row tiles per
+warp instead (ggml.qmatmul's row_tiles: 0 lets the int8 kernels choose, 16 the f16 kernel). `--sweep` times
+ggml_qmatmul at its own choice and at every forced count, per shape and N, and marks the fastest: the data for the
+choice the kernel makes (qmm_auto_row_tiles in ggml_ext/cuda/qmatmul.cu).
 """
 from __future__ import annotations
 
@@ -55,6 +58,12 @@ def weight_bytes(K: int, M: int, wtype: ggml.Type) -> np.ndarray:
     return np.tile(block.reshape(256, -1), (reps, 1))[:M]
 
 
+def runtime_row_tiles(backend, K: int, M: int, wtype, n: int) -> int:
+    """The row_tiles the model's runtime passes ggml.qmatmul for this product on this backend's device."""
+    from pydflash.models import layers
+    return layers.qmatmul_row_tiles_for(wtype, K, M, n, ggml.qmatmul_streams(backend._dev))
+
+
 def time_op(backend, op: str, K: int, M: int, wtype, n: int, w_data: np.ndarray, warmup: int, reps: int,
             row_tiles: int = 0) -> float:
     copies = max(1, min(32, int(POOL_BYTES // w_data.nbytes) + 1))
@@ -81,8 +90,8 @@ def main() -> None:
     ap.add_argument("--cols", default=",".join(map(str, COLS)))
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--reps", type=int, default=10)
-    ap.add_argument("--row-tiles", type=int, default=0, choices=ggml.QMATMUL_ROW_TILES,
-                    help="force qmatmul's row tiles per warp (0: the kernel chooses)")
+    ap.add_argument("--row-tiles", type=int, default=None, choices=ggml.QMATMUL_ROW_TILES,
+                    help="force qmatmul's row tiles per warp (0: the int8 kernels choose; default: as the runtime)")
     ap.add_argument("--sweep", action="store_true", help="time every row-tile count per (shape, N)")
     args = ap.parse_args()
     backend = ggml.Backend(args.device)
@@ -99,7 +108,8 @@ def main() -> None:
         gb = w_data.nbytes / 1e9
         t1 = None
         for n in cols:
-            tq = time_op(backend, "qmatmul", K, M, wtype, n, w_data, args.warmup, args.reps, args.row_tiles)
+            rt = runtime_row_tiles(backend, K, M, wtype, n) if args.row_tiles is None else args.row_tiles
+            tq = time_op(backend, "qmatmul", K, M, wtype, n, w_data, args.warmup, args.reps, rt)
             tm = time_op(backend, "mul_mat", K, M, wtype, n, w_data, args.warmup, args.reps)
             t1 = tq if n == 1 else t1
             rel = f"{tq / t1:.2f}" if t1 else "-"

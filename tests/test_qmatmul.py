@@ -628,5 +628,10 @@ def test_f16_kernel_taken_for_large_q4_k_q6_k_bf16_matrices_from_9_columns_outsi
     monkeypatch.setenv("PYDFLASH_QMATMUL", "1")   # every product through ggml_qmatmul, each column's bits kept
     assert layers.qmatmul_row_tiles(big, 23) == 0
     monkeypatch.delenv("PYDFLASH_QMATMUL")
+    # the rule as bench/qmatmul.py asks it, from a shape and the device's answer
+    assert layers.qmatmul_row_tiles_for(ggml.Type.Q4_K, 5120, 34816, 23, streams=True) == ggml.QMATMUL_F16
+    assert layers.qmatmul_row_tiles_for(ggml.Type.Q4_K, 5120, 34816, 8, streams=True) == 0
+    assert layers.qmatmul_row_tiles_for(ggml.Type.Q6_K, 5120, 1024, 23, streams=True) == 0
+    assert layers.qmatmul_row_tiles_for(ggml.Type.Q4_K, 5120, 34816, 23, streams=False) == 0
     monkeypatch.setattr(layers, "_streams", lambda w: False)
     assert layers.qmatmul_row_tiles(big, 23) == 0

@@ -15,7 +15,8 @@
 // roundings of the weights and activations); and where one call's time goes (QMH_TRACE: the CUDA blocks' start,
 // first stage in, last item done, exit, us from the first start: median and latest). QMM_LAB_WARPS=1 also times
 // tiles of 8 and 6 warps at two blocks an SM and of 12 and 10 at one, QMM_LAB_STAGES=1 tiles of 6, 8 and 12 warps
-// with three stages at one block an SM. With QMM_LAB_ADD=1 the shape ggml_qmatmul runs is
+// with three stages at one block an SM; QMM_LAB_RT2=1 the run shape's block rows as two 16-row tiles a warp in half
+// the warps (the same cut: a column's bits are the run shape's, checked). With QMM_LAB_ADD=1 the shape ggml_qmatmul runs is
 // also timed with a residual added as its outputs are stored (checked: the sum of the plain result and the
 // residual, bit for bit). QMM_LAB_GLU=1 also times that shape's GLU form (Q4_K matrices of 2F rows, F a multiple of
 // 256: ggml_qmatmul_swiglu_prepared's gate/up product) with and without the run sums, untested for its values here
@@ -512,8 +513,9 @@ template <ggml_type type> static void run_shared(const shape & sh, const std::ve
             }
             const double maxrel = maxdiff / maxref;
             const double us = profile ? 0.0 : time_graph([&](int c) { qmh_args b = a; b.W = Ws[c]; launch(b, P); }, copies, st);
-            printf("        shared %-9s %7.1f us %5.0f GB/s  %.2fx best  col0 %s  max |diff| / max |mma| %.1e\n", name, us,
-                   gb / us, us / best, same ? "same bits" : "DIFFERS", maxrel);
+            printf("        shared %-9s %7.1f us %5.0f GB/s  %.2fx best  col0 %s  max |diff| / max |mma| %.1e%s\n", name, us,
+                   gb / us, us / best, same ? "same bits" : "DIFFERS", maxrel,
+                   v > 0 && memcmp(got.data(), col0[0].data(), (size_t) sh.M * 4) == 0 ? "  (the run's bits)" : "");
             if (v == 0 && getenv("QMM_LAB_ADD") != nullptr) {   // with a residual added as the outputs are stored
                 std::vector<float> r((size_t) sh.M * N);
                 for (float & e : r) e = (float) (rnd() % 2001) / 1000.0f - 1.0f;
@@ -565,6 +567,13 @@ template <ggml_type type> static void run_shared(const shape & sh, const std::ve
             snprintf(run_name, sizeof run_name, "run w%d s%d u%d x%d", NW, QMH_RUN_STAGES, RU, MB);
             variant(run_name, MB, 16 * NW, RU,
                     [&](const qmh_args & a, int P) { shared_any<type, 1, NW, QMH_RUN_STAGES, RU, MB>(a, P, st); });
+            if constexpr (NW % 2 == 0) {   // QMM_LAB_RT2: the same block rows as two 16-row tiles a warp in half the warps
+                if (getenv("QMM_LAB_RT2") != nullptr) {
+                    snprintf(run_name, sizeof run_name, "rt2 w%d x%d", NW / 2, MB);
+                    variant(run_name, MB, 16 * NW, RU,
+                            [&](const qmh_args & a, int P) { shared_any<type, 2, NW / 2, QMH_RUN_STAGES, RU, MB>(a, P, st); });
+                }
+            }
             if (getenv("QMM_LAB_PREFETCH") != nullptr) {   // launched as ggml_ext launches it, each call early
                 constexpr size_t smem = qmh_smem_bytes<type, 6, 1, NW, QMH_RUN_STAGES, RU>();
                 const int P = qmh_grid_of((int64_t) (sh.M + 16 * NW - 1) / (16 * NW) * (sh.K / QK_K / RU),

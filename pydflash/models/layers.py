@@ -151,10 +151,16 @@ def qmatmul_f16_enabled() -> bool:
 def qmatmul_row_tiles(w: ggml.Tensor, n_cols: int) -> int:
     """ggml.qmatmul's row_tiles for w times n_cols columns: the f16 kernel (ggml.QMATMUL_F16) where it is faster,
     else 0 (the int8 kernels' own choice)."""
-    items = -(-w.ne[1] // 256) * (w.ne[0] // 256)
-    min_cols = QMATMUL_F16_MIN_COLS_BF16 if w.type == ggml.Type.BF16 else QMATMUL_F16_MIN_COLS
-    if (qmatmul_f16_enabled() and w.type in QMATMUL_F16_TYPES and w.ne[0] % 256 == 0
-            and items >= QMATMUL_F16_MIN_ITEMS and n_cols >= min_cols and _streams(w)):
+    return qmatmul_row_tiles_for(w.type, w.ne[0], w.ne[1], n_cols, _streams(w))
+
+
+def qmatmul_row_tiles_for(wtype: ggml.Type, K: int, M: int, n_cols: int, streams: bool) -> int:
+    """qmatmul_row_tiles for a K x M matrix of wtype on a device that does (streams: ggml.qmatmul_streams) or does
+    not run the one-column streaming kernel and the f16 kernel (bench/qmatmul.py times what the runtime picks)."""
+    items = -(-M // 256) * (K // 256)
+    min_cols = QMATMUL_F16_MIN_COLS_BF16 if wtype == ggml.Type.BF16 else QMATMUL_F16_MIN_COLS
+    if (streams and qmatmul_f16_enabled() and wtype in QMATMUL_F16_TYPES and K % 256 == 0
+            and items >= QMATMUL_F16_MIN_ITEMS and n_cols >= min_cols):
         return ggml.QMATMUL_F16
     return 0
 
