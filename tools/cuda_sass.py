@@ -12,8 +12,8 @@ cuobjdump and the nvdisasm it runs are not part of the nvcc install here; they c
     for w in /tmp/whl/nvidia_cuda_*.whl; do unzip -oq $w -d /tmp/cuobjdump; done
 
 (then --cuobjdump /tmp/cuobjdump/nvidia/cu13/bin/cuobjdump, or put that folder on PATH: nvdisasm is looked for beside
-it). Extra nvcc flags go after
---: e.g. `-- -DGGML_TYPE_TQ3_0=GGML_TYPE_COUNT` for tq3_0_fattn.cu (see tools/cuda_check.sh).
+it). Extra nvcc flags go after --: e.g. `-- -DGGML_TYPE_TQ3_0=GGML_TYPE_COUNT` for tq3_0_fattn.cu (see
+tools/cuda_check.sh).
 """
 from __future__ import annotations
 
