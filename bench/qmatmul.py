@@ -28,6 +28,7 @@ import numpy as np
 from _timing import call_times  # bench/_timing.py (this folder is on sys.path when run as a script)
 
 from pydflash import ggml
+from pydflash.models import layers
 
 # name: (K, M, weight type as in the 27B Q4_K_M GGUF)
 SHAPES = {
@@ -60,7 +61,6 @@ def weight_bytes(K: int, M: int, wtype: ggml.Type) -> np.ndarray:
 
 def runtime_row_tiles(backend, K: int, M: int, wtype, n: int) -> int:
     """The row_tiles the model's runtime passes ggml.qmatmul for this product on this backend's device."""
-    from pydflash.models import layers
     return layers.qmatmul_row_tiles_for(wtype, K, M, n, ggml.qmatmul_streams(backend._dev))
 
 

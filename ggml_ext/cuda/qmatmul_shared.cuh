@@ -181,17 +181,20 @@ qmm_half_shared(const qmh_args p) {
     // 32 k of them is row i / CH's 16 bytes at 16 (i % CH) from its units' boundary (a warp's copy: ~500 contiguous
     // bytes of W; 16 rows x 32 bytes a copy was ~10% slower, docs/benchmarks.md, thirtieth session).
     int ask_j = j0, ask_tile = j0 / n_stages, ask_st = j0 % n_stages;
+    // a warp's rows from its first: r row_bytes apart, or in the GLU form (8 gate rows, then the 8 up rows of the
+    // same pairs) (r % 8) row_bytes, plus F row_bytes for r >= 8; the last one's offset, and whether every chunk's
+    // offset from the first row's boundary fits in 32 bits (the copies' fast path)
+    const int64_t last_off = GLU ? (int64_t) (p.F + 7) * row_bytes : (int64_t) (RW - 1) * row_bytes;
+    const bool offsets_32 = last_off + 16 * CH + 16 <= INT32_MAX;
     auto ask_weights = [&]() {
         if (ask_j < j1) {
             const int ch = stage_units(ask_st) == U ? CH : qmh_chunks<type>(stage_units(ask_st));
             char * wstage = qmh_smem + stage_of(ask_j) * stage_bytes + warp * RW * pitch;
-            // the warp's first row; the others at 32-bit offsets from it: r row_bytes, or in the GLU form (8 gate rows,
-            // then the 8 up rows of the same pairs) (r % 8) row_bytes, plus F row_bytes for r >= 8
+            // the warp's first row (the others at the offsets above from it)
             const int row0 = GLU ? ask_tile * (shape::rows / 2) + 8 * warp : ask_tile * shape::rows + warp * RW;
-            const int64_t last_off = GLU ? (int64_t) (p.F + 7) * row_bytes : (int64_t) (RW - 1) * row_bytes;
             const int64_t base = unit_at(row0, U * ask_st);
             // as a rule: a whole stage of rows all in the matrix, none near its end, offsets in 32 bits (a uniform test)
-            if (ch == CH && (GLU ? row0 + 8 <= p.F : row0 + RW <= p.M) && last_off + 16 * CH + 16 <= INT32_MAX &&
+            if (ch == CH && (GLU ? row0 + 8 <= p.F : row0 + RW <= p.M) && offsets_32 &&
                 (qmh_type<type>::aligned || base + last_off + 16 * CH <= total)) {
                 const char * from = p.W + (base & ~(int64_t) 15);
                 const uint32_t mis = (uint32_t) (base & 15), rb = (uint32_t) row_bytes;
