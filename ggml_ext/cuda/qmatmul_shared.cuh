@@ -593,12 +593,30 @@ template <ggml_type type> static size_t qmh_ws_floats(int nt, int P, int M) {
     return (size_t) P * 2 * qmh_run_warps<type>(M) * QMH_RUN_RT * nt * 4 * WARP_SIZE;
 }
 
+// Every column-tile count launches with the shared memory of the widest (6 column tiles), so that an SM holds no
+// more of its blocks than qmh_occupancy planned the grid for. With fewer registers and less shared memory an SM could
+// hold more: a call launched early (programmatic dependent launch) then put its blocks two to an SM beside the
+// previous call's last ones, and ran ~40% slower on the SMs that held two while others idled (the 8-warp Q4_K shape
+// at 1-16 columns, H100: GDN input 31.8 / 37.4 us at 2 / 16 columns against 24.2 / 26.2 without early launches;
+// docs/benchmarks.md, thirty-first session). Checked once per instantiation and device.
 template <ggml_type type, int NT, int NW, int MINB, bool GLU> static void qmh_launch(const qmh_args & p, int device,
                                                                                      int P, cudaStream_t stream) {
     constexpr int U = qmh_run_units<type>();
     constexpr auto kernel = qmm_half_shared<type, NT, QMH_RUN_RT, NW, QMH_RUN_STAGES, U, MINB, GLU>;
-    constexpr size_t smem = qmh_smem_bytes<type, NT, QMH_RUN_RT, NW, QMH_RUN_STAGES, U>();
+    constexpr size_t smem = qmh_smem_bytes<type, 6, QMH_RUN_RT, NW, QMH_RUN_STAGES, U>();
+    static_assert(qmh_smem_bytes<type, NT, QMH_RUN_RT, NW, QMH_RUN_STAGES, U>() <= smem, "the widest shape's stages");
+    static bool checked[GGML_CUDA_MAX_DEVICES] = {};
     ggml_ext_cuda_allow_smem<kernel>(smem, device);
+    if (!checked[device]) {
+        int n = 0;
+        CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, NW * WARP_SIZE, smem));
+        const int planned = qmh_occupancy<type, NW, MINB, GLU>(device);
+        if (n != planned) {
+            GGML_ABORT("ggml_qmatmul: an SM holds %d blocks of the f16 kernel at %d column tiles, its grid is planned "
+                       "for %d", n, NT, planned);
+        }
+        checked[device] = true;
+    }
     ggml_cuda_kernel_launch(kernel, ggml_cuda_kernel_launch_params(dim3(P), dim3(WARP_SIZE, NW), smem, stream), p);
 }
 
