@@ -120,7 +120,8 @@ def test_default_rule_for_device_weights(qmatmul_default, monkeypatch):
 
 def test_f16_kernel_takes_large_q4_k_and_q6_k_matrices_up_to_48_columns(qmatmul_default, monkeypatch):
     """auto on a GPU with the f16 kernel (layers._streams): Q4_K and Q6_K matrices of at least QMATMUL_F16_MIN_ITEMS
-    (256-row tile, K unit) pairs go to ggml_qmatmul up to its 48-column limit (the f16 kernel from 9 columns), Q5_K
+    (256-row tile, K unit) pairs go to ggml_qmatmul at every column count up to its 48-column limit (the f16 kernel
+    from 2 columns, the streaming kernel at one), Q5_K
     keeps 4..24, BF16 goes only where the f16 kernel's family takes it (from one column: it has no int8 kernels);
     PYDFLASH_QMATMUL_F16=0 gives the int8 rule back (and BF16 to mul_mat)."""
     monkeypatch.setattr(layers, "_on_device", lambda w: True)
@@ -129,8 +130,8 @@ def test_f16_kernel_takes_large_q4_k_and_q6_k_matrices_up_to_48_columns(qmatmul_
     rows = 256 * layers.QMATMUL_F16_MIN_ITEMS   # (K = 256: one unit a row)
     def taken(wtype, rows=rows):
         return [n for n in range(1, 50) if _route(None, wtype, n, rows=rows) == ggml.Op.QMATMUL]
-    assert taken(ggml.Type.Q4_K) == [1] + list(range(4, 49))
-    assert taken(ggml.Type.Q6_K) == [1] + list(range(4, 49))
+    assert taken(ggml.Type.Q4_K) == list(range(1, 49))
+    assert taken(ggml.Type.Q6_K) == list(range(1, 49))
     assert taken(ggml.Type.Q5_K) == [1] + list(range(4, 25))
     assert taken(ggml.Type.Q4_K, rows - 256) == [1] + list(range(4, 25))
     assert taken(ggml.Type.BF16) == list(range(1, 49))   # BF16: through the f16 kernel's family only

@@ -589,7 +589,7 @@ def test_qmatmul_rejects_bad_input():
                      norm=ctx.new_tensor(np.float32, (96,)))
 
 
-def test_f16_kernel_taken_for_large_q4_k_q6_k_bf16_matrices_from_9_columns_outside_bit_exact_mode(monkeypatch):
+def test_f16_kernel_taken_for_large_q4_k_q6_k_bf16_matrices_from_2_columns_outside_bit_exact_mode(monkeypatch):
     """layers.qmatmul_row_tiles: the f16 kernel for a Q4_K, Q6_K or BF16 weight of at least QMATMUL_F16_MIN_ITEMS
     (256-row tile, 256-value unit) pairs from QMATMUL_F16_MIN_COLS columns (BF16: from one) on a GPU that has it;
     not for Q5_K,
@@ -602,8 +602,8 @@ def test_f16_kernel_taken_for_large_q4_k_q6_k_bf16_matrices_from_9_columns_outsi
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setattr(layers, "_streams", lambda w: True)
     assert layers.qmatmul_row_tiles(big, 23) == ggml.QMATMUL_F16
-    assert layers.qmatmul_row_tiles(big, 9) == ggml.QMATMUL_F16
-    assert layers.qmatmul_row_tiles(big, 8) == 0
+    assert layers.qmatmul_row_tiles(big, 2) == ggml.QMATMUL_F16
+    assert layers.qmatmul_row_tiles(big, 1) == 0   # one column: the streaming kernel
     for wtype, ne, f16 in ((ggml.Type.Q6_K, (17408, 5120), True),    # FFN down: 20 x 68
                            (ggml.Type.Q4_K, (17408, 5120), True),
                            (ggml.Type.Q6_K, (5120, 248320), True),   # LM head
@@ -630,7 +630,7 @@ def test_f16_kernel_taken_for_large_q4_k_q6_k_bf16_matrices_from_9_columns_outsi
     monkeypatch.delenv("PYDFLASH_QMATMUL")
     # the rule as bench/qmatmul.py asks it, from a shape and the device's answer
     assert layers.qmatmul_row_tiles_for(ggml.Type.Q4_K, 5120, 34816, 23, streams=True) == ggml.QMATMUL_F16
-    assert layers.qmatmul_row_tiles_for(ggml.Type.Q4_K, 5120, 34816, 8, streams=True) == 0
+    assert layers.qmatmul_row_tiles_for(ggml.Type.Q4_K, 5120, 34816, 1, streams=True) == 0
     assert layers.qmatmul_row_tiles_for(ggml.Type.Q6_K, 5120, 1024, 23, streams=True) == 0
     assert layers.qmatmul_row_tiles_for(ggml.Type.Q4_K, 5120, 34816, 23, streams=False) == 0
     monkeypatch.setattr(layers, "_streams", lambda w: False)

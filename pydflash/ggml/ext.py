@@ -317,7 +317,7 @@ def qmatmul(ctx: Context, w: Tensor, x: Tensor, row_tiles: int = 0, norm: Tensor
     (0: the kernel chooses; 1, 2, 4 force it, for benchmarks; -1, -2 force it with the activations staged in
     shared memory: Hopper, K-quants, N > 8). It changes the speed, never the result. QMATMUL_F16 takes the f16
     kernel instead (Hopper, Q4_K/Q6_K, K a multiple of 256; elsewhere as 0): f16 weights and activations, f32 sums,
-    a result of its own (column j still bit-identical whatever N is), faster from ~9 columns on large matrices.
+    a result of its own (column j still bit-identical whatever N is), faster from 2 columns on large matrices.
     BF16 weights always take its bf16 form (bf16 activations) on Hopper where K is a multiple of 256.
     norm (f32 [K]): multiply the RMS-normed columns instead, W * (rms_norm(x, eps) * norm)
     (ggml_qmatmul_rms_norm: on CUDA the norm is computed as the columns are quantised).

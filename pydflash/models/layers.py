@@ -127,8 +127,10 @@ def _takes_qmatmul(w: ggml.Tensor, x: ggml.Tensor) -> bool:
 # least QMATMUL_F16_MIN_ITEMS (256-row tile, 256-value K unit) pairs, from QMATMUL_F16_MIN_COLS columns on (H100,
 # docs/benchmarks.md "Fewer instructions around the f16 kernel's items": at 23 columns 0.55-0.91x the int8 kernels'
 # time on the 27B's FFN gate/up (2,720 items), FFN down (Q6_K, 1,360), GDN input (1,300), attention Q/K (1,040), the
-# GDN/attention output (480) and the LM head (19,400); 1.01x at 9-16 columns on the output). Smaller matrices keep
-# the int8 kernels: the pipeline's start and the tile fix-up weigh more there.
+# GDN/attention output (480) and the LM head (19,400); since its weight copies' rework, thirtieth session, also at
+# 2-8 columns: there its one column tile takes 0.64-0.83x the int8 kernels' 2-column time on each of them). Smaller
+# matrices keep the int8 kernels: the pipeline's start and the tile fix-up weigh more there. One column keeps the
+# streaming kernel (faster still, and the decode's bits).
 # BF16 (a DFlash draft's matrices) in the kernel's bf16 form (8 warps a block), ggml_qmatmul taking BF16 nowhere
 # else: the same item bound (the draft's fused Q/K/V, 480 items, in; its attention output, 320, level either way
 # in four A/B pairs; K/V, 80-160, slower there), but from one column: there are no int8 kernels to prefer, and the
@@ -136,7 +138,7 @@ def _takes_qmatmul(w: ggml.Tensor, x: ggml.Tensor) -> bool:
 # session).
 QMATMUL_F16_TYPES = (ggml.Type.Q4_K, ggml.Type.Q6_K, ggml.Type.BF16)
 QMATMUL_F16_MIN_ITEMS = 400
-QMATMUL_F16_MIN_COLS = 9
+QMATMUL_F16_MIN_COLS = 2
 QMATMUL_F16_MIN_COLS_BF16 = 1
 
 
