@@ -127,8 +127,9 @@ def _takes_qmatmul(w: ggml.Tensor, x: ggml.Tensor) -> bool:
 # least QMATMUL_F16_MIN_ITEMS (256-row tile, 256-value K unit) pairs, from QMATMUL_F16_MIN_COLS columns on (H100,
 # docs/benchmarks.md "Fewer instructions around the f16 kernel's items": at 23 columns 0.55-0.91x the int8 kernels'
 # time on the 27B's FFN gate/up (2,720 items), FFN down (Q6_K, 1,360), GDN input (1,300), attention Q/K (1,040), the
-# GDN/attention output (480) and the LM head (19,400); since its weight copies' rework, thirtieth session, also at
-# 2-8 columns: there its one column tile takes 0.64-0.83x the int8 kernels' 2-column time on each of them). Smaller
+# GDN/attention output (480) and the LM head (19,400); at 2-8 columns, since its weight copies' rework and its
+# launches' fixed occupancy (thirtieth and thirty-first sessions), 1.00-1.17x the one-column time on each of them,
+# where the int8 kernels took 1.4-1.7x, in bench/qmatmul.py). Smaller
 # matrices keep the int8 kernels: the pipeline's start and the tile fix-up weigh more there. One column keeps the
 # streaming kernel (faster still, and the decode's bits).
 # BF16 (a DFlash draft's matrices) in the kernel's bf16 form (8 warps a block), ggml_qmatmul taking BF16 nowhere
