@@ -62,25 +62,49 @@ def gated_by_ggml(backend, w_gu, K, F, x, norm=None):
     return run_graph(backend, build, inputs, shapes).reshape(n, F)
 
 
+# Where ggml-ext.h's layout keeps value v of a unit's column (v < 256; 256 + r: run r's sum): a unit is 36 chunks of
+# npad x 8 halves, values 32 s + 8 t + 4 p + 2 q + {0, 1} in chunk 4 s + 2 p + q at halves 2 t, 2 t + 1
+_V = np.arange(264)
+CHUNK = np.where(_V < 256, 4 * (_V // 32) + 2 * ((_V // 4) % 2) + (_V // 2) % 2, 32)
+ELEM = np.where(_V < 256, 2 * ((_V // 8) % 4) + _V % 2, _V - 256)
+
+
+def chunks(layout: np.ndarray) -> np.ndarray:
+    """A layout [U, npad, PITCH] as its chunks [U, 36, npad, 8] (a view)."""
+    U, npad, _ = layout.shape
+    return layout.reshape(U, PITCH // 8, npad, 8)
+
+
 def prepared_layout(values: np.ndarray, sums: bool = True) -> np.ndarray:
     """The layout of ggml-ext.h for columns values [N, F] (f32): f16 values, the f32 sums of each run of 32 rounded
-    values in index order rounded to f16 (without sums: zeros), zero padding and zero padding columns."""
+    values in index order rounded to f16 (without sums: zeros), zeros elsewhere and in the padding columns."""
     n, F = values.shape
     npad = -(-n // 8) * 8
     out = np.zeros((F // 256, npad, PITCH), np.float16)
+    c = chunks(out)
     h = values.astype(np.float16)
     for j in range(n):
         for u in range(F // 256):
             unit = h[j, 256 * u: 256 * u + 256]
-            out[u, j, :256] = unit
+            c[u, CHUNK[:256], j, ELEM[:256]] = unit
             for r in range(8 if sums else 0):
-                out[u, j, 256 + r] = np.cumsum(unit[32 * r: 32 * r + 32].astype(np.float32), dtype=np.float32)[-1]
+                c[u, 32, j, r] = np.cumsum(unit[32 * r: 32 * r + 32].astype(np.float32), dtype=np.float32)[-1]
     return out
 
 
 def prepared_values(layout: np.ndarray, n: int) -> np.ndarray:
     """The f32 columns [n, F] a layout holds."""
-    return layout[:, :n, :256].transpose(1, 0, 2).reshape(n, -1).astype(np.float32)
+    c = chunks(layout)
+    return np.stack([c[:, CHUNK[:256], j, ELEM[:256]].reshape(-1) for j in range(n)]).astype(np.float32)
+
+
+def test_layout_positions_are_a_permutation_of_each_columns_values():
+    """Every value and run sum of a column has its own place, none shared with another column's, and the chunks the
+    wgmma kernel reads as zeros (33) hold nothing."""
+    npad = 16
+    at = (CHUNK[:, None] * npad + np.arange(npad)[None, :]) * 8 + ELEM[:, None]   # [264, npad] flat positions
+    assert len(np.unique(at)) == at.size and at.max() < npad * PITCH
+    assert not np.any(CHUNK == 33)
 
 
 def qmatmul_prepared(backend, wtype, w, K, M, layout, n, add=None):
@@ -127,7 +151,7 @@ def test_qmatmul_prepared_on_the_cpu_is_the_product_of_its_values(rng, wtype):
     for n in (1, 7, 8, 9, 23, 48):
         values = rng.standard_normal((n, K)).astype(np.float32)
         layout = prepared_layout(values)
-        layout[:, n:, :] = np.float16(np.nan)   # (padding columns: whatever a GPU left there)
+        chunks(layout)[:, :, n:, :] = np.float16(np.nan)   # (padding columns: whatever a GPU left there)
         r = rng.standard_normal((n, M)).astype(np.float32)
         got = qmatmul_prepared(backend, wtype, w, K, M, layout, n, add=r)
         xh = prepared_values(layout, n)
@@ -330,8 +354,10 @@ def test_swiglu_prepared_is_the_separate_preparation_bit_for_bit(rng, wtype, nor
             if wtype == ggml.Type.Q6_K:   # for a Q6_K reader: the run sums left out, the values those written for Q4_K
                 bare = swiglu_prepared(backend, w_gu, K, F, x[:n], norm, ggml.Type.Q6_K)
                 summed = swiglu_prepared(backend, w_gu, K, F, x[:n], norm, ggml.Type.Q4_K)
-                assert not bare[:, :, 256:264].any() and summed[:, :n, 256:264].any(), f"K={K} F={F} N={n}: sums"
-                assert np.array_equal(bare[:, :, :256].view(np.uint16), summed[:, :, :256].view(np.uint16))
+                cb, cs = chunks(bare), chunks(summed)
+                assert not cb[:, 32].any() and cs[:, 32, :n].any(), f"K={K} F={F} N={n}: sums"
+                assert not cb[:, 33].any() and not cs[:, 33].any(), f"K={K} F={F} N={n}: the zeros chunk"
+                assert np.array_equal(cb[:, :32].view(np.uint16), cs[:, :32].view(np.uint16))
         xd = x.astype(np.float64)
         if normed:
             xd = xd / np.sqrt((xd * xd).mean(axis=1, keepdims=True) + EPS) * norm

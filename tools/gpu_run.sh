@@ -30,7 +30,7 @@ out=${OUT:-$state/out}
 mkdir -p "$logs" "$data" "$out"
 build=$src/build/cp312-cp312-linux_x86_64          # pip's build folder (pyproject: build/{wheel_tag})
 export PYTHONPATH=$state/pyd:$state/site:$pylibs PYDFLASH_GGML_SOURCE=$ggml_src PYDFLASH_CUDA=1 PYTHONUNBUFFERED=1
-export CMAKE_ARGS="-DCMAKE_CUDA_ARCHITECTURES=90" CMAKE_BUILD_PARALLEL_LEVEL=$(nproc)
+export CMAKE_ARGS="-DCMAKE_CUDA_ARCHITECTURES=90a" CMAKE_BUILD_PARALLEL_LEVEL=$(nproc)
 export LD_LIBRARY_PATH=$state/pyd/pydflash/lib   # llama-bench runs on the same ggml libraries as pydflash
 
 ALWAYS="wheels build models llama_bench"

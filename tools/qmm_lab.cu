@@ -4,7 +4,7 @@
 // kernel it must match to the bit (qmatmul_mma.cuh) and against a plain read of the same bytes. Set
 // QMM_LAB_PROFILE=1 to run each kernel once, untimed, under Nsight Compute.
 //
-//   nvcc -std=c++17 -O3 -arch=sm_90 -o /tmp/qmm_lab tools/qmm_lab.cu -DGGML_USE_CUDA \
+//   nvcc -std=c++17 -O3 -arch=sm_90a -o /tmp/qmm_lab tools/qmm_lab.cu -DGGML_USE_CUDA \
 //        -Iggml_ext/include -Iggml_ext/cuda -I$GGML/include -I$GGML/src -I$GGML/src/ggml-cuda
 //   /tmp/qmm_lab [shape ...]        (shapes: the names in SHAPES below; default all)
 //
@@ -15,7 +15,9 @@
 // roundings of the weights and activations); and where one call's time goes (QMH_TRACE: the CUDA blocks' start,
 // first stage in, last item done, exit, us from the first start: median and latest). QMM_LAB_WARPS=1 also times
 // tiles of 8 and 6 warps at two blocks an SM and of 12 and 10 at one, QMM_LAB_STAGES=1 tiles of 6, 8 and 12 warps
-// with three stages at one block an SM; QMM_LAB_RT2=1 the run shape's block rows as two 16-row tiles a warp in half
+// with three stages at one block an SM; QMM_LAB_WG=1 (Q4_K; built with -arch=sm_90a) the run shape with its MMAs as
+// wgmma at every column count (qmatmul_wgmma.cuh; checked for the run's bits); QMM_LAB_RT2=1 the run shape's block
+// rows as two 16-row tiles a warp in half
 // the warps (the same cut: a column's bits are the run shape's, checked). With QMM_LAB_ADD=1 the shape ggml_qmatmul runs is
 // also timed with a residual added as its outputs are stored (checked: the sum of the plain result and the
 // residual, bit for bit). QMM_LAB_GLU=1 also times that shape's GLU form (Q4_K matrices of 2F rows, F a multiple of
@@ -398,7 +400,7 @@ static __global__ void prefetch_first_stages(const char * W, int64_t row_bytes, 
 
 // --- Several columns: the f16 kernel of qmatmul_shared.cuh against the best of the others -------------------
 
-template <ggml_type type, int NT, int RT, int NW, int S, int U, int MB, bool GLU = false>
+template <ggml_type type, int NT, int RT, int NW, int S, int U, int MB, bool GLU = false, bool WG = false>
 static void shared_launch(const qmh_args & a, int P, cudaStream_t st) {
     constexpr size_t smem = qmh_smem_bytes<type, NT, RT, NW, S, U>();
     if (smem > 227 * 1024) {
@@ -407,21 +409,21 @@ static void shared_launch(const qmh_args & a, int P, cudaStream_t st) {
     }
     static bool set = false;
     if (!set) {
-        CK(cudaFuncSetAttribute(qmm_half_shared<type, NT, RT, NW, S, U, MB, GLU>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int) smem));
+        CK(cudaFuncSetAttribute(qmm_half_shared<type, NT, RT, NW, S, U, MB, GLU, WG>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int) smem));
         set = true;
     }
-    qmm_half_shared<type, NT, RT, NW, S, U, MB, GLU><<<P, dim3(WARP_SIZE, NW), smem, st>>>(a);
+    qmm_half_shared<type, NT, RT, NW, S, U, MB, GLU, WG><<<P, dim3(WARP_SIZE, NW), smem, st>>>(a);
 }
 
-template <ggml_type type, int RT, int NW, int S, int U, int MB, bool GLU = false>
+template <ggml_type type, int RT, int NW, int S, int U, int MB, bool GLU = false, bool WG = false>
 static void shared_any(const qmh_args & a, int P, cudaStream_t st) {
     switch (a.npad / 8) {
-        case 1: shared_launch<type, 1, RT, NW, S, U, MB, GLU>(a, P, st); break;
-        case 2: shared_launch<type, 2, RT, NW, S, U, MB, GLU>(a, P, st); break;
-        case 3: shared_launch<type, 3, RT, NW, S, U, MB, GLU>(a, P, st); break;
-        case 4: shared_launch<type, 4, RT, NW, S, U, MB, GLU>(a, P, st); break;
-        case 5: shared_launch<type, 5, RT, NW, S, U, MB, GLU>(a, P, st); break;
-        default: shared_launch<type, 6, RT, NW, S, U, MB, GLU>(a, P, st); break;
+        case 1: shared_launch<type, 1, RT, NW, S, U, MB, GLU, WG>(a, P, st); break;
+        case 2: shared_launch<type, 2, RT, NW, S, U, MB, GLU, WG>(a, P, st); break;
+        case 3: shared_launch<type, 3, RT, NW, S, U, MB, GLU, WG>(a, P, st); break;
+        case 4: shared_launch<type, 4, RT, NW, S, U, MB, GLU, WG>(a, P, st); break;
+        case 5: shared_launch<type, 5, RT, NW, S, U, MB, GLU, WG>(a, P, st); break;
+        default: shared_launch<type, 6, RT, NW, S, U, MB, GLU, WG>(a, P, st); break;
     }
 }
 
@@ -435,17 +437,17 @@ static half * half_layout(const int8_t * yq, const float2 * yds, int K, int npad
     const int np = 8 * nt;
     std::vector<half> o((size_t) K / QK_K * np * QMH_HALF_PITCH, __float2half(0.0f));
     for (int u = 0; u < K / QK_K; ++u) {
+        half * unit = &o[(size_t) u * np * QMH_HALF_PITCH];   // (ggml-ext.h's prepared layout)
         for (int c = 0; c < np; ++c) {
-            half * col = &o[((size_t) u * np + c) * QMH_HALF_PITCH];
             for (int s = 0; s < 8; ++s) {
                 const int kb = 8 * u + s;
                 float sum = 0.0f;
                 for (int i = 0; i < 32; ++i) {
                     const half v = __float2half(hd[(size_t) kb * npad + c].x * h[(size_t) c * K + kb * 32 + i]);
-                    col[32 * s + i] = v;
+                    unit[GGML_EXT_QMATMUL_HALF_AT(32 * s + i, c, np)] = v;
                     sum += __half2float(v);
                 }
-                col[QK_K + s] = __float2half(sum);
+                unit[GGML_EXT_QMATMUL_HALF_AT(QK_K + s, c, np)] = __float2half(sum);
             }
         }
     }
@@ -572,6 +574,14 @@ template <ggml_type type> static void run_shared(const shape & sh, const std::ve
                     snprintf(run_name, sizeof run_name, "rt2 w%d x%d", NW / 2, MB);
                     variant(run_name, MB, 16 * NW, RU,
                             [&](const qmh_args & a, int P) { shared_any<type, 2, NW / 2, QMH_RUN_STAGES, RU, MB>(a, P, st); });
+                }
+            }
+            if constexpr (type == GGML_TYPE_Q4_K && NW % 4 == 0) {   // QMM_LAB_WG: the run shape through wgmma
+                if (getenv("QMM_LAB_WG") != nullptr) {
+                    snprintf(run_name, sizeof run_name, "wgmma w%d", NW);
+                    variant(run_name, MB, 16 * NW, RU, [&](const qmh_args & a, int P) {
+                        shared_any<type, 1, NW, QMH_RUN_STAGES, RU, MB, false, true>(a, P, st);
+                    });
                 }
             }
             if (getenv("QMM_LAB_PREFETCH") != nullptr) {   // launched as ggml_ext launches it, each call early

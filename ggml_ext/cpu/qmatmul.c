@@ -59,7 +59,8 @@ static void prepared_column(const struct ggml_tensor * xp, int64_t j, int64_t K,
     const int64_t npad = xp->ne[1];
     const ggml_fp16_t * units = (const ggml_fp16_t *) xp->data;
     for (int64_t k = 0; k < K; ++k) {
-        out[k] = GGML_FP16_TO_FP32(units[((k / 256) * npad + j) * GGML_EXT_QMATMUL_HALF_PITCH + k % 256]);
+        out[k] = GGML_FP16_TO_FP32(units[(k / 256) * npad * GGML_EXT_QMATMUL_HALF_PITCH +
+                                         GGML_EXT_QMATMUL_HALF_AT(k % 256, j, npad)]);
     }
 }
 
@@ -68,18 +69,21 @@ static void prepared_column(const struct ggml_tensor * xp, int64_t j, int64_t K,
 static void prepare_column(const float * s, int64_t F, int64_t j, bool sums, struct ggml_tensor * dst) {
     const int64_t npad = dst->ne[1];
     for (int64_t u = 0; u < F / 256; ++u) {
-        ggml_fp16_t * unit = (ggml_fp16_t *) dst->data + (u * npad + j) * GGML_EXT_QMATMUL_HALF_PITCH;
-        memset(unit, 0, GGML_EXT_QMATMUL_HALF_PITCH * sizeof(ggml_fp16_t));
+        ggml_fp16_t * unit = (ggml_fp16_t *) dst->data + u * npad * GGML_EXT_QMATMUL_HALF_PITCH;
+        for (int c = 0; c < GGML_EXT_QMATMUL_HALF_PITCH / 8; ++c) {   // every chunk's 8 halves of this column
+            memset(unit + (c * npad + j) * 8, 0, 8 * sizeof(ggml_fp16_t));
+        }
         if (s == NULL) {
             continue;
         }
         for (int r = 0; r < 8; ++r) {
             float sum = 0.0f;
             for (int i = 32 * r; i < 32 * r + 32; ++i) {
-                unit[i] = GGML_FP32_TO_FP16(s[256 * u + i]);
-                sum += GGML_FP16_TO_FP32(unit[i]);
+                const ggml_fp16_t h = GGML_FP32_TO_FP16(s[256 * u + i]);
+                unit[GGML_EXT_QMATMUL_HALF_AT(i, j, npad)] = h;
+                sum += GGML_FP16_TO_FP32(h);
             }
-            unit[256 + r] = GGML_FP32_TO_FP16(sums ? sum : 0.0f);
+            unit[GGML_EXT_QMATMUL_HALF_AT(256 + r, j, npad)] = GGML_FP32_TO_FP16(sums ? sum : 0.0f);
         }
     }
 }

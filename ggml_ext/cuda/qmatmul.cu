@@ -180,7 +180,7 @@ bool ggml_ext_cuda_qmatmul_streams(int device) {
 enum qmm_x_layout {
     QMM_X_INT8,     // int8 [npad][K], scales [K / 32][npad] (qmatmul_mma.cuh, "Activations")
     QMM_X_HALVES,   // int8 by half unit [K / 128][npad][128], blocks swizzled (qmatmul_staged.cuh); scales as above
-    QMM_X_F16,      // f16 by unit [K / 256][npad][QMH_HALF_PITCH]: values, then sub-block sums (qmatmul_half.cuh)
+    QMM_X_F16,      // f16 by unit, ggml-ext.h's prepared layout: values and sub-block sums (qmatmul_half.cuh)
     QMM_X_BF16,     // the same in bf16, without the sums (the BF16 weights' unit)
 };
 
@@ -191,8 +191,8 @@ static __device__ __forceinline__ void qmm_quantize_block(float v, int lane, int
                                                           qmm_x_layout layout, int8_t * __restrict__ yq,
                                                           float2 * __restrict__ yds) {
     if (layout == QMM_X_BF16) {
-        nv_bfloat16 * col_unit = (nv_bfloat16 *) yq + ((size_t) (kb / 8) * npad + col) * QMH_HALF_PITCH;
-        col_unit[QK8_1 * (kb % 8) + lane] = __float2bfloat16_rn(v);
+        nv_bfloat16 * unit = (nv_bfloat16 *) yq + (size_t) (kb / 8) * npad * QMH_HALF_PITCH;
+        unit[GGML_EXT_QMATMUL_HALF_AT(QK8_1 * (kb % 8) + lane, col, npad)] = __float2bfloat16_rn(v);
         return;
     }
     if (layout == QMM_X_F16) {
@@ -202,10 +202,11 @@ static __device__ __forceinline__ void qmm_quantize_block(float v, int lane, int
         for (int offset = WARP_SIZE / 2; offset > 0; offset >>= 1) {
             sum += __shfl_xor_sync(0xffffffff, sum, offset, WARP_SIZE);
         }
-        half * col_unit = (half *) yq + ((size_t) (kb / 8) * npad + col) * QMH_HALF_PITCH;
-        col_unit[QK8_1 * (kb % 8) + lane] = h;
+        half * unit = (half *) yq + (size_t) (kb / 8) * npad * QMH_HALF_PITCH;
+        unit[GGML_EXT_QMATMUL_HALF_AT(QK8_1 * (kb % 8) + lane, col, npad)] = h;
         if (lane == 0) {
-            col_unit[QMM_UNIT + kb % 8] = __float2half_rn(sum);
+            unit[GGML_EXT_QMATMUL_HALF_AT(QMM_UNIT + kb % 8, col, npad)] = __float2half_rn(sum);
+            unit[(GGML_EXT_QMATMUL_HALF_ZEROS * npad + col) * 8 + kb % 8] = __float2half_rn(0.0f);   // (wgmma's k 8-15)
         }
         return;
     }

@@ -12,16 +12,16 @@
 // sub-block of -dmin*m * x = -dmin*m * (sum of its x): the 8 sub-block sums of a column (f32 sums of the f16 values,
 // rounded to f16) sit after its 256 values, and one more MMA per unit takes them (k slots 0-7; 8-15 zero).
 //
-// Activations: per K unit, per column, QMH_HALF_PITCH halves: values 0..255, the 8 sums, padding (the pitch keeps a
-// warp's 16-byte loads of 8 columns on distinct banks). Within a 32-value sub-block thread t4 of a quad holds
-// values 8 t4 .. 8 t4 + 7, the first four for the first k16 MMA, the rest for the second (k slots 2 t4, 2 t4 + 1
-// and 2 t4 + 8, 2 t4 + 9); A and B use the same permutation of K, so the products are unchanged.
+// Activations: ggml-ext.h's prepared layout (per K unit, npad QMH_HALF_PITCH halves: chunks of npad x 8). Within a
+// 32-value sub-block thread t4 of a quad holds values 8 t4 .. 8 t4 + 7, the first four for the first k16 MMA, the
+// rest for the second (k slots 2 t4, 2 t4 + 1 and 2 t4 + 8, 2 t4 + 9); A and B use the same permutation of K, so
+// the products are unchanged, and the layout's chunks are that permutation's 8 x 8 tiles of B.
 
 #pragma once
 
 #include "qmatmul_mma.cuh"
 
-#define QMH_HALF_PITCH 288   // halves per column and K unit: 256 values, 8 sums, 24 padding
+#define QMH_HALF_PITCH GGML_EXT_QMATMUL_HALF_PITCH   // halves per column and K unit (36 chunks of 8)
 
 // c += A B over one m16n8k16 tile, f32 sums; A and B f16 pairs (BF16: bf16 pairs)
 #define QMH_MMA_K16(AB)                                                                                            \
@@ -65,20 +65,26 @@ static __device__ __forceinline__ half2 qmh_byte_pair(uint32_t w, bool hi) {
     return __hsub2(qmh_u2h(p), __float2half2_rn(1024.0f));
 }
 
-// The stage's activations (one K unit): [npad][QMH_HALF_PITCH] halves
+// The stage's activations (one K unit, 8 NT columns): ggml-ext.h's prepared layout, chunks of 8 NT x 8 halves
 template <int NT> struct qmh_cols_half {
     const half * q;
 
-    // column 8t + g's values 32 s + 8 t4 .. + 7 (both k16 steps of sub-block s)
+    // column 8t + g's values 32 s + 8 t4 .. + 7 (both k16 steps of sub-block s) as {.x, .y} (step 0: k slots 2 t4,
+    // 2 t4 + 1 and 2 t4 + 8, + 9) and {.z, .w} (step 1): chunks 4 s .. 4 s + 3 of column tile t, one 8 x 8 tile each,
+    // by one ldmatrix (lanes 8 m .. 8 m + 7 give the rows of chunk 4 s + m)
     __device__ __forceinline__ uint4 b16(int t, int s) const {
-        const int g = threadIdx.x / 4, t4 = threadIdx.x % 4;
-        return *(const uint4 *) (q + (8 * t + g) * QMH_HALF_PITCH + 32 * s + 8 * t4);
+        const int lane = threadIdx.x;
+        const half * row = q + ((4 * s + lane / 8) * 8 * NT + 8 * t + lane % 8) * 8;
+        uint4 b;
+        asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
+                     : "=r"(b.x), "=r"(b.y), "=r"(b.z), "=r"(b.w) : "r"((uint32_t) __cvta_generic_to_shared(row)));
+        return b;
     }
 
     // column 8t + g's sums of sub-blocks 2 t4, 2 t4 + 1
     __device__ __forceinline__ uint32_t bmin(int t) const {
         const int g = threadIdx.x / 4, t4 = threadIdx.x % 4;
-        return *(const uint32_t *) (q + (8 * t + g) * QMH_HALF_PITCH + QMM_UNIT + 2 * t4);
+        return *(const uint32_t *) (q + (GGML_EXT_QMATMUL_HALF_CHUNK(QMM_UNIT) * 8 * NT + 8 * t + g) * 8 + 2 * t4);
     }
 };
 

@@ -28,6 +28,7 @@
 
 #include "qmatmul_stream.cuh"
 #include "qmatmul_half.cuh"
+#include "qmatmul_wgmma.cuh"
 #include "unary.cuh"
 
 #include <type_traits>
@@ -87,7 +88,7 @@ static __device__ unsigned long long qmh_trace[QMH_TRACE_EVENTS * 1024];
 
 struct qmh_args {
     const char * W;
-    const half * x;         // the activations, qmatmul_half.cuh's layout: [K / 256][npad][QMH_HALF_PITCH]
+    const half * x;         // the activations, ggml-ext.h's prepared layout: [K / 256][npad QMH_HALF_PITCH]
     float * dst;
     int nb, K, M, N, npad, stride_col_dst;
     const float * add;      // ggml_qmatmul_fused's added tensor, or null
@@ -136,7 +137,7 @@ static __device__ __forceinline__ void qmh_cp16(char * smem, const char * gmem) 
 // an output holds both; a block's tile is NW * 8 pairs (a multiple of 32, F too: a run of 32 pairs, whose sum the
 // prepared layout holds, is four warps of one block). The tile's finisher writes silu(gate) * up rounded to f16 into
 // p.glu_out (ggml-ext.h's prepared layout; the run sums where p.glu_sums) and no f32 outputs.
-template <ggml_type type, int NT, int RT, int NW, int STAGES, int U, int MINB, bool GLU = false>
+template <ggml_type type, int NT, int RT, int NW, int STAGES, int U, int MINB, bool GLU = false, bool WG = false>
 static __global__ void __launch_bounds__(NW * WARP_SIZE, MINB)
 qmm_half_shared(const qmh_args p) {
     using shape = qmh_shape<NT, RT, NW>;
@@ -295,7 +296,12 @@ qmm_half_shared(const qmh_args p) {
 #pragma unroll 1
         for (int uu = 0; uu < stage_units(st); ++uu) {
             const qmh_cols_half<NT> x = {(const half *) (stage + w_bytes + uu * unit_act_bytes)};
-            if constexpr (type == GGML_TYPE_Q4_K) {
+            if constexpr (WG) {   // (the wgmma lab stage: qmatmul_wgmma.cuh)
+                static_assert(type == GGML_TYPE_Q4_K && RT == 1 && NW % 4 == 0, "wgmma: Q4_K, whole warpgroups");
+                const char * const r2[2] = {rows[0][0], rows[0][1]};
+                qmh_unit_q4_k_wg<NT>(r2, qms_smem_addr(stage + w_bytes + uu * unit_act_bytes), p.npad, t4, warp / 4,
+                                     acc[0]);
+            } else if constexpr (type == GGML_TYPE_Q4_K) {
                 qmh_unit_q4_k<NT, RT>(rows, x, t4, acc);
             } else if constexpr (type == GGML_TYPE_Q6_K) {
                 qmh_unit_q6_k<NT, RT>(rows, x, t4, acc);
@@ -395,9 +401,14 @@ qmm_half_shared(const qmh_args p) {
         // npad is written: a padding column's values are zeros.
         auto store_glu = [&]() {
             const int q = tile * (shape::rows / 2) + 8 * warp + g;
-            half * unit = p.glu_out + (size_t) (q / QMM_UNIT) * p.npad * QMH_HALF_PITCH + q % QMM_UNIT;
-            // this thread's column's run sum, where the run's first warp (lane g 0) writes it
-            half * run_sum = unit + QMM_UNIT - q % QMM_UNIT + (q % QMM_UNIT) / QK8_1;
+            half * unit = p.glu_out + (size_t) (q / QMM_UNIT) * p.npad * QMH_HALF_PITCH;   // (ggml-ext.h's layout)
+            const int v = q % QMM_UNIT, run = v / QK8_1;
+            // this thread's column's run sum (and the zero beside it that wgmma's k slots 8-15 read), where the run's
+            // first warp (lane g 0) writes it
+            auto put_run_sum = [&](int col, float sum) {
+                unit[GGML_EXT_QMATMUL_HALF_AT(QMM_UNIT + run, col, p.npad)] = __float2half_rn(sum);
+                unit[(GGML_EXT_QMATMUL_HALF_ZEROS * p.npad + col) * 8 + run] = __float2half_rn(0.0f);
+            };
             const bool sums_here = warp % 4 == 0 && q - g < p.F;
             float * vals = glu_vals + (8 * warp + g) * 8;
 #pragma unroll
@@ -407,12 +418,12 @@ qmm_half_shared(const qmh_args p) {
                     const int col = 8 * t + 2 * t4 + e;
                     const half h = __float2half_rn(qmm_gated(acc[0][t][e], acc[0][t][2 + e], GGML_EXT_QMATMUL_GATE_SILU));
                     if (q < p.F) {
-                        unit[(size_t) col * QMH_HALF_PITCH] = h;
+                        unit[GGML_EXT_QMATMUL_HALF_AT(v, col, p.npad)] = h;
                     }
                     if (p.glu_sums) {
                         vals[2 * t4 + e] = __half2float(h);
                     } else if (sums_here && g == 0) {
-                        run_sum[(size_t) col * QMH_HALF_PITCH] = __float2half_rn(0.0f);
+                        put_run_sum(col, 0.0f);
                     }
                     acc[0][t][e] = acc[0][t][2 + e] = 0.0f;
                 }
@@ -430,7 +441,7 @@ qmm_half_shared(const qmh_args p) {
                         sum += __shfl_xor_sync(0xFFFFFFFFu, sum, 8);
                         sum += __shfl_xor_sync(0xFFFFFFFFu, sum, 4);
                         if (g == 0) {
-                            run_sum[(size_t) (8 * t + c) * QMH_HALF_PITCH] = __float2half_rn(sum);
+                            put_run_sum(8 * t + c, sum);
                         }
                     }
                 }
@@ -599,10 +610,11 @@ template <ggml_type type> static size_t qmh_ws_floats(int nt, int P, int M) {
 // previous call's last ones, and ran ~40% slower on the SMs that held two while others idled (the 8-warp Q4_K shape
 // at 1-16 columns, H100: GDN input 31.8 / 37.4 us at 2 / 16 columns against 24.2 / 26.2 without early launches;
 // docs/benchmarks.md, thirty-first session). Checked once per instantiation and device.
-template <ggml_type type, int NT, int NW, int MINB, bool GLU> static void qmh_launch(const qmh_args & p, int device,
-                                                                                     int P, cudaStream_t stream) {
+template <ggml_type type, int NT, int NW, int MINB, bool GLU, bool WG> static void qmh_launch_as(const qmh_args & p,
+                                                                                            int device, int P,
+                                                                                            cudaStream_t stream) {
     constexpr int U = qmh_run_units<type>();
-    constexpr auto kernel = qmm_half_shared<type, NT, QMH_RUN_RT, NW, QMH_RUN_STAGES, U, MINB, GLU>;
+    constexpr auto kernel = qmm_half_shared<type, NT, QMH_RUN_RT, NW, QMH_RUN_STAGES, U, MINB, GLU, WG>;
     constexpr size_t smem = qmh_smem_bytes<type, 6, QMH_RUN_RT, NW, QMH_RUN_STAGES, U>();
     static_assert(qmh_smem_bytes<type, NT, QMH_RUN_RT, NW, QMH_RUN_STAGES, U>() <= smem, "the widest shape's stages");
     static bool checked[GGML_CUDA_MAX_DEVICES] = {};
@@ -612,12 +624,31 @@ template <ggml_type type, int NT, int NW, int MINB, bool GLU> static void qmh_la
         CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, NW * WARP_SIZE, smem));
         const int planned = qmh_occupancy<type, NW, MINB, GLU>(device);
         if (n != planned) {
-            GGML_ABORT("ggml_qmatmul: an SM holds %d blocks of the f16 kernel at %d column tiles, its grid is planned "
-                       "for %d", n, NT, planned);
+            GGML_ABORT("ggml_qmatmul: an SM holds %d blocks of the f16 kernel at %d column tiles%s, its grid is planned "
+                       "for %d", n, NT, WG ? " (wgmma)" : "", planned);
         }
         checked[device] = true;
     }
     ggml_cuda_kernel_launch(kernel, ggml_cuda_kernel_launch_params(dim3(P), dim3(WARP_SIZE, NW), smem, stream), p);
+}
+
+// Q4_K from QMH_WG_MIN_TILES column tiles on takes its MMAs as wgmma (qmatmul_wgmma.cuh) where the build has them
+// (GGML_EXT_WGMMA: compiled for sm_90a): the same bits as mma.sync's, 8-10% faster at 48 columns, level at 40,
+// slower below (H100 lab, docs/benchmarks.md, thirty-first session)
+#define QMH_WG_MIN_TILES 6
+
+template <ggml_type type, int NT, int NW, int MINB, bool GLU> static void qmh_launch(const qmh_args & p, int device,
+                                                                                     int P, cudaStream_t stream) {
+#ifdef GGML_EXT_WGMMA
+    if constexpr (type == GGML_TYPE_Q4_K && NT >= QMH_WG_MIN_TILES && NW % 4 == 0) {
+        // (the device runs the sm_90a code: not a later GPU running other code of the build)
+        if (ggml_cuda_highest_compiled_arch(ggml_cuda_info().devices[device].cc) == GGML_CUDA_CC_HOPPER) {
+            qmh_launch_as<type, NT, NW, MINB, GLU, true>(p, device, P, stream);
+            return;
+        }
+    }
+#endif
+    qmh_launch_as<type, NT, NW, MINB, GLU, false>(p, device, P, stream);
 }
 
 template <ggml_type type, int NT, bool GLU> static void qmh_launch(const qmh_args & p, int device, int P,

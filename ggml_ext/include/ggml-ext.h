@@ -325,9 +325,19 @@ GGML_API struct ggml_tensor * ggml_qmatmul_sigmoid_gated(
 
 // The f16 kernel's activations as a tensor ("prepared"): for K values (a multiple of 256) and N columns, F16
 // [GGML_EXT_QMATMUL_HALF_PITCH, npad, K / 256] with npad = N rounded up to a multiple of 8. Per 256-value unit and
-// column: the 256 values rounded to f16, then the 8 sums of its runs of 32 (each the f32 sum of the rounded values,
-// rounded to f16), then padding; columns N..npad-1 hold zeros. ggml_qmatmul_prepared reads it.
+// column: the 256 values rounded to f16 and the 8 sums of its runs of 32 (each the f32 sum of the rounded values,
+// rounded to f16); columns N..npad-1 hold zeros. A unit's npad * GGML_EXT_QMATMUL_HALF_PITCH halves are 36 chunks of
+// npad x 8 (chunk c, column j's 8 halves at (c npad + j) 8): values 32 s + 8 t + 4 p + 2 q + {0, 1} of run s in
+// chunk 4 s + 2 p + q at halves 2 t, 2 t + 1 (the K order of the kernel's MMA fragments, its chunks the 8 x 8 tiles
+// the tensor cores read, ggml_ext/cuda/qmatmul_wgmma.cuh), the sums in chunk 32, zeros in chunk 33, 34-35 unused.
+// GGML_EXT_QMATMUL_HALF_AT: where value v (0..255; 256 + s: the sum of run s) of column j sits in its unit.
+// ggml_qmatmul_prepared reads it.
 #define GGML_EXT_QMATMUL_HALF_PITCH 288
+#define GGML_EXT_QMATMUL_HALF_CHUNK(v) ((v) < 256 ? 4 * ((v) / 32) + 2 * (((v) / 4) % 2) + ((v) / 2) % 2 : 32)
+#define GGML_EXT_QMATMUL_HALF_ELEM(v)  ((v) < 256 ? 2 * (((v) / 8) % 4) + (v) % 2 : (v) - 256)
+#define GGML_EXT_QMATMUL_HALF_AT(v, j, npad) \
+    ((GGML_EXT_QMATMUL_HALF_CHUNK(v) * (npad) + (j)) * 8 + GGML_EXT_QMATMUL_HALF_ELEM(v))
+#define GGML_EXT_QMATMUL_HALF_ZEROS 33   // the chunk of zeros
 
 // An FFN's gate/up product handing the down product its input: w [K, 2F], Q4_K, holds F gate rows, then F up rows
 // (a fused gate/up matrix; F a multiple of 256), x f32 [K, N] as ggml_qmatmul's, and with norm and eps (else NULL)
