@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Compile our CUDA sources for sm_90 on a machine without a GPU (nvcc only, no cuBLAS headers), to catch errors and
-# read ptxas's register and spill counts before a GPU hold. Needs the pinned ggml source that
+# Compile our CUDA sources for sm_90a (as a default CUDA build does, wgmma included) on a machine without a GPU (nvcc
+# only, no cuBLAS headers), to catch errors and read ptxas's register and spill counts before a GPU hold. Needs the pinned ggml source that
 # tools/prepare_gpu_carry.py writes to .device/ggml-src.
 #
 #   tools/cuda_check.sh [FILE.cu ...]     (default: every ggml_ext/cuda/*.cu; PTXAS_V=1 prints ptxas -v)
@@ -14,7 +14,7 @@ out=$(mktemp -d)
 trap 'rm -rf "$out"' EXIT
 for f in "${files[@]}"; do
     echo "== $f"
-    nvcc -std=c++17 -O3 -arch=sm_90 -c -o "$out/$(basename "$f").o" "$f" -DGGML_USE_CUDA \
+    nvcc -std=c++17 -O3 -arch=sm_90a -c -o "$out/$(basename "$f").o" "$f" -DGGML_USE_CUDA -DGGML_EXT_WGMMA \
         -Itools/cuda_check -Iggml_ext/include -Iggml_ext/cuda -I$G/include -I$G/src -I$G/src/ggml-cuda \
         ${PTXAS_V:+-Xptxas -v}
 done

@@ -1,5 +1,5 @@
 """What the compiler made of a ggml_ext kernel, on a machine without a GPU: compile one of our CUDA sources for
-sm_90 to a cubin (as tools/cuda_check.sh compiles it), disassemble it with cuobjdump, and for every kernel whose
+sm_90a to a cubin (as tools/cuda_check.sh compiles it), disassemble it with cuobjdump, and for every kernel whose
 name matches a pattern print its instruction count and the opcode mix of each basic block that holds tensor-core
 instructions (HMMA): the inner loops, where a weight's decoding or a score's softmax costs issue slots.
 
@@ -77,8 +77,8 @@ def main(argv=None) -> int:
         cubin = Path(tmp) / "k.cubin"
         includes = ["tools/cuda_check", "ggml_ext/include", "ggml_ext/cuda", f"{ggml}/include", f"{ggml}/src",
                     f"{ggml}/src/ggml-cuda"]
-        subprocess.run(["nvcc", "-std=c++17", "-O3", "-arch=sm_90", "-cubin", "-o", str(cubin), args.source,
-                        "-DGGML_USE_CUDA", *[f"-I{i}" for i in includes], *extra], cwd=ROOT, check=True)
+        subprocess.run(["nvcc", "-std=c++17", "-O3", "-arch=sm_90a", "-DGGML_EXT_WGMMA", "-cubin", "-o", str(cubin),
+                        args.source, "-DGGML_USE_CUDA", *[f"-I{i}" for i in includes], *extra], cwd=ROOT, check=True)
         tools_dir = str(Path(shutil.which(args.cuobjdump) or args.cuobjdump).resolve().parent)
         env = dict(os.environ, PATH=tools_dir + os.pathsep + os.environ.get("PATH", ""))
         run = subprocess.run([args.cuobjdump, "-sass", str(cubin)], capture_output=True, text=True, env=env)
