@@ -633,9 +633,9 @@ template <ggml_type type, int NT, int NW, int MINB, bool GLU, bool WG> static vo
 }
 
 // Q4_K from QMH_WG_MIN_TILES column tiles on takes its MMAs as wgmma (qmatmul_wgmma.cuh) where the build has them
-// (GGML_EXT_WGMMA: compiled for sm_90a): the same bits as mma.sync's, 6-10% faster at 48 columns, 0-3% at 40, slower
-// at 32 and below (H100 lab, docs/benchmarks.md, thirty-first session)
-#define QMH_WG_MIN_TILES 5
+// (GGML_EXT_WGMMA: compiled for sm_90a): the same bits as mma.sync's, 8-10% faster at 48 columns, level at 40,
+// slower below (H100 lab, docs/benchmarks.md, thirty-first session)
+#define QMH_WG_MIN_TILES 6
 
 template <ggml_type type, int NT, int NW, int MINB, bool GLU> static void qmh_launch(const qmh_args & p, int device,
                                                                                      int P, cudaStream_t stream) {
