@@ -103,6 +103,38 @@ static __device__ __forceinline__ void qmh_mma_step(float (&acc)[RT][NT][4], con
     }
 }
 
+// The A registers of one row (h: g or g + 8) for a k16 step of a Q4_K sub-block: w, the qs word of its 4 values (low
+// nibbles for e = 0, high for e = 1), dsc2 the d * sc pair of sub-blocks (2j, 2j + 1), FOLD's nms2 the -M * s pair;
+// lo: k slots 2 t4, 2 t4 + 1, hi: 2 t4 + 8, + 9 (qmh_q4_k_weights says how)
+template <bool FOLD>
+static __device__ __forceinline__ void qmh_q4_k_a(uint32_t w, int e, uint32_t dsc2, uint32_t nms2_pair, uint32_t & lo,
+                                                  uint32_t & hi) {
+    const half2 sc2   = e ? __high2half2(qmh_u2h(dsc2)) : __low2half2(qmh_u2h(dsc2));
+    const uint32_t mask = e ? 0x00F000F0u : 0x000F000Fu;
+    const uint32_t magic = FOLD && e ? 0x54005400u : 0x64006400u;   // 64 or 1024 by its bits
+    const uint32_t p01 = qmh_and_or(__byte_perm(w, 0, 0x4140), mask, magic);
+    const uint32_t p23 = qmh_and_or(__byte_perm(w, 0, 0x4342), mask, magic);
+    if constexpr (FOLD) {
+        const half2 nms2 = e ? __high2half2(qmh_u2h(nms2_pair)) : __low2half2(qmh_u2h(nms2_pair));
+        lo = qmh_h2u(__hfma2(qmh_u2h(p01), sc2, nms2));
+        hi = qmh_h2u(__hfma2(qmh_u2h(p23), sc2, nms2));
+    } else {
+        // the exact nibbles: 1024 + v - 1024, or (1024 + 16 v) / 16 - 64
+        const half2 k1024 = __float2half2_rn(1024.0f), k16th = __float2half2_rn(1.0f / 16.0f);
+        const half2 km64 = __float2half2_rn(-64.0f);
+        const half2 v01 = e ? __hfma2(qmh_u2h(p01), k16th, km64) : __hsub2(qmh_u2h(p01), k1024);
+        const half2 v23 = e ? __hfma2(qmh_u2h(p23), k16th, km64) : __hsub2(qmh_u2h(p23), k1024);
+        lo = qmh_h2u(__hmul2(v01, sc2));
+        hi = qmh_h2u(__hmul2(v23, sc2));
+    }
+}
+
+// The -M * s pair of FOLD for a d * sc pair (sub-blocks 2j, 2j + 1; else unused)
+template <bool FOLD> static __device__ __forceinline__ uint32_t qmh_q4_k_nms(uint32_t dsc2) {
+    const half2 fold_m = __halves2half2(__float2half_rn(-1024.0f), __float2half_rn(-64.0f));   // -M, sub-blocks 2j, 2j+1
+    return FOLD ? qmh_h2u(__hmul2(qmh_u2h(dsc2), fold_m)) : 0u;
+}
+
 // The Q4_K weights of a unit into acc (the minimum's MMA apart): dsc[r][h][j] holds d * sc of sub-blocks 2j, 2j + 1
 // as a half2. FOLD: a nibble q becomes the half M + q by its bits alone (low nibbles at bits 0-3: M = 1024; high ones
 // at bits 4-7: M = 64), and the weight is one FMA, (M + q) * s - M * s: exact before its one rounding, so the same
@@ -111,8 +143,6 @@ static __device__ __forceinline__ void qmh_mma_step(float (&acc)[RT][NT][4], con
 template <bool FOLD, int NT, int RT>
 static __device__ __forceinline__ void qmh_q4_k_weights(const char * const (&rows)[RT][2], const qmh_cols_half<NT> & x,
                                                         int t4, const uint32_t (&dsc)[RT][2][4], float (&acc)[RT][NT][4]) {
-    const half2 k1024 = __float2half2_rn(1024.0f), k16th = __float2half2_rn(1.0f / 16.0f), km64 = __float2half2_rn(-64.0f);
-    const half2 fold_m = __halves2half2(__float2half_rn(-1024.0f), __float2half_rn(-64.0f));   // -M, sub-blocks 2j, 2j+1
 #pragma unroll
     for (int j = 0; j < 4; ++j) {   // sub-blocks 2j (low nibbles of qs bytes 32j..32j+31) and 2j + 1 (high)
         uint2 qs[RT][2];
@@ -122,7 +152,7 @@ static __device__ __forceinline__ void qmh_q4_k_weights(const char * const (&row
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
                 qs[r][h]  = *(const uint2 *) (rows[r][h] + 16 + 32 * j + 8 * t4);
-                nms[r][h] = FOLD ? qmh_h2u(__hmul2(qmh_u2h(dsc[r][h][j]), fold_m)) : 0u;
+                nms[r][h] = qmh_q4_k_nms<FOLD>(dsc[r][h][j]);
             }
         }
 #pragma unroll
@@ -138,30 +168,29 @@ static __device__ __forceinline__ void qmh_q4_k_weights(const char * const (&row
 #pragma unroll
                 for (int r = 0; r < RT; ++r) {
 #pragma unroll
-                    for (int h = 0; h < 2; ++h) {
-                        const uint32_t w  = step ? qs[r][h].y : qs[r][h].x;
-                        const half2 sc2   = e ? __high2half2(qmh_u2h(dsc[r][h][j])) : __low2half2(qmh_u2h(dsc[r][h][j]));
-                        const uint32_t mask = e ? 0x00F000F0u : 0x000F000Fu;
-                        const uint32_t magic = FOLD && e ? 0x54005400u : 0x64006400u;   // 64 or 1024 by its bits
-                        const uint32_t p01 = qmh_and_or(__byte_perm(w, 0, 0x4140), mask, magic);
-                        const uint32_t p23 = qmh_and_or(__byte_perm(w, 0, 0x4342), mask, magic);
-                        if constexpr (FOLD) {
-                            const half2 nms2 = e ? __high2half2(qmh_u2h(nms[r][h])) : __low2half2(qmh_u2h(nms[r][h]));
-                            a[r][h]     = qmh_h2u(__hfma2(qmh_u2h(p01), sc2, nms2));
-                            a[r][h + 2] = qmh_h2u(__hfma2(qmh_u2h(p23), sc2, nms2));
-                        } else {
-                            // the exact nibbles: 1024 + v - 1024, or (1024 + 16 v) / 16 - 64
-                            const half2 v01 = e ? __hfma2(qmh_u2h(p01), k16th, km64) : __hsub2(qmh_u2h(p01), k1024);
-                            const half2 v23 = e ? __hfma2(qmh_u2h(p23), k16th, km64) : __hsub2(qmh_u2h(p23), k1024);
-                            a[r][h]     = qmh_h2u(__hmul2(v01, sc2));   // a0/a1: rows g/g+8, k slots 2t4, 2t4+1
-                            a[r][h + 2] = qmh_h2u(__hmul2(v23, sc2));   // a2/a3: k slots 2t4+8, 2t4+9
-                        }
+                    for (int h = 0; h < 2; ++h) {   // a0/a1: rows g/g+8, k slots 2t4, 2t4+1; a2/a3: 2t4+8, 2t4+9
+                        qmh_q4_k_a<FOLD>(step ? qs[r][h].y : qs[r][h].x, e, dsc[r][h][j], nms[r][h], a[r][h], a[r][h + 2]);
                     }
                 }
                 qmh_mma_step(acc, a, b, step);
             }
         }
     }
+}
+
+// A row's Q4_K unit header: d * sc of sub-blocks (0, 1), (2, 3), (4, 5), (6, 7) as half2, and -dmin * m of sub-blocks
+// 2 t4, 2 t4 + 1 (the minimum MMA's A); returns (d, dmin)
+static __device__ __forceinline__ half2 qmh_q4_k_scales(const char * unit, int t4, uint32_t (&dsc)[4], uint32_t & amin) {
+    const uint4 hd = *(const uint4 *) unit;
+    const qmm_k4_scales k4 = qmm_k4_unpack(hd);   // (its float d, dmin unused: the f16 ones are hd.x)
+    const half2 dm = qmh_u2h(hd.x);
+    const half2 d2 = __low2half2(dm), nmin2 = __hneg2(__high2half2(dm));
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+        dsc[q] = qmh_h2u(__hmul2(qmh_byte_pair(q < 2 ? k4.sc_lo : k4.sc_hi, q % 2), d2));
+    }
+    amin = qmh_h2u(__hmul2(qmh_byte_pair(t4 < 2 ? k4.m_lo : k4.m_hi, t4 % 2), nmin2));
+    return dm;
 }
 
 // One Q4_K unit (super-block) of this thread's rows (rows[r][h]: row 16 r + 8 h + g's unit), into acc
@@ -175,16 +204,8 @@ static __device__ __forceinline__ void qmh_unit_q4_k(const char * const (&rows)[
     for (int r = 0; r < RT; ++r) {
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-            const uint4 hd = *(const uint4 *) rows[r][h];
-            const qmm_k4_scales k4 = qmm_k4_unpack(hd);   // (its float d, dmin unused: the f16 ones are hd.x)
-            const half2 dm = qmh_u2h(hd.x);
-            const half2 d2 = __low2half2(dm), nmin2 = __hneg2(__high2half2(dm));
+            const half2 dm = qmh_q4_k_scales(rows[r][h], t4, dsc[r][h], amin[r][h]);
             small = small && fabsf(__low2float(dm)) < 1.0f;   // (false for NaN)
-#pragma unroll
-            for (int q = 0; q < 4; ++q) {
-                dsc[r][h][q] = qmh_h2u(__hmul2(qmh_byte_pair(q < 2 ? k4.sc_lo : k4.sc_hi, q % 2), d2));
-            }
-            amin[r][h] = qmh_h2u(__hmul2(qmh_byte_pair(t4 < 2 ? k4.m_lo : k4.m_hi, t4 % 2), nmin2));
         }
     }
     if (__all_sync(0xFFFFFFFFu, small)) {   // the warp's 16 RT rows: one path for all

@@ -163,8 +163,6 @@ template <bool FOLD, int NT>
 static __device__ __forceinline__ void qmh_q4_k_weights_wg(const char * const (&rows)[2], uint32_t act, int npad, int t4,
                                                            const uint32_t (&dsc)[2][4], uint32_t (&amin)[4],
                                                            float (&acc)[NT][4]) {
-    const half2 k1024 = __float2half2_rn(1024.0f), k16th = __float2half2_rn(1.0f / 16.0f), km64 = __float2half2_rn(-64.0f);
-    const half2 fold_m = __halves2half2(__float2half_rn(-1024.0f), __float2half_rn(-64.0f));
     uint32_t a[4][16];   // [j][4 (2 e + step) + register]
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
@@ -173,7 +171,7 @@ static __device__ __forceinline__ void qmh_q4_k_weights_wg(const char * const (&
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
             qs[h]  = *(const uint2 *) (rows[h] + 16 + 32 * j + 8 * t4);
-            nms[h] = FOLD ? qmh_h2u(__hmul2(qmh_u2h(dsc[h][j]), fold_m)) : 0u;
+            nms[h] = qmh_q4_k_nms<FOLD>(dsc[h][j]);
         }
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
@@ -182,22 +180,7 @@ static __device__ __forceinline__ void qmh_q4_k_weights_wg(const char * const (&
                 uint32_t * as = &a[j][4 * (2 * e + step)];
 #pragma unroll
                 for (int h = 0; h < 2; ++h) {
-                    const uint32_t w  = step ? qs[h].y : qs[h].x;
-                    const half2 sc2   = e ? __high2half2(qmh_u2h(dsc[h][j])) : __low2half2(qmh_u2h(dsc[h][j]));
-                    const uint32_t mask = e ? 0x00F000F0u : 0x000F000Fu;
-                    const uint32_t magic = FOLD && e ? 0x54005400u : 0x64006400u;
-                    const uint32_t p01 = qmh_and_or(__byte_perm(w, 0, 0x4140), mask, magic);
-                    const uint32_t p23 = qmh_and_or(__byte_perm(w, 0, 0x4342), mask, magic);
-                    if constexpr (FOLD) {
-                        const half2 nms2 = e ? __high2half2(qmh_u2h(nms[h])) : __low2half2(qmh_u2h(nms[h]));
-                        as[h]     = qmh_h2u(__hfma2(qmh_u2h(p01), sc2, nms2));
-                        as[h + 2] = qmh_h2u(__hfma2(qmh_u2h(p23), sc2, nms2));
-                    } else {
-                        const half2 v01 = e ? __hfma2(qmh_u2h(p01), k16th, km64) : __hsub2(qmh_u2h(p01), k1024);
-                        const half2 v23 = e ? __hfma2(qmh_u2h(p23), k16th, km64) : __hsub2(qmh_u2h(p23), k1024);
-                        as[h]     = qmh_h2u(__hmul2(v01, sc2));
-                        as[h + 2] = qmh_h2u(__hmul2(v23, sc2));
-                    }
+                    qmh_q4_k_a<FOLD>(step ? qs[h].y : qs[h].x, e, dsc[h][j], nms[h], as[h], as[h + 2]);
                 }
             }
         }
@@ -227,20 +210,12 @@ template <int NT>
 static __device__ __forceinline__ void qmh_unit_q4_k_wg(const char * const (&rows)[2], uint32_t act, int npad, int t4,
                                                         int warpgroup, float (&acc)[NT][4]) {
     uint32_t dsc[2][4];
-    uint32_t amin[4] = {0u, 0u, 0u, 0u};
+    uint32_t amin[4] = {0u, 0u, 0u, 0u};   // (k slots 8-15 zero)
     bool small = true;
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-        const uint4 hd = *(const uint4 *) rows[h];
-        const qmm_k4_scales k4 = qmm_k4_unpack(hd);
-        const half2 dm = qmh_u2h(hd.x);
-        const half2 d2 = __low2half2(dm), nmin2 = __hneg2(__high2half2(dm));
+        const half2 dm = qmh_q4_k_scales(rows[h], t4, dsc[h], amin[h]);
         small = small && fabsf(__low2float(dm)) < 1.0f;
-#pragma unroll
-        for (int q = 0; q < 4; ++q) {
-            dsc[h][q] = qmh_h2u(__hmul2(qmh_byte_pair(q < 2 ? k4.sc_lo : k4.sc_hi, q % 2), d2));
-        }
-        amin[h] = qmh_h2u(__hmul2(qmh_byte_pair(t4 < 2 ? k4.m_lo : k4.m_hi, t4 % 2), nmin2));
     }
     if (qmh_wg_all(small, warpgroup)) {   // (wgmma: one path for the whole warpgroup)
         qmh_q4_k_weights_wg<true, NT>(rows, act, npad, t4, dsc, amin, acc);
