@@ -296,7 +296,7 @@ qmm_half_shared(const qmh_args p) {
 #pragma unroll 1
         for (int uu = 0; uu < stage_units(st); ++uu) {
             const qmh_cols_half<NT> x = {(const half *) (stage + w_bytes + uu * unit_act_bytes)};
-            if constexpr (WG) {   // (the wgmma lab stage: qmatmul_wgmma.cuh)
+            if constexpr (WG) {   // Hopper's wgmma (qmatmul_wgmma.cuh; qmh_launch: QMH_WG_MIN_TILES)
                 static_assert(type == GGML_TYPE_Q4_K && RT == 1 && NW % 4 == 0, "wgmma: Q4_K, whole warpgroups");
                 const char * const r2[2] = {rows[0][0], rows[0][1]};
                 qmh_unit_q4_k_wg<NT>(r2, qms_smem_addr(stage + w_bytes + uu * unit_act_bytes), p.npad, t4, warp / 4,
