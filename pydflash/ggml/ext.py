@@ -375,7 +375,8 @@ QMATMUL_HALF_PITCH = 288
 
 def qmatmul_prepared_shape(K: int, n_cols: int) -> tuple[int, int, int]:
     """ne of the prepared activations of n_cols columns of K values (K a multiple of 256): per 256-value unit and
-    column 256 f16 values, the f16 sums of their runs of 32, padding; columns rounded up to a multiple of 8."""
+    column 256 f16 values and the f16 sums of their runs of 32, laid out in 8x8 chunks (ggml-ext.h,
+    GGML_EXT_QMATMUL_HALF_AT); columns rounded up to a multiple of 8."""
     return QMATMUL_HALF_PITCH, -(-n_cols // 8) * 8, K // 256
 
 
