@@ -31,3 +31,17 @@ def test_kernels_blocks_and_opcodes():
     # 0x20 is a branch target: a block starts there; the branch and the exit end theirs
     blocks = cuda_sass.basic_blocks(foo)
     assert [[a for a, _ in b] for b in blocks] == [[0x0, 0x10], [0x20, 0x30], [0x40, 0x50]]
+
+
+def test_compare_names_same_code_and_moved_opcodes(capsys):
+    """--against's report: a kernel whose instructions are the same (addresses aside) is said to be; one with an
+    instruction swapped reports the counts of the opcodes that moved; a kernel only on one side is new or gone."""
+    old = cuda_sass.kernels(LISTING)
+    new = cuda_sass.kernels(LISTING.replace("LDS.128 R4, [R2+0x10]", "LDG.E.128 R4, desc[UR4][R2.64+0x10]")
+                            .replace("_Z3barv", "_Z3bazv"))
+    assert cuda_sass.compare(old, old, "foo", "HEAD~1") == 0
+    assert capsys.readouterr().out == "_Z3fooPf: the same 6 instructions\n"
+    cuda_sass.compare(old, new, ".", "HEAD~1")
+    out = capsys.readouterr().out.splitlines()
+    assert out == ["_Z3barv: gone", "_Z3bazv: new", "_Z3fooPf: 6 -> 6 instructions; LDG 0->1, LDS 1->0"]
+    assert cuda_sass.compare(old, new, "nothing", "HEAD~1") == 1
