@@ -206,7 +206,7 @@ static __device__ __forceinline__ void qmm_quantize_block(float v, int lane, int
         unit[GGML_EXT_QMATMUL_HALF_AT(QK8_1 * (kb % 8) + lane, col, npad)] = h;
         if (lane == 0) {
             unit[GGML_EXT_QMATMUL_HALF_AT(QMM_UNIT + kb % 8, col, npad)] = __float2half_rn(sum);
-            unit[(GGML_EXT_QMATMUL_HALF_ZEROS * npad + col) * 8 + kb % 8] = __float2half_rn(0.0f);   // (wgmma's k 8-15)
+            unit[GGML_EXT_QMATMUL_HALF_ZERO_AT(kb % 8, col, npad)] = __float2half_rn(0.0f);   // (wgmma's k 8-15)
         }
         return;
     }

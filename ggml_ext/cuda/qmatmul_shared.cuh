@@ -299,8 +299,7 @@ qmm_half_shared(const qmh_args p) {
             if constexpr (WG) {   // Hopper's wgmma (qmatmul_wgmma.cuh; qmh_launch: QMH_WG_MIN_TILES)
                 static_assert(type == GGML_TYPE_Q4_K && RT == 1 && NW % 4 == 0, "wgmma: Q4_K, whole warpgroups");
                 const char * const r2[2] = {rows[0][0], rows[0][1]};
-                qmh_unit_q4_k_wg<NT>(r2, qms_smem_addr(stage + w_bytes + uu * unit_act_bytes), p.npad, t4, warp / 4,
-                                     acc[0]);
+                qmh_unit_q4_k_wg<NT>(r2, qms_smem_addr(x.q), p.npad, t4, warp / 4, acc[0]);
             } else if constexpr (type == GGML_TYPE_Q4_K) {
                 qmh_unit_q4_k<NT, RT>(rows, x, t4, acc);
             } else if constexpr (type == GGML_TYPE_Q6_K) {
@@ -407,7 +406,7 @@ qmm_half_shared(const qmh_args p) {
             // first warp (lane g 0) writes it
             auto put_run_sum = [&](int col, float sum) {
                 unit[GGML_EXT_QMATMUL_HALF_AT(QMM_UNIT + run, col, p.npad)] = __float2half_rn(sum);
-                unit[(GGML_EXT_QMATMUL_HALF_ZEROS * p.npad + col) * 8 + run] = __float2half_rn(0.0f);
+                unit[GGML_EXT_QMATMUL_HALF_ZERO_AT(run, col, p.npad)] = __float2half_rn(0.0f);
             };
             const bool sums_here = warp % 4 == 0 && q - g < p.F;
             float * vals = glu_vals + (8 * warp + g) * 8;

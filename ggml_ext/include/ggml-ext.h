@@ -338,6 +338,8 @@ GGML_API struct ggml_tensor * ggml_qmatmul_sigmoid_gated(
 #define GGML_EXT_QMATMUL_HALF_AT(v, j, npad) \
     ((GGML_EXT_QMATMUL_HALF_CHUNK(v) * (npad) + (j)) * 8 + GGML_EXT_QMATMUL_HALF_ELEM(v))
 #define GGML_EXT_QMATMUL_HALF_ZEROS 33   // the chunk of zeros
+// where the zero beside run r's sum (r 0..7) of column j sits in its unit
+#define GGML_EXT_QMATMUL_HALF_ZERO_AT(r, j, npad) ((GGML_EXT_QMATMUL_HALF_ZEROS * (npad) + (j)) * 8 + (r))
 
 // An FFN's gate/up product handing the down product its input: w [K, 2F], Q4_K, holds F gate rows, then F up rows
 // (a fused gate/up matrix; F a multiple of 256), x f32 [K, N] as ggml_qmatmul's, and with norm and eps (else NULL)
