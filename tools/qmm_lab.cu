@@ -13,9 +13,10 @@
 // best of qmm_mma / its staged form (and the streaming kernel at one column), on the same activation values rounded
 // to f16; checking that its column 0 has the same bits at every N and how far it is from qmm_mma's result (the f16
 // roundings of the weights and activations); and where one call's time goes (QMH_TRACE: the CUDA blocks' start,
-// first stage in, last item done, exit, us from the first start: median and latest). QMM_LAB_WARPS=1 also times
-// tiles of 8 and 6 warps at two blocks an SM and of 12 and 10 at one, QMM_LAB_STAGES=1 tiles of 6, 8 and 12 warps
-// with three stages at one block an SM, QMM_LAB_UNITS1=1 8-warp tiles of one K unit a stage in 3 or 4 stages;
+// first stage in, last item done, exit, and each warp's last item, us from the first start: median and latest).
+// QMM_LAB_WARPS=1 also times tiles of 8 and 6 warps at two blocks an SM and of 12 and 10 at one, QMM_LAB_STAGES=1
+// tiles of 6, 8 and 12 warps with three stages at one block an SM, QMM_LAB_UNITS1=1 8-warp tiles of one K unit a
+// stage in 3 or 4 stages;
 // QMM_LAB_WG=1 (Q4_K; built with -arch=sm_90a) the run shape with its MMAs as wgmma at every column count
 // (qmatmul_wgmma.cuh; checked for the run's bits); QMM_LAB_RT2=1 the run shape's block rows as two 16-row tiles a
 // warp in half the warps (the same cut: a column's bits are the run shape's, checked). With QMM_LAB_ADD=1 the shape
@@ -557,6 +558,24 @@ template <ggml_type type> static void run_shared(const shape & sh, const std::ve
                     printf("  %s %.1f / %.1f", names[e], ev[P / 2], ev[P - 1]);
                 }
                 printf("\n");
+                // each block's warps: its last warp's last item, and how far after its first warp's
+                const int nw = std::min(16, block_rows / 16);
+                std::vector<unsigned long long> tw(16 * 1024, 0);
+                CK(cudaMemcpyFromSymbol(tw.data(), qmh_trace_warp, tw.size() * 8));
+                std::vector<double> last(P), spread(P);
+                for (int i = 0; i < P; ++i) {
+                    unsigned long long lo = ~0ull, hi = 0;
+                    for (int w = 0; w < nw; ++w) {
+                        lo = std::min(lo, tw[16 * i + w]);
+                        hi = std::max(hi, tw[16 * i + w]);
+                    }
+                    last[i] = (hi - t0) / 1e3;
+                    spread[i] = (hi - lo) / 1e3;
+                }
+                std::sort(last.begin(), last.end());
+                std::sort(spread.begin(), spread.end());
+                printf("          warps: a block's last warp done %.1f / %.1f, after its first %.2f / %.2f\n", last[P / 2],
+                       last[P - 1], spread[P / 2], spread[P - 1]);
             }
             ++v;
         };

@@ -82,8 +82,13 @@ __host__ __device__ constexpr int qmh_act_bytes(int npad) {
 static __device__ unsigned long long qmh_trace[QMH_TRACE_EVENTS * 1024];
 #define QMH_TRACE_AT(i) do { if (threadIdx.x == 0 && threadIdx.y == 0) { unsigned long long t_; \
     asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t_)); qmh_trace[QMH_TRACE_EVENTS * blockIdx.x + (i)] = t_; } } while (0)
+// ... and each warp's last item done (up to 16 warps a block)
+static __device__ unsigned long long qmh_trace_warp[16 * 1024];
+#define QMH_TRACE_WARP_DONE() do { if (threadIdx.x == 0) { unsigned long long t_; \
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t_)); qmh_trace_warp[16 * blockIdx.x + threadIdx.y] = t_; } } while (0)
 #else
 #define QMH_TRACE_AT(i) do { } while (0)
+#define QMH_TRACE_WARP_DONE() do { } while (0)
 #endif
 
 struct qmh_args {
@@ -128,7 +133,8 @@ static __device__ __forceinline__ int qmh_block_of(int64_t j, int64_t items, int
 // A cut tile's hand-off between blocks: a later segment's block stores its partial sums, meets its own barrier,
 // and one thread counts with release semantics (its fence orders the whole block's stores, which the barrier put
 // before it); the finishing block's one thread waits for the count with acquire loads, then its barrier lets every
-// thread read the sums. (Was a __threadfence by every thread on both sides: ~1 us of a small matrix's tail.)
+// thread read the sums. (Was a __threadfence by every thread on both sides: 0.5-1 us a call on the H100's small
+// matrices, docs/benchmarks.md, thirty-second session.)
 static __device__ __forceinline__ void qmh_count_release(int * counter) {
     asm volatile("fence.acq_rel.gpu;\n\tred.relaxed.gpu.global.add.s32 [%0], 1;" : : "l"(counter) : "memory");
 }
@@ -331,6 +337,7 @@ qmm_half_shared(const qmh_args p) {
         }
         if (j == j1 - 1) {
             QMH_TRACE_AT(4);
+            QMH_TRACE_WARP_DONE();
             if (p.early_launch) {
                 ggml_cuda_pdl_lc();   // the next kernel's blocks may take their places (they wait for our end)
             }
