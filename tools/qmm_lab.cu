@@ -549,13 +549,21 @@ template <ggml_type type> static void run_shared(const shape & sh, const std::ve
                 CK(cudaMemcpyFromSymbol(tr.data(), qmh_trace, tr.size() * 8));
                 unsigned long long t0 = ~0ull;
                 for (int i = 0; i < P; ++i) t0 = std::min(t0, tr[E * i]);
-                static const char * names[E] = {"start", "asked", "weights in", "acts in", "items done", "exit"};
+                static const char * names[E] = {"start", "asked", "weights in", "acts in", "items done", "exit",
+                                                "counted", "count seen", "sums added"};
                 printf("          trace (us from the first start; median / latest):");
                 for (int e = 0; e < E; ++e) {
-                    std::vector<double> ev(P);
-                    for (int i = 0; i < P; ++i) ev[i] = (tr[E * i + e] - t0) / 1e3;
+                    std::vector<double> ev;   // (the hand-off's events: the blocks that have them)
+                    for (int i = 0; i < P; ++i) {
+                        if (tr[E * i + e] != 0) ev.push_back((tr[E * i + e] - t0) / 1e3);
+                    }
                     std::sort(ev.begin(), ev.end());
-                    printf("  %s %.1f / %.1f", names[e], ev[P / 2], ev[P - 1]);
+                    if (!ev.empty()) {
+                        printf("  %s %.1f / %.1f", names[e], ev[ev.size() / 2], ev.back());
+                    }
+                    if (e == 5) {
+                        printf("\n          hand-off:");
+                    }
                 }
                 printf("\n");
                 // each block's warps: its last warp's last item, and how far after its first warp's

@@ -76,9 +76,10 @@ __host__ __device__ constexpr int qmh_act_bytes(int npad) {
 }
 
 // QMH_TRACE (tools/qmm_lab.cu only): each CUDA block's global times (QMH_TRACE_EVENTS: entry, first copies asked,
-// first stage's weights in, its activations in, last item computed, exit), for where a call's time goes
+// first stage's weights in, its activations in, last item computed, exit; and in a cut tile's hand-off a later
+// segment's count, the finisher's count seen and its sums added), for where a call's time goes
 #ifdef QMH_TRACE
-#define QMH_TRACE_EVENTS 6
+#define QMH_TRACE_EVENTS 9
 static __device__ unsigned long long qmh_trace[QMH_TRACE_EVENTS * 1024];
 #define QMH_TRACE_AT(i) do { if (threadIdx.x == 0 && threadIdx.y == 0) { unsigned long long t_; \
     asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t_)); qmh_trace[QMH_TRACE_EVENTS * blockIdx.x + (i)] = t_; } } while (0)
@@ -495,6 +496,7 @@ qmm_half_shared(const qmh_args p) {
             if (lane == 0 && warp == 0) {
                 qmh_count_release(&qmh_counters[tile]);
             }
+            QMH_TRACE_AT(6);
             continue;
         }
         // the tile's first segment: this block finishes the tile. Its other segments start the runs of the blocks
@@ -510,11 +512,13 @@ qmm_half_shared(const qmh_args p) {
             qmh_counters[tile] = 0;
         }
         __syncthreads();   // (the other segments' sums, stored before their blocks counted, are visible to all)
+        QMH_TRACE_AT(7);
 #pragma unroll 4
         for (int pb = pb0 + 1; pb <= pb1; ++pb) {
             const float * part = slot(pb);
             each_output([&](int r, int t, int i) { acc[r][t][i] = __fadd_rn(acc[r][t][i], __ldcg(part + at(r, t, i))); });
         }
+        QMH_TRACE_AT(8);
         store();
     }
 #ifdef QMH_TRACE
