@@ -84,7 +84,7 @@ template <int NT> struct qmh_cols_half {
     // column 8t + g's sums of sub-blocks 2 t4, 2 t4 + 1
     __device__ __forceinline__ uint32_t bmin(int t) const {
         const int g = threadIdx.x / 4, t4 = threadIdx.x % 4;
-        return *(const uint32_t *) (q + (GGML_EXT_QMATMUL_HALF_CHUNK(QMM_UNIT) * 8 * NT + 8 * t + g) * 8 + 2 * t4);
+        return *(const uint32_t *) (q + GGML_EXT_QMATMUL_HALF_AT(QMM_UNIT + 2 * t4, 8 * t + g, 8 * NT));
     }
 };
 

@@ -17,81 +17,62 @@
 #define QMH_WG_SUMS GGML_EXT_QMATMUL_HALF_CHUNK(QMM_UNIT)   // the chunk of the sub-block sums (the zeros' before it)
 static_assert(QMH_WG_SUMS + 1 == GGML_EXT_QMATMUL_HALF_ZEROS, "the minimum's k slots 8-15 read the zeros");
 
-// d (this warp's 16 rows x 8 NT columns, the m16n8 accumulator layout per column tile) += A B, one k16 step
-template <int NT> __device__ __forceinline__ void qmh_wgmma(float (&d)[NT][4], const uint32_t (&a)[4], uint64_t desc);
+// d (this warp's 16 rows x 8 NT columns, the m16n8 accumulator layout per column tile) += A B, one k16 step: the
+// instruction of each N (sm_90a code only: qmh_wgmma)
+template <int NT> static __device__ __forceinline__ void qmh_wgmma_n(float (&d)[NT][4], const uint32_t (&a)[4], uint64_t desc);
 
-template <> __device__ __forceinline__ void qmh_wgmma<1>(float (&d)[1][4], const uint32_t (&a)[4], uint64_t desc) {
-#ifdef __CUDA_ARCH_FEAT_SM90_ALL
+template <> __device__ __forceinline__ void qmh_wgmma_n<1>(float (&d)[1][4], const uint32_t (&a)[4], uint64_t desc) {
     asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %9, 0;\n"
                  "wgmma.mma_async.sync.aligned.m64n8k16.f32.f16.f16 {%0, %1, %2, %3}, "
                  "{%4, %5, %6, %7}, %8, p, 1, 1, 0;\n}"
                  : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3])
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(1) : "memory");
-#else
-    GGML_UNUSED_VARS(d, a, desc);
-    NO_DEVICE_CODE;
-#endif
 }
 
-template <> __device__ __forceinline__ void qmh_wgmma<2>(float (&d)[2][4], const uint32_t (&a)[4], uint64_t desc) {
-#ifdef __CUDA_ARCH_FEAT_SM90_ALL
+template <> __device__ __forceinline__ void qmh_wgmma_n<2>(float (&d)[2][4], const uint32_t (&a)[4], uint64_t desc) {
     asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %13, 0;\n"
                  "wgmma.mma_async.sync.aligned.m64n16k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7}, "
                  "{%8, %9, %10, %11}, %12, p, 1, 1, 0;\n}"
                  : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3])
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(1) : "memory");
-#else
-    GGML_UNUSED_VARS(d, a, desc);
-    NO_DEVICE_CODE;
-#endif
 }
 
-template <> __device__ __forceinline__ void qmh_wgmma<3>(float (&d)[3][4], const uint32_t (&a)[4], uint64_t desc) {
-#ifdef __CUDA_ARCH_FEAT_SM90_ALL
+template <> __device__ __forceinline__ void qmh_wgmma_n<3>(float (&d)[3][4], const uint32_t (&a)[4], uint64_t desc) {
     asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %17, 0;\n"
                  "wgmma.mma_async.sync.aligned.m64n24k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11}, "
                  "{%12, %13, %14, %15}, %16, p, 1, 1, 0;\n}"
                  : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3])
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(1) : "memory");
-#else
-    GGML_UNUSED_VARS(d, a, desc);
-    NO_DEVICE_CODE;
-#endif
 }
 
-template <> __device__ __forceinline__ void qmh_wgmma<4>(float (&d)[4][4], const uint32_t (&a)[4], uint64_t desc) {
-#ifdef __CUDA_ARCH_FEAT_SM90_ALL
+template <> __device__ __forceinline__ void qmh_wgmma_n<4>(float (&d)[4][4], const uint32_t (&a)[4], uint64_t desc) {
     asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %21, 0;\n"
                  "wgmma.mma_async.sync.aligned.m64n32k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, "
                  "{%16, %17, %18, %19}, %20, p, 1, 1, 0;\n}"
                  : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3])
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(1) : "memory");
-#else
-    GGML_UNUSED_VARS(d, a, desc);
-    NO_DEVICE_CODE;
-#endif
 }
 
-template <> __device__ __forceinline__ void qmh_wgmma<5>(float (&d)[5][4], const uint32_t (&a)[4], uint64_t desc) {
-#ifdef __CUDA_ARCH_FEAT_SM90_ALL
+template <> __device__ __forceinline__ void qmh_wgmma_n<5>(float (&d)[5][4], const uint32_t (&a)[4], uint64_t desc) {
     asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %25, 0;\n"
                  "wgmma.mma_async.sync.aligned.m64n40k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19}, "
                  "{%20, %21, %22, %23}, %24, p, 1, 1, 0;\n}"
                  : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3])
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(1) : "memory");
-#else
-    GGML_UNUSED_VARS(d, a, desc);
-    NO_DEVICE_CODE;
-#endif
 }
 
-template <> __device__ __forceinline__ void qmh_wgmma<6>(float (&d)[6][4], const uint32_t (&a)[4], uint64_t desc) {
-#ifdef __CUDA_ARCH_FEAT_SM90_ALL
+template <> __device__ __forceinline__ void qmh_wgmma_n<6>(float (&d)[6][4], const uint32_t (&a)[4], uint64_t desc) {
     asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %29, 0;\n"
                  "wgmma.mma_async.sync.aligned.m64n48k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23}, "
                  "{%24, %25, %26, %27}, %28, p, 1, 1, 0;\n}"
                  : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3])
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(1) : "memory");
+}
+
+template <int NT> static __device__ __forceinline__ void qmh_wgmma(float (&d)[NT][4], const uint32_t (&a)[4],
+                                                                uint64_t desc) {
+#ifdef __CUDA_ARCH_FEAT_SM90_ALL
+    qmh_wgmma_n<NT>(d, a, desc);
 #else
     GGML_UNUSED_VARS(d, a, desc);
     NO_DEVICE_CODE;
