@@ -480,11 +480,9 @@ qmm_half_shared(const qmh_args p) {
             store();
             continue;
         }
-        // a block's partial-sum slot for a tile: 0 for the first tile of its range, 1 for its last
-        auto slot = [&](int pb) -> float * {
-            const int first_tile = (int) (qmh_first_item(pb, items, P) / n_stages);
-            return p.ws + ((size_t) pb * 2 + (tile == first_tile ? 0 : 1)) * shape::frag;
-        };
+        // a block's partial sums: those of the tile its run starts in, the only one where it can be a later segment
+        // (a tile that starts before a block's first item is the tile of that item)
+        auto slot = [&](int pb) -> float * { return p.ws + (size_t) pb * shape::frag; };
         auto at = [&](int r, int t, int i) { return (((warp * RT + r) * NT + t) * 4 + i) * WARP_SIZE + lane; };
         if (blockIdx.x != pb0) {   // a later segment: its sums for the tile's first block, counted
             float * mine = slot(blockIdx.x);
@@ -501,8 +499,10 @@ qmm_half_shared(const qmh_args p) {
         }
         // the tile's first segment: this block finishes the tile. Its other segments start the runs of the blocks
         // after it (done early), while this one ends its run: wait for their count (at once, as a rule), then add
-        // their sums to ours in segment (K) order, a segment's sums for all of a thread's outputs asked for at once
-        // (one L2 round trip per segment: output by output, a 5,120-row matrix cut over ~8 blocks a tile took ~40 us).
+        // their sums to ours in segment (K) order. The loads of SEG segments are all asked for before the first of
+        // their additions (one L2 round trip for them: a segment's loads, then its adds, was one trip each, ~0.5 us
+        // a segment on the H100; output by output, a 5,120-row matrix cut over ~8 blocks a tile took ~40 us); SEG
+        // keeps the values held at once within the 12- and 16-warp shapes' registers.
         // The block never waits on a block that waits on it (waits point to later blocks only), and every block of
         // the grid is resident at once (qmh_grid: no more blocks than the SMs hold; earlier kernels end, and the
         // next one launches early only once all of ours are running).
@@ -513,10 +513,22 @@ qmm_half_shared(const qmh_args p) {
         }
         __syncthreads();   // (the other segments' sums, stored before their blocks counted, are visible to all)
         QMH_TRACE_AT(7);
-#pragma unroll 4
-        for (int pb = pb0 + 1; pb <= pb1; ++pb) {
-            const float * part = slot(pb);
-            each_output([&](int r, int t, int i) { acc[r][t][i] = __fadd_rn(acc[r][t][i], __ldcg(part + at(r, t, i))); });
+        constexpr int SEG = RT * NT <= 3 ? 4 : 2;
+        for (int pb = pb0 + 1; pb <= pb1; pb += SEG) {
+            float part[SEG][RT][NT][4];
+#pragma unroll
+            for (int k = 0; k < SEG; ++k) {
+                if (pb + k <= pb1) {
+                    const float * from = slot(pb + k);
+                    each_output([&](int r, int t, int i) { part[k][r][t][i] = __ldcg(from + at(r, t, i)); });
+                }
+            }
+#pragma unroll
+            for (int k = 0; k < SEG; ++k) {
+                if (pb + k <= pb1) {
+                    each_output([&](int r, int t, int i) { acc[r][t][i] = __fadd_rn(acc[r][t][i], part[k][r][t][i]); });
+                }
+            }
         }
         QMH_TRACE_AT(8);
         store();
@@ -622,7 +634,7 @@ template <ggml_type type> static int qmh_grid(int M, int K, int n_sm, int per_sm
 
 // Workspace floats for nt column tiles and a grid of P blocks
 template <ggml_type type> static size_t qmh_ws_floats(int nt, int P, int M) {
-    return (size_t) P * 2 * qmh_run_warps<type>(M) * QMH_RUN_RT * nt * 4 * WARP_SIZE;
+    return (size_t) P * qmh_run_warps<type>(M) * QMH_RUN_RT * nt * 4 * WARP_SIZE;
 }
 
 // Every column-tile count launches with the shared memory of the widest (6 column tiles), so that an SM holds no
@@ -654,9 +666,10 @@ template <ggml_type type, int NT, int NW, int MINB, bool GLU, bool WG> static vo
 }
 
 // Q4_K from QMH_WG_MIN_TILES column tiles on takes its MMAs as wgmma (qmatmul_wgmma.cuh) where the build has them
-// (GGML_EXT_WGMMA: compiled for sm_90a): the same bits as mma.sync's, 8-10% faster at 48 columns, level at 40,
-// slower below (H100 lab, docs/benchmarks.md, thirty-first session)
-#define QMH_WG_MIN_TILES 6
+// (GGML_EXT_WGMMA: compiled for sm_90a): the same bits as mma.sync's; H100 lab, every 8-warp and 12-warp Q4_K shape:
+// 7-12% faster at 48 columns, 0-6% faster at 40 but on the GDN input (1% slower), slower at 32 and below
+// (docs/benchmarks.md, thirty-first and thirty-third sessions)
+#define QMH_WG_MIN_TILES 5
 
 template <ggml_type type, int NT, int NW, int MINB, bool GLU> static void qmh_launch(const qmh_args & p, int device,
                                                                                      int P, cudaStream_t stream) {
