@@ -501,8 +501,9 @@ qmm_half_shared(const qmh_args p) {
         // after it (done early), while this one ends its run: wait for their count (at once, as a rule), then add
         // their sums to ours in segment (K) order. The loads of SEG segments are all asked for before the first of
         // their additions (one L2 round trip for them: a segment's loads, then its adds, was one trip each, ~0.5 us
-        // a segment on the H100; output by output, a 5,120-row matrix cut over ~8 blocks a tile took ~40 us); SEG
-        // keeps the values held at once within the 12- and 16-warp shapes' registers.
+        // a segment on the H100; output by output, a 5,120-row matrix cut over ~8 blocks a tile took ~40 us), SEG
+        // as many as a thread's registers hold beside the rest (more spilled in the 16-warp LM head's whole run, which
+        // was then 20% slower from 3 column tiles on; its tiles are cut in two at most).
         // The block never waits on a block that waits on it (waits point to later blocks only), and every block of
         // the grid is resident at once (qmh_grid: no more blocks than the SMs hold; earlier kernels end, and the
         // next one launches early only once all of ours are running).
@@ -513,20 +514,29 @@ qmm_half_shared(const qmh_args p) {
         }
         __syncthreads();   // (the other segments' sums, stored before their blocks counted, are visible to all)
         QMH_TRACE_AT(7);
-        constexpr int SEG = RT * NT <= 3 ? 4 : 2;
-        for (int pb = pb0 + 1; pb <= pb1; pb += SEG) {
-            float part[SEG][RT][NT][4];
-#pragma unroll
-            for (int k = 0; k < SEG; ++k) {
-                if (pb + k <= pb1) {
-                    const float * from = slot(pb + k);
-                    each_output([&](int r, int t, int i) { part[k][r][t][i] = __ldcg(from + at(r, t, i)); });
-                }
+        constexpr int regs = 65536 / (NW * WARP_SIZE * MINB);   // a thread's registers (an H100 SM's 64 K)
+        constexpr int fit = (regs >= 255 ? 48 : regs >= 168 ? 24 : 12) / (RT * NT * 4);   // segments' values
+        constexpr int SEG = fit > 4 ? 4 : fit;
+        if constexpr (SEG <= 1) {   // (each value added as it comes: no registers for a segment's values)
+            for (int pb = pb0 + 1; pb <= pb1; ++pb) {
+                const float * from = slot(pb);
+                each_output([&](int r, int t, int i) { acc[r][t][i] = __fadd_rn(acc[r][t][i], __ldcg(from + at(r, t, i))); });
             }
+        } else {
+            for (int pb = pb0 + 1; pb <= pb1; pb += SEG) {
+                float part[SEG][RT][NT][4];
 #pragma unroll
-            for (int k = 0; k < SEG; ++k) {
-                if (pb + k <= pb1) {
-                    each_output([&](int r, int t, int i) { acc[r][t][i] = __fadd_rn(acc[r][t][i], part[k][r][t][i]); });
+                for (int k = 0; k < SEG; ++k) {
+                    if (pb + k <= pb1) {
+                        const float * from = slot(pb + k);
+                        each_output([&](int r, int t, int i) { part[k][r][t][i] = __ldcg(from + at(r, t, i)); });
+                    }
+                }
+#pragma unroll
+                for (int k = 0; k < SEG; ++k) {
+                    if (pb + k <= pb1) {
+                        each_output([&](int r, int t, int i) { acc[r][t][i] = __fadd_rn(acc[r][t][i], part[k][r][t][i]); });
+                    }
                 }
             }
         }
