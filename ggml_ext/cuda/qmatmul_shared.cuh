@@ -677,8 +677,8 @@ template <ggml_type type, int NT, int NW, int MINB, bool GLU, bool WG> static vo
 
 // Q4_K from QMH_WG_MIN_TILES column tiles on takes its MMAs as wgmma (qmatmul_wgmma.cuh) where the build has them
 // (GGML_EXT_WGMMA: compiled for sm_90a): the same bits as mma.sync's; H100 lab, every 8-warp and 12-warp Q4_K shape:
-// 7-12% faster at 48 columns, 0-6% faster at 40 but on the GDN input (1% slower), slower at 32 and below
-// (docs/benchmarks.md, thirty-first and thirty-third sessions)
+// 7-12% faster at 48 columns, 0-6% faster at 40 but on the GDN input (1% slower), at 32 slower on all but the FFN
+// gate/up (level), slower below (docs/benchmarks.md, thirty-first and thirty-third sessions)
 #define QMH_WG_MIN_TILES 5
 
 template <ggml_type type, int NT, int NW, int MINB, bool GLU> static void qmh_launch(const qmh_args & p, int device,
