@@ -73,8 +73,7 @@ def stdlib_code_prompts(n: int, seed: int) -> list[str]:
 def write_training_prompts(path: Path) -> int:
     """TRAIN_PER_SET prompts of each training set and as many standard-library code prompts, interleaved (so any
     first n mix them), one JSON line each: {"prompt": text, "source": id, "chat": whether to chat-template it}."""
-    sys.path.insert(0, str(ROOT))
-    from pydflash.datasets import load_prompts
+    from pydflash.datasets import load_prompts   # the installed package: the source tree has no built library
 
     sets = [[(p.text, p.id, True) for p in load_prompts(name, TRAIN_PER_SET, seed=17, max_chars=TRAIN_MAX_CHARS)]
             for name in TRAIN_SETS]
