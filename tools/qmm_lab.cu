@@ -15,8 +15,8 @@
 // roundings of the weights and activations); and where one call's time goes (QMH_TRACE: the CUDA blocks' start,
 // first stage in, last item done, exit, and each warp's last item, us from the first start: median and latest).
 // QMM_LAB_WARPS=1 also times tiles of 8 and 6 warps at two blocks an SM and of 12 and 10 at one, QMM_LAB_STAGES=1
-// tiles of 6, 8 and 12 warps with three stages and of 8 with four at one block an SM, QMM_LAB_UNITS1=1 8-warp tiles of one K unit a
-// stage in 3 or 4 stages;
+// tiles of 6, 8 and 12 warps with three stages at one block an SM (and of 8 warps with four where they fit),
+// QMM_LAB_UNITS1=1 8-warp tiles of one K unit a stage in 3 or 4 stages;
 // QMM_LAB_WG=1 (Q4_K; built with -arch=sm_90a) the run shape with its MMAs as wgmma at every column count
 // (qmatmul_wgmma.cuh; checked for the run's bits); QMM_LAB_RT2=1 the run shape's block rows as two 16-row tiles a
 // warp in half the warps (the same cut: a column's bits are the run shape's, checked). With QMM_LAB_ADD=1 the shape
@@ -702,7 +702,10 @@ template <ggml_type type> static void run_shared(const shape & sh, const std::ve
             variant("f16 w6 s3", 1, 96, RU, [&](const qmh_args & a, int P) { shared_any<type, 1, 6, 3, RU, 1>(a, P, st); });
             variant("f16 w8 s3", 1, 128, RU, [&](const qmh_args & a, int P) { shared_any<type, 1, 8, 3, RU, 1>(a, P, st); });
             variant("f16 w12 s3", 1, 192, RU, [&](const qmh_args & a, int P) { shared_any<type, 1, 12, 3, RU, 1>(a, P, st); });
-            variant("f16 w8 s4", 1, 128, RU, [&](const qmh_args & a, int P) { shared_any<type, 1, 8, 4, RU, 1>(a, P, st); });
+            // (four stages fit up to 2 column tiles of Q4_K; the last variant, so the others keep their numbers)
+            if (4 * (128 * qmh_pitch<type>(RU) + RU * qmh_act_bytes(8 * nt)) <= 227 * 1024) {
+                variant("f16 w8 s4", 1, 128, RU, [&](const qmh_args & a, int P) { shared_any<type, 1, 8, 4, RU, 1>(a, P, st); });
+            }
         }
         fflush(stdout);
         CK(cudaFree(hx));
