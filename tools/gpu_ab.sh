@@ -23,7 +23,7 @@ SKIP="models llama_bench" ONLY=none timeout "${BUILD_SECONDS:-380}" tools/gpu_ru
     .device/llama .device/pylibs "${BUILD_SECONDS:-380}" > "$out/build.txt" 2>&1
 echo "build rc=$? at ${SECONDS} s" >> "$out/build.txt"
 wait
-state=/tmp/pydflash-gpu
+state=${STATE:-/tmp/pydflash-gpu}   # (gpu_run.sh's)
 [ -e "$state/build.done" ] || { echo "no build: $out/build.txt"; tail -20 "$out/build.txt"; exit 1; }
 export PYTHONPATH=$state/pyd:$state/site:$src/.device/pylibs LD_LIBRARY_PATH=$state/pyd/pydflash/lib PYTHONUNBUFFERED=1
 cd /tmp   # (not the source tree: it would shadow the installed package)

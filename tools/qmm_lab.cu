@@ -404,7 +404,7 @@ static __global__ void prefetch_first_stages(const char * W, int64_t row_bytes, 
 template <ggml_type type, int NT, int RT, int NW, int S, int U, int MB, bool GLU = false, bool WG = false>
 static void shared_launch(const qmh_args & a, int P, cudaStream_t st) {
     constexpr size_t smem = qmh_smem_bytes<type, NT, RT, NW, S, U>();
-    if (smem > 227 * 1024) {
+    if (smem > QMH_SMEM_OPTIN) {
         printf("(%zu bytes of shared memory: not run) ", smem);
         return;
     }
@@ -703,7 +703,7 @@ template <ggml_type type> static void run_shared(const shape & sh, const std::ve
             variant("f16 w8 s3", 1, 128, RU, [&](const qmh_args & a, int P) { shared_any<type, 1, 8, 3, RU, 1>(a, P, st); });
             variant("f16 w12 s3", 1, 192, RU, [&](const qmh_args & a, int P) { shared_any<type, 1, 12, 3, RU, 1>(a, P, st); });
             // (four stages fit up to 2 column tiles of Q4_K; the last variant, so the others keep their numbers)
-            if (4 * (128 * qmh_pitch<type>(RU) + RU * qmh_act_bytes(8 * nt)) <= 227 * 1024) {
+            if (4 * qmh_stage_bytes<type>(128, RU, 8 * nt) <= QMH_SMEM_OPTIN) {
                 variant("f16 w8 s4", 1, 128, RU, [&](const qmh_args & a, int P) { shared_any<type, 1, 8, 4, RU, 1>(a, P, st); });
             }
         }

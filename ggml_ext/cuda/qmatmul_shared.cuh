@@ -549,9 +549,13 @@ qmm_half_shared(const qmh_args p) {
 #endif
 }
 
-// Shared memory of a CUDA block
+// Shared memory of one stage (a block of `rows` weight rows, U units, npad columns of activations), and of a block
+template <ggml_type type> __host__ __device__ constexpr size_t qmh_stage_bytes(int rows, int U, int npad) {
+    return (size_t) rows * qmh_pitch<type>(U) + (size_t) U * qmh_act_bytes(npad);
+}
+
 template <ggml_type type, int NT, int RT, int NW, int STAGES, int U> constexpr size_t qmh_smem_bytes() {
-    return (size_t) STAGES * (qmh_shape<NT, RT, NW>::rows * qmh_pitch<type>(U) + U * qmh_act_bytes(8 * NT));
+    return STAGES * qmh_stage_bytes<type>(qmh_shape<NT, RT, NW>::rows, U, 8 * NT);
 }
 
 // The shape ggml_qmatmul runs, from the H100 sweeps of tools/qmm_lab.cu (docs/benchmarks.md, "An f16 kernel for
@@ -613,7 +617,7 @@ template <ggml_type type, int NT, int NW> constexpr int qmh_deep_stages() {
     if (type != GGML_TYPE_Q4_K || NW != 8) {
         return QMH_RUN_STAGES;
     }
-    constexpr size_t stage = qmh_smem_bytes<type, NT, QMH_RUN_RT, NW, 1, qmh_run_units<type>()>();
+    constexpr size_t stage = qmh_stage_bytes<type>(qmh_shape<NT, QMH_RUN_RT, NW>::rows, qmh_run_units<type>(), 8 * NT);
     for (int s = 4; s > QMH_RUN_STAGES; --s) {
         if (s * stage + QMH_SMEM_STATIC_MAX <= QMH_SMEM_OPTIN) {
             return s;
