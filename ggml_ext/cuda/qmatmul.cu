@@ -251,25 +251,8 @@ static __device__ __forceinline__ float qmm_group_normed(const float * __restric
     return __fmul_rn(__fmul_rn(upc[k], factor), norm[k - k0]);
 }
 
-// Value `lane` of column col's 32-value block kb, as the product reads it: x, or with up the gated value
-// (qmm_gated); with a norm as well, up's groups normed first (qmm_group_normed). Padding columns are zero.
-static __device__ __forceinline__ float qmm_prep_value(const float * __restrict__ x, const float * __restrict__ up,
-                                                       const float * __restrict__ norm, int G, float eps, int gate,
-                                                       int col, int kb, int lane, int N, int64_t stride_col_x,
-                                                       int64_t stride_col_up) {
-    if (col >= N) {
-        return 0.0f;
-    }
-    const int k = kb * QK8_1 + lane;
-    if (up == nullptr) {
-        return x[col * stride_col_x + k];
-    }
-    const float * upc = up + col * stride_col_up;
-    const float u = norm != nullptr ? qmm_group_normed(upc, norm, G, eps, k, lane) : upc[k];
-    return qmm_gated(x[col * stride_col_x + k], u, gate);
-}
-
-// The activations: one warp per column and 32 values. (A warp per four such blocks, fewer and fuller CUDA blocks, was
+// The activations: one warp per column and 32 values. With up the gated values (qmm_gated); with a norm as well,
+// up's groups normed first (qmm_group_normed). (A warp per four such blocks, fewer and fuller CUDA blocks, was
 // slower: H100, twenty-first session.)
 static __global__ void qmm_quantize_x(const float * __restrict__ x, const float * __restrict__ up,
                                       const float * __restrict__ norm, int G, float eps, int gate,
@@ -288,47 +271,18 @@ static __global__ void qmm_quantize_x(const float * __restrict__ x, const float 
     const int col = warp / blocks_per_col;
     const int kb  = warp % blocks_per_col;
     ggml_cuda_pdl_sync();   // x is the previous kernel's output: with programmatic dependent launch, wait for it
-    const float v = qmm_prep_value(x, up, norm, G, eps, gate, col, kb, lane, N, stride_col_x, stride_col_up);
+    float v = 0.0f;
+    if (col < N) {
+        const int k = kb * QK8_1 + lane;
+        if (up != nullptr) {
+            const float * upc = up + col * stride_col_up;
+            const float u = norm != nullptr ? qmm_group_normed(upc, norm, G, eps, k, lane) : upc[k];
+            v = qmm_gated(x[col * stride_col_x + k], u, gate);
+        } else {
+            v = x[col * stride_col_x + k];
+        }
+    }
     qmm_quantize_block(v, lane, col, kb, K, npad, layout, yq, yds);
-}
-
-// The same work on a grid of a few CUDA blocks an SM (PYDFLASH_QMATMUL_PREP_PER_SM, qmm_prep_per_sm): warp w of W
-// takes blocks w, w + W, ..., QMM_PREP_BATCH at a time, their loads asked for together. Why: one warp a block is
-// 1,152 blocks of 8 warps at 48 columns, more than an H100 holds at once, and an early-launched product's block (up
-// to ~50 K registers) finds room on an SM only once most of them have ended; a grid of one block an SM leaves it room
-// from the start, so its first weights come while the activations are prepared (docs/benchmarks.md, thirty-fifth
-// session). The same values, so the same bits.
-#define QMM_PREP_BATCH 4
-
-static __global__ void qmm_quantize_x_strided(const float * __restrict__ x, const float * __restrict__ up,
-                                              const float * __restrict__ norm, int G, float eps, int gate,
-                                              int8_t * __restrict__ yq, float2 * __restrict__ yds, int K, int N,
-                                              int npad, int64_t stride_col_x, int64_t stride_col_up,
-                                              qmm_x_layout layout, bool early_launch) {
-    if (early_launch) {
-        ggml_cuda_pdl_lc();
-    }
-    const int n_warps = gridDim.x * (blockDim.x / WARP_SIZE);
-    const int warp = blockIdx.x * (blockDim.x / WARP_SIZE) + threadIdx.x / WARP_SIZE;
-    const int lane = threadIdx.x % WARP_SIZE;
-    const int blocks_per_col = K / QK8_1, n_blocks = blocks_per_col * npad;
-    ggml_cuda_pdl_sync();
-    for (int b0 = warp; b0 < n_blocks; b0 += QMM_PREP_BATCH * n_warps) {
-        float v[QMM_PREP_BATCH];
-#pragma unroll
-        for (int i = 0; i < QMM_PREP_BATCH; ++i) {   // (every load of the batch before any store)
-            const int b = b0 + i * n_warps;
-            v[i] = b < n_blocks ? qmm_prep_value(x, up, norm, G, eps, gate, b / blocks_per_col, b % blocks_per_col,
-                                                 lane, N, stride_col_x, stride_col_up) : 0.0f;
-        }
-#pragma unroll
-        for (int i = 0; i < QMM_PREP_BATCH; ++i) {
-            const int b = b0 + i * n_warps;
-            if (b < n_blocks) {
-                qmm_quantize_block(v[i], lane, b / blocks_per_col, b % blocks_per_col, K, npad, layout, yq, yds);
-            }
-        }
-    }
 }
 
 // ggml_qmatmul_rms_norm: a column's factor 1 / sqrt(mean(x^2) + eps), computed by a whole CUDA block of
@@ -497,16 +451,6 @@ static bool qmm_early_launch() {
     return on;
 }
 
-// CUDA blocks an SM for the plain and gated preparations (qmm_quantize_x_strided), or 0: one warp a 32-value block
-// (qmm_quantize_x). PYDFLASH_QMATMUL_PREP_PER_SM=B (an A/B; read once).
-static int qmm_prep_per_sm() {
-    static const int per_sm = [] {
-        const char * e = getenv("PYDFLASH_QMATMUL_PREP_PER_SM");
-        return e == nullptr ? 0 : std::max(0, atoi(e));
-    }();
-    return per_sm;
-}
-
 // The activations quantised (or rounded to f16) into yq/yds in `layout`: gated with up, normed with norm, as
 // ggml_qmatmul_fused asks (qmm_quantize_x, qmm_quantize_x_rms)
 static void qmm_prepare_x(ggml_backend_cuda_context & ctx, const ggml_tensor * x, const ggml_tensor * dst, int K, int N,
@@ -523,12 +467,7 @@ static void qmm_prepare_x(ggml_backend_cuda_context & ctx, const ggml_tensor * x
     }
     const ggml_tensor * unorm = qmm_up_norm(dst);
     const int n_warps = npad * (K / QK8_1);
-    const int per_sm = qmm_prep_per_sm();
-    const int blocks_one_each = (n_warps + 7) / 8;
-    const int blocks = per_sm > 0 ? std::min(blocks_one_each, per_sm * ggml_cuda_info().devices[ctx.device].nsm)
-                                  : blocks_one_each;
-    ggml_cuda_kernel_launch(blocks < blocks_one_each ? qmm_quantize_x_strided : qmm_quantize_x,
-                            ggml_cuda_kernel_launch_params(dim3(blocks), dim3(8 * WARP_SIZE), 0, stream),
+    ggml_cuda_kernel_launch(qmm_quantize_x, ggml_cuda_kernel_launch_params(dim3((n_warps + 7) / 8), dim3(8 * WARP_SIZE), 0, stream),
                             (const float *) x->data, up ? (const float *) up->data : nullptr,
                             unorm ? (const float *) unorm->data : nullptr, unorm ? (int) ggml_nelements(unorm) : 0,
                             qmm_norm_eps(dst), dst->op_params[2], yq, yds, K, N, npad, stride_col_x,
