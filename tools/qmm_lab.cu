@@ -15,8 +15,8 @@
 // roundings of the weights and activations); and where one call's time goes (QMH_TRACE: the CUDA blocks' start,
 // first stage in, last item done, exit, and each warp's last item, us from the first start: median and latest).
 // QMM_LAB_WARPS=1 also times tiles of 8 and 6 warps at two blocks an SM and of 12 and 10 at one, QMM_LAB_STAGES=1
-// tiles of 6, 8 and 12 warps with three stages at one block an SM (and of 8 warps with four where they fit),
-// QMM_LAB_UNITS1=1 8-warp tiles of one K unit a stage in 3 or 4 stages;
+// tiles of 6, 8 and 12 warps with three stages at one block an SM, QMM_LAB_UNITS1=1 8-warp tiles of one K unit a
+// stage in 3 or 4 stages;
 // QMM_LAB_WG=1 (Q4_K; built with -arch=sm_90a) the run shape with its MMAs as wgmma at every column count
 // (qmatmul_wgmma.cuh; checked for the run's bits); QMM_LAB_RT2=1 the run shape's block rows as two 16-row tiles a
 // warp in half the warps (the same cut: a column's bits are the run shape's, checked). With QMM_LAB_ADD=1 the shape
@@ -52,6 +52,8 @@
 #include <vector>
 
 #include "lab_ggml_stubs.cuh"
+
+#define QMM_LAB_SMEM_OPTIN (227 * 1024)   // the shared memory an H100 (or H200) block may opt in to
 
 struct shape { const char * name; int K, M; ggml_type type; };
 static const shape SHAPES[] = {
@@ -404,7 +406,7 @@ static __global__ void prefetch_first_stages(const char * W, int64_t row_bytes, 
 template <ggml_type type, int NT, int RT, int NW, int S, int U, int MB, bool GLU = false, bool WG = false>
 static void shared_launch(const qmh_args & a, int P, cudaStream_t st) {
     constexpr size_t smem = qmh_smem_bytes<type, NT, RT, NW, S, U>();
-    if (smem > QMH_SMEM_OPTIN) {
+    if (smem > QMM_LAB_SMEM_OPTIN) {
         printf("(%zu bytes of shared memory: not run) ", smem);
         return;
     }
@@ -702,10 +704,6 @@ template <ggml_type type> static void run_shared(const shape & sh, const std::ve
             variant("f16 w6 s3", 1, 96, RU, [&](const qmh_args & a, int P) { shared_any<type, 1, 6, 3, RU, 1>(a, P, st); });
             variant("f16 w8 s3", 1, 128, RU, [&](const qmh_args & a, int P) { shared_any<type, 1, 8, 3, RU, 1>(a, P, st); });
             variant("f16 w12 s3", 1, 192, RU, [&](const qmh_args & a, int P) { shared_any<type, 1, 12, 3, RU, 1>(a, P, st); });
-            // (four stages fit up to 2 column tiles of Q4_K; the last variant, so the others keep their numbers)
-            if (4 * qmh_stage_bytes<type>(128, RU, 8 * nt) <= QMH_SMEM_OPTIN) {
-                variant("f16 w8 s4", 1, 128, RU, [&](const qmh_args & a, int P) { shared_any<type, 1, 8, 4, RU, 1>(a, P, st); });
-            }
         }
         fflush(stdout);
         CK(cudaFree(hx));

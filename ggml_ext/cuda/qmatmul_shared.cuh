@@ -549,13 +549,9 @@ qmm_half_shared(const qmh_args p) {
 #endif
 }
 
-// Shared memory of one stage (a block of `rows` weight rows, U units, npad columns of activations), and of a block
-template <ggml_type type> __host__ __device__ constexpr size_t qmh_stage_bytes(int rows, int U, int npad) {
-    return (size_t) rows * qmh_pitch<type>(U) + (size_t) U * qmh_act_bytes(npad);
-}
-
+// Shared memory of a CUDA block
 template <ggml_type type, int NT, int RT, int NW, int STAGES, int U> constexpr size_t qmh_smem_bytes() {
-    return STAGES * qmh_stage_bytes<type>(qmh_shape<NT, RT, NW>::rows, U, 8 * NT);
+    return (size_t) STAGES * (qmh_shape<NT, RT, NW>::rows * qmh_pitch<type>(U) + U * qmh_act_bytes(8 * NT));
 }
 
 // The shape ggml_qmatmul runs, from the H100 sweeps of tools/qmm_lab.cu (docs/benchmarks.md, "An f16 kernel for
@@ -602,36 +598,6 @@ template <ggml_type type> static int qmh_run_warps(int M) {
 template <ggml_type type> static int qmh_tiles(int M) {
     const int rows = QMM_MMA_ROWS * QMH_RUN_RT * qmh_run_warps<type>(M);
     return (M + rows - 1) / rows;
-}
-
-// Stages of the ring a call runs: QMH_RUN_STAGES; with PYDFLASH_QMATMUL_DEEP_STAGES=1 (opt-in, read once; not yet
-// measured in a build, docs/benchmarks.md "thirty-fourth session") the 8-warp Q4_K shape (matrices of fewer than
-// QMH_Q4_K_WIDE_ROWS rows, one block an SM; the GDN/attention output's 480 items are 4 a block) takes as many as an
-// H100 SM's shared memory holds at its column-tile count, up to 4 (4 to 16 columns, 3 to 32, 2 above): a block then
-// asks for its next items' weights before its first item's MMAs, where two stages wait a DRAM round trip an item.
-// More stages change no result: the items, and the order of their sums, are the same.
-#define QMH_SMEM_OPTIN (227 * 1024)   // an H100's (and H200's) shared memory a block may opt in to
-#define QMH_SMEM_STATIC_MAX 4096      // what the kernel's static arrays may take beside the stages (<= 2.1 KB)
-
-template <ggml_type type, int NT, int NW> constexpr int qmh_deep_stages() {
-    if (type != GGML_TYPE_Q4_K || NW != 8) {
-        return QMH_RUN_STAGES;
-    }
-    constexpr size_t stage = qmh_stage_bytes<type>(qmh_shape<NT, QMH_RUN_RT, NW>::rows, qmh_run_units<type>(), 8 * NT);
-    for (int s = 4; s > QMH_RUN_STAGES; --s) {
-        if (s * stage + QMH_SMEM_STATIC_MAX <= QMH_SMEM_OPTIN) {
-            return s;
-        }
-    }
-    return QMH_RUN_STAGES;
-}
-
-static bool qmh_deep_stages_on() {
-    static const bool on = [] {
-        const char * e = getenv("PYDFLASH_QMATMUL_DEEP_STAGES");
-        return e != nullptr && atoi(e) != 0;
-    }();
-    return on;
 }
 
 // Blocks of a shape that an SM holds at once (at most its MINB): the occupancy of its widest instantiation (6 column
@@ -687,14 +653,13 @@ template <ggml_type type> static size_t qmh_ws_floats(int nt, int P, int M) {
 // previous call's last ones, and ran ~40% slower on the SMs that held two while others idled (the 8-warp Q4_K shape
 // at 1-16 columns, H100: GDN input 31.8 / 37.4 us at 2 / 16 columns against 24.2 / 26.2 without early launches;
 // docs/benchmarks.md, thirty-first session). Checked once per instantiation and device.
-template <ggml_type type, int NT, int NW, int MINB, bool GLU, bool WG, int S> static void qmh_launch_as(
-        const qmh_args & p, int device, int P, cudaStream_t stream) {
+template <ggml_type type, int NT, int NW, int MINB, bool GLU, bool WG> static void qmh_launch_as(const qmh_args & p,
+                                                                                            int device, int P,
+                                                                                            cudaStream_t stream) {
     constexpr int U = qmh_run_units<type>();
-    constexpr auto kernel = qmm_half_shared<type, NT, QMH_RUN_RT, NW, S, U, MINB, GLU, WG>;
-    constexpr size_t widest = qmh_smem_bytes<type, 6, QMH_RUN_RT, NW, QMH_RUN_STAGES, U>();
-    constexpr size_t own = qmh_smem_bytes<type, NT, QMH_RUN_RT, NW, S, U>();
-    constexpr size_t smem = own > widest ? own : widest;
-    static_assert(S == QMH_RUN_STAGES || own + QMH_SMEM_STATIC_MAX <= QMH_SMEM_OPTIN, "deeper stages must fit");
+    constexpr auto kernel = qmm_half_shared<type, NT, QMH_RUN_RT, NW, QMH_RUN_STAGES, U, MINB, GLU, WG>;
+    constexpr size_t smem = qmh_smem_bytes<type, 6, QMH_RUN_RT, NW, QMH_RUN_STAGES, U>();
+    static_assert(qmh_smem_bytes<type, NT, QMH_RUN_RT, NW, QMH_RUN_STAGES, U>() <= smem, "the widest shape's stages");
     static bool checked[GGML_CUDA_MAX_DEVICES] = {};
     ggml_ext_cuda_allow_smem<kernel>(smem, device);
     if (!checked[device]) {
@@ -702,8 +667,8 @@ template <ggml_type type, int NT, int NW, int MINB, bool GLU, bool WG, int S> st
         CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, NW * WARP_SIZE, smem));
         const int planned = qmh_occupancy<type, NW, MINB, GLU>(device);
         if (n != planned) {
-            GGML_ABORT("ggml_qmatmul: an SM holds %d blocks of the f16 kernel at %d column tiles%s and %d stages, its "
-                       "grid is planned for %d", n, NT, WG ? " (wgmma)" : "", S, planned);
+            GGML_ABORT("ggml_qmatmul: an SM holds %d blocks of the f16 kernel at %d column tiles%s, its grid is planned "
+                       "for %d", n, NT, WG ? " (wgmma)" : "", planned);
         }
         checked[device] = true;
     }
@@ -716,30 +681,18 @@ template <ggml_type type, int NT, int NW, int MINB, bool GLU, bool WG, int S> st
 // gate/up (level), slower below (docs/benchmarks.md, thirty-first and thirty-third sessions)
 #define QMH_WG_MIN_TILES 5
 
-template <ggml_type type, int NT, int NW, int MINB, bool GLU, bool WG> static void qmh_launch_staged(
-        const qmh_args & p, int device, int P, cudaStream_t stream) {
-    constexpr int S = qmh_deep_stages<type, NT, NW>();
-    if constexpr (S != QMH_RUN_STAGES) {
-        if (qmh_deep_stages_on()) {
-            qmh_launch_as<type, NT, NW, MINB, GLU, WG, S>(p, device, P, stream);
-            return;
-        }
-    }
-    qmh_launch_as<type, NT, NW, MINB, GLU, WG, QMH_RUN_STAGES>(p, device, P, stream);
-}
-
 template <ggml_type type, int NT, int NW, int MINB, bool GLU> static void qmh_launch(const qmh_args & p, int device,
                                                                                      int P, cudaStream_t stream) {
 #ifdef GGML_EXT_WGMMA
     if constexpr (type == GGML_TYPE_Q4_K && NT >= QMH_WG_MIN_TILES && NW % 4 == 0) {
         // (the device runs the sm_90a code: not a later GPU running other code of the build)
         if (ggml_cuda_highest_compiled_arch(ggml_cuda_info().devices[device].cc) == GGML_CUDA_CC_HOPPER) {
-            qmh_launch_staged<type, NT, NW, MINB, GLU, true>(p, device, P, stream);
+            qmh_launch_as<type, NT, NW, MINB, GLU, true>(p, device, P, stream);
             return;
         }
     }
 #endif
-    qmh_launch_staged<type, NT, NW, MINB, GLU, false>(p, device, P, stream);
+    qmh_launch_as<type, NT, NW, MINB, GLU, false>(p, device, P, stream);
 }
 
 template <ggml_type type, int NT, bool GLU> static void qmh_launch(const qmh_args & p, int device, int P,
