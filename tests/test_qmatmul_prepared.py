@@ -75,9 +75,18 @@ def chunks(layout: np.ndarray) -> np.ndarray:
     return layout.reshape(U, PITCH // 8, npad, 8)
 
 
-def prepared_layout(values: np.ndarray, sums: bool = True) -> np.ndarray:
+def butterfly_sum(run: np.ndarray) -> np.float32:
+    """The f32 sum of 32 values as a warp's butterfly adds them, one value a lane (offsets 16, 8, 4, 2, 1)."""
+    s = run.astype(np.float32)
+    for o in (16, 8, 4, 2, 1):
+        s = s + s[np.arange(32) ^ o]
+    return s[0]
+
+
+def prepared_layout(values: np.ndarray, sums: bool = True, butterfly: bool = False) -> np.ndarray:
     """The layout of ggml-ext.h for columns values [N, F] (f32): f16 values, the f32 sums of each run of 32 rounded
-    values in index order rounded to f16 (without sums: zeros), zeros elsewhere and in the padding columns."""
+    values in index order (the CPU's; butterfly: a warp's, CUDA's) rounded to f16 (without sums: zeros), zeros
+    elsewhere and in the padding columns."""
     n, F = values.shape
     npad = -(-n // 8) * 8
     out = np.zeros((F // 256, npad, PITCH), np.float16)
@@ -88,7 +97,9 @@ def prepared_layout(values: np.ndarray, sums: bool = True) -> np.ndarray:
             unit = h[j, 256 * u: 256 * u + 256]
             c[u, CHUNK[:256], j, ELEM[:256]] = unit
             for r in range(8 if sums else 0):
-                c[u, 32, j, r] = np.cumsum(unit[32 * r: 32 * r + 32].astype(np.float32), dtype=np.float32)[-1]
+                run = unit[32 * r: 32 * r + 32]
+                c[u, 32, j, r] = butterfly_sum(run) if butterfly else np.cumsum(run.astype(np.float32),
+                                                                                 dtype=np.float32)[-1]
     return out
 
 
@@ -320,6 +331,26 @@ def test_a_shared_preparation_gives_the_f16_kernel_its_own_bits(rng, wtype):
                 want = run_graph(backend, lambda ctx, t: ggml.qmatmul(
                     ctx, t["w"], t["x"], F16, norm=t["g"] if g is not None else None, eps=EPS), inputs, shapes)
                 assert np.array_equal(got, want), f"{wtype.name} M={M} N={n} normed={g is not None}"
+
+
+@pytest.mark.cuda
+def test_qmatmul_prepare_on_cuda_is_the_layout_with_a_warps_sums(rng):
+    """ggml.qmatmul_prepare on CUDA: x's columns rounded into the layout to the bit, each run's sum added in a warp
+    butterfly's order (however many values a lane of the preparation holds: PYDFLASH_QMATMUL_PREP_VALUES), padding
+    columns zero; values over six decades, where the order of f32 additions can show."""
+    backend = ggml.Backend("cuda")
+    if not ggml.qmatmul_streams(backend._dev):
+        pytest.skip(f"{backend.name} has no f16 qmatmul kernel (Hopper and later)")
+    K = 1536
+    orders_differ = False
+    for n in (1, 9, 23, 48):
+        x = (rng.standard_normal((n, K)) * 10.0 ** rng.uniform(-4, 2, (n, K))).astype(np.float32)
+        got = run_graph(backend, lambda ctx, t: ggml.qmatmul_prepare(ctx, t["x"]), {"x": x},
+                        {"x": (np.float32, (K, n))}).reshape(K // 256, -1, PITCH)
+        want = prepared_layout(x, butterfly=True)
+        assert np.array_equal(got.view(np.uint16), want.view(np.uint16)), f"N={n}"
+        orders_differ |= not np.array_equal(want.view(np.uint16), prepared_layout(x).view(np.uint16))
+    assert orders_differ, "no sum told a warp's order from index order: the data cannot catch a change of order"
 
 
 # (K, F): 8-warp tiles (2F under 24,576 rows: 64 pairs a tile), 12-warp tiles (96 pairs) ending in a partial one
