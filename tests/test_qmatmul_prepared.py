@@ -336,8 +336,8 @@ def test_a_shared_preparation_gives_the_f16_kernel_its_own_bits(rng, wtype):
 @pytest.mark.cuda
 def test_qmatmul_prepare_on_cuda_is_the_layout_with_a_warps_sums(rng):
     """ggml.qmatmul_prepare on CUDA: x's columns rounded into the layout to the bit, each run's sum added in a warp
-    butterfly's order (however many values a lane of the preparation holds: PYDFLASH_QMATMUL_PREP_VALUES), padding
-    columns zero; values over six decades, where the order of f32 additions can show."""
+    butterfly's order (qmm_quantize_block; the f16 kernel's GLU form follows the same order), padding columns zero;
+    values over six decades, where the order of f32 additions can show."""
     backend = ggml.Backend("cuda")
     if not ggml.qmatmul_streams(backend._dev):
         pytest.skip(f"{backend.name} has no f16 qmatmul kernel (Hopper and later)")
