@@ -402,13 +402,12 @@ def f16_kernel_or_skip(backend):
         pytest.skip(f"{backend.name} has no f16 qmatmul kernel (Hopper and later)")
 
 
-# Shapes of the f16 kernel's cases: few row tiles, each cut over several CUDA blocks (every tile finished from
-# several blocks' partial sums; Q4_K: the cluster form of QMH_Q4_K_CLUSTER_ROWS rows at most, 6 stages of K in parts
-# of 1 and 2 stages, the last stage one unit); and more items than SMs (stream-K: blocks running parts of two tiles),
-# rows ending in a partial tile. Q6_K: 11 and 5 units a row, so rows start at every even offset from a 16-byte
-# boundary and the matrix ends past its last one. Q4_K also: a matrix tall enough for the kernel's 12-warp (192-row)
-# tiles (QMH_Q4_K_WIDE_ROWS), ending in a tile of one row; and the 27B's GDN/attention output, 30 clusters of 4
-# blocks (its last tile 16 rows).
+# Shapes of the f16 kernel's cases: few row tiles of 256 rows, each cut over many CUDA blocks (every tile finished
+# from several blocks' partial sums); and more items than SMs (blocks running parts of two tiles), rows ending in
+# a partial tile. Q6_K: 11 and 5 units a row, so rows start at every even offset from a 16-byte boundary and the
+# matrix ends past its last one. Q4_K also: a matrix tall enough for the kernel's 12-warp (192-row) tiles
+# (QMH_Q4_K_WIDE_ROWS), ending in a tile of one row; and the 27B's GDN/attention output as the model runs it (40
+# tiles of 12 stages on 120 blocks: every tile cut in three segments that end at once).
 F16_SHAPES = ((2816, 301), (1280, 7001))
 F16_EXTRA_SHAPES = {ggml.Type.Q4_K: ((1280, 24577), (6144, 5120)), ggml.Type.Q6_K: ()}
 

@@ -403,47 +403,30 @@ static __global__ void prefetch_first_stages(const char * W, int64_t row_bytes, 
 
 // --- Several columns: the f16 kernel of qmatmul_shared.cuh against the best of the others -------------------
 
-template <ggml_type type, int NT, int RT, int NW, int S, int U, int MB, bool GLU = false, bool WG = false, int C = 1>
+template <ggml_type type, int NT, int RT, int NW, int S, int U, int MB, bool GLU = false, bool WG = false>
 static void shared_launch(const qmh_args & a, int P, cudaStream_t st) {
     constexpr size_t smem = qmh_smem_bytes<type, NT, RT, NW, S, U>();
-    constexpr auto kernel = qmm_half_shared<type, NT, RT, NW, S, U, MB, GLU, WG, C>;
     if (smem > QMM_LAB_SMEM_OPTIN) {
         printf("(%zu bytes of shared memory: not run) ", smem);
         return;
     }
     static bool set = false;
     if (!set) {
-        CK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int) smem));
+        CK(cudaFuncSetAttribute(qmm_half_shared<type, NT, RT, NW, S, U, MB, GLU, WG>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int) smem));
         set = true;
     }
-    if constexpr (C == 1) {
-        kernel<<<P, dim3(WARP_SIZE, NW), smem, st>>>(a);
-    } else {   // clusters of C blocks (P: a cluster a row tile)
-        cudaLaunchAttribute attr = {};
-        attr.id = cudaLaunchAttributeClusterDimension;
-        attr.val.clusterDim.x = C;
-        attr.val.clusterDim.y = 1;
-        attr.val.clusterDim.z = 1;
-        cudaLaunchConfig_t cfg = {};
-        cfg.gridDim = dim3(P);
-        cfg.blockDim = dim3(WARP_SIZE, NW);
-        cfg.dynamicSmemBytes = smem;
-        cfg.stream = st;
-        cfg.attrs = &attr;
-        cfg.numAttrs = 1;
-        CK(cudaLaunchKernelEx(&cfg, kernel, a));
-    }
+    qmm_half_shared<type, NT, RT, NW, S, U, MB, GLU, WG><<<P, dim3(WARP_SIZE, NW), smem, st>>>(a);
 }
 
-template <ggml_type type, int RT, int NW, int S, int U, int MB, bool GLU = false, bool WG = false, int C = 1>
+template <ggml_type type, int RT, int NW, int S, int U, int MB, bool GLU = false, bool WG = false>
 static void shared_any(const qmh_args & a, int P, cudaStream_t st) {
     switch (a.npad / 8) {
-        case 1: shared_launch<type, 1, RT, NW, S, U, MB, GLU, WG, C>(a, P, st); break;
-        case 2: shared_launch<type, 2, RT, NW, S, U, MB, GLU, WG, C>(a, P, st); break;
-        case 3: shared_launch<type, 3, RT, NW, S, U, MB, GLU, WG, C>(a, P, st); break;
-        case 4: shared_launch<type, 4, RT, NW, S, U, MB, GLU, WG, C>(a, P, st); break;
-        case 5: shared_launch<type, 5, RT, NW, S, U, MB, GLU, WG, C>(a, P, st); break;
-        default: shared_launch<type, 6, RT, NW, S, U, MB, GLU, WG, C>(a, P, st); break;
+        case 1: shared_launch<type, 1, RT, NW, S, U, MB, GLU, WG>(a, P, st); break;
+        case 2: shared_launch<type, 2, RT, NW, S, U, MB, GLU, WG>(a, P, st); break;
+        case 3: shared_launch<type, 3, RT, NW, S, U, MB, GLU, WG>(a, P, st); break;
+        case 4: shared_launch<type, 4, RT, NW, S, U, MB, GLU, WG>(a, P, st); break;
+        case 5: shared_launch<type, 5, RT, NW, S, U, MB, GLU, WG>(a, P, st); break;
+        default: shared_launch<type, 6, RT, NW, S, U, MB, GLU, WG>(a, P, st); break;
     }
 }
 
@@ -520,12 +503,10 @@ template <ggml_type type> static void run_shared(const shape & sh, const std::ve
         printf("  N=%2d  best other %-10s %7.1f us %5.0f GB/s\n", N, best_name, best, gb / best);
         int v = 0;
         half * hx = half_layout(yq, yds, sh.K, npad, nt);
-        // (cluster: the cluster form's grid, a cluster of that many blocks a row tile)
-        auto variant = [&](const char * name, int per_sm, int block_rows, int U, auto launch, int cluster = 1) {
+        auto variant = [&](const char * name, int per_sm, int block_rows, int U, auto launch) {
             qmh_args a = {Ws[0], hx, dst, nb, sh.K, sh.M, N, 8 * nt, sh.M, nullptr, 0, ws};
-            const int P = cluster > 1 ? (sh.M + block_rows - 1) / block_rows * cluster
-                                      : qmh_grid_of((int64_t) (sh.M + block_rows - 1) / block_rows * (sh.K / QK_K / U),
-                                                    (int64_t) n_sm * per_sm);   // (as ggml_qmatmul's grid)
+            const int P = qmh_grid_of((int64_t) (sh.M + block_rows - 1) / block_rows * (sh.K / QK_K / U),
+                                      (int64_t) n_sm * per_sm);   // (as ggml_qmatmul's grid)
             const std::vector<float> got = lc.output(N, [&] { launch(a, P); });
             if (N == cols[0]) col0[v] = std::vector<float>(got.begin(), got.begin() + sh.M);
             const bool same = memcmp(got.data(), col0[v].data(), (size_t) sh.M * 4) == 0;
@@ -611,24 +592,12 @@ template <ggml_type type> static void run_shared(const shape & sh, const std::ve
         // (row tiles per warp, warps, stages, blocks per SM): the shape ggml_qmatmul runs for this M (qmh_with_shape),
         // and beside it 8 warps at one block an SM, one K unit a stage in 16 warps, and on request the other widths
         constexpr int RU = qmh_run_units<type>();
-        qmh_with_shape<type>(sh.M, sh.K, [&](auto nw, auto minb, auto clus) {
-            constexpr int NW = decltype(nw)::value, MB = decltype(minb)::value, CL = decltype(clus)::value;
+        qmh_with_shape<type>(sh.M, [&](auto nw, auto minb) {
+            constexpr int NW = decltype(nw)::value, MB = decltype(minb)::value;
             char run_name[32];
-            snprintf(run_name, sizeof run_name, "run w%d s%d u%d x%d c%d", NW, QMH_RUN_STAGES, RU, MB, CL);
+            snprintf(run_name, sizeof run_name, "run w%d s%d u%d x%d", NW, QMH_RUN_STAGES, RU, MB);
             variant(run_name, MB, 16 * NW, RU,
-                    [&](const qmh_args & a, int P) { shared_any<type, 1, NW, QMH_RUN_STAGES, RU, MB, false, false, CL>(a, P, st); },
-                    CL);
-            if constexpr (CL > 1) {   // the cluster form beside: wgmma (whole warpgroups), and the same tiles stream-K
-                snprintf(run_name, sizeof run_name, "wgmma w%d c%d", NW, CL);
-                variant(run_name, MB, 16 * NW, RU, [&](const qmh_args & a, int P) {
-                    shared_any<type, 1, NW, QMH_RUN_STAGES, RU, MB, false, true, CL>(a, P, st);
-                }, CL);
-                snprintf(run_name, sizeof run_name, "w%d stream-K", NW);
-                variant(run_name, MB, 16 * NW, RU,
-                        [&](const qmh_args & a, int P) { shared_any<type, 1, NW, QMH_RUN_STAGES, RU, MB>(a, P, st); });
-                variant("wgmma w8", 1, 128, RU,
-                        [&](const qmh_args & a, int P) { shared_any<type, 1, 8, QMH_RUN_STAGES, RU, 1, false, true>(a, P, st); });
-            }
+                    [&](const qmh_args & a, int P) { shared_any<type, 1, NW, QMH_RUN_STAGES, RU, MB>(a, P, st); });
             if constexpr (NW % 2 == 0) {   // QMM_LAB_RT2: the same block rows as two 16-row tiles a warp in half the warps
                 if (getenv("QMM_LAB_RT2") != nullptr) {
                     snprintf(run_name, sizeof run_name, "rt2 w%d x%d", NW / 2, MB);
@@ -636,7 +605,7 @@ template <ggml_type type> static void run_shared(const shape & sh, const std::ve
                             [&](const qmh_args & a, int P) { shared_any<type, 2, NW / 2, QMH_RUN_STAGES, RU, MB>(a, P, st); });
                 }
             }
-            if constexpr (type == GGML_TYPE_Q4_K && NW % 4 == 0 && CL == 1) {   // QMM_LAB_WG: the run shape through wgmma
+            if constexpr (type == GGML_TYPE_Q4_K && NW % 4 == 0) {   // QMM_LAB_WG: the run shape through wgmma
                 if (getenv("QMM_LAB_WG") != nullptr) {
                     snprintf(run_name, sizeof run_name, "wgmma w%d", NW);
                     variant(run_name, MB, 16 * NW, RU, [&](const qmh_args & a, int P) {
@@ -698,7 +667,7 @@ template <ggml_type type> static void run_shared(const shape & sh, const std::ve
         });
         if constexpr (type == GGML_TYPE_Q4_K) {   // QMM_LAB_GLU=1: the run shape's GLU form (ggml_qmatmul_swiglu_prepared)
             if (getenv("QMM_LAB_GLU") != nullptr && sh.M % 512 == 0) {
-                qmh_with_shape<type, true>(sh.M, sh.K, [&](auto nw, auto minb, auto) {
+                qmh_with_shape<type>(sh.M, [&](auto nw, auto minb) {
                     constexpr int NW = decltype(nw)::value, MB = decltype(minb)::value;
                     half * glu;
                     CK(cudaMalloc(&glu, (size_t) (sh.M / 2 / QK_K) * qmh_act_bytes(8 * nt)));

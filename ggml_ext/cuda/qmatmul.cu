@@ -482,15 +482,15 @@ static void qmatmul_half(ggml_backend_cuda_context & ctx, const ggml_tensor * w,
     const bool prepared = dst->op_params[3] == GGML_EXT_QMATMUL_FORM_PREPARED_IN;
     const int K = (int) w->ne[0], M = (int) w->ne[1], N = prepared ? dst->op_params[4] : (int) x->ne[1];
     const int nt = (N + 7) / 8, npad = 8 * nt;
-    GGML_ASSERT(qmh_tiles<type>(M, K) <= QMH_MAX_TILES);
-    const int P = qmh_grid<type>(M, K, ggml_cuda_info().devices[ctx.device].nsm, qmh_per_sm<type, GLU>(M, K, ctx.device));
+    GGML_ASSERT(qmh_tiles<type>(M) <= QMH_MAX_TILES);
+    const int P = qmh_grid<type>(M, K, ggml_cuda_info().devices[ctx.device].nsm, qmh_per_sm<type, GLU>(M, ctx.device));
     ggml_cuda_pool_alloc<char> xh(ctx.pool());
     if (!prepared) {
         xh.alloc((size_t) (K / QMM_UNIT) * qmh_act_bytes(npad));
         qmm_prepare_x(ctx, x, dst, K, N, npad, type == GGML_TYPE_BF16 ? QMM_X_BF16 : QMM_X_F16, (int8_t *) xh.get(),
                       nullptr);
     }
-    ggml_cuda_pool_alloc<float> ws(ctx.pool(), std::max<size_t>(1, qmh_ws_floats<type>(nt, P, M, K)));
+    ggml_cuda_pool_alloc<float> ws(ctx.pool(), qmh_ws_floats<type>(nt, P, M));
     const ggml_tensor * add = dst->src[3];   // ggml_qmatmul_fused: added as the outputs are stored
     const qmh_args p = {(const char *) w->data, prepared ? (const half *) x->data : (const half *) xh.get(),
                         GLU ? nullptr : (float *) dst->data, K / QMM_UNIT, K, M, N, npad,
@@ -683,8 +683,7 @@ bool ggml_ext_cuda_qmatmul_supported(int device, const ggml_tensor * op) {
         return ggml_ext_cuda_qmatmul_streams(device) && (q4 || (w->type == GGML_TYPE_Q6_K && !glu)) &&
                w->ne[0] % QMM_UNIT == 0 &&
                M * (w->ne[0] / QMM_UNIT) <= INT_MAX &&
-               (q4 ? qmh_tiles<GGML_TYPE_Q4_K>((int) M, (int) w->ne[0]) : qmh_tiles<GGML_TYPE_Q6_K>((int) M, (int) w->ne[0]))
-                   <= QMH_MAX_TILES;
+               (q4 ? qmh_tiles<GGML_TYPE_Q4_K>((int) M) : qmh_tiles<GGML_TYPE_Q6_K>((int) M)) <= QMH_MAX_TILES;
     }
     // the launch indexes quant blocks with int; a norm of up's groups takes whole warps per group
     const bool groups_ok = qmm_up_norm(op) == nullptr || ggml_nelements(qmm_up_norm(op)) % WARP_SIZE == 0;

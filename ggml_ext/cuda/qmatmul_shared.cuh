@@ -146,25 +146,6 @@ static __device__ __forceinline__ int qmh_load_acquire(const int * counter) {
     return v;
 }
 
-// The cluster form's hand-off (qmm_half_shared with C > 1): every thread of the cluster's blocks meets the barrier,
-// its writes before it visible to the others' reads after it; and a float of another block's shared memory
-// (distributed shared memory: the address of p in block `rank` of this cluster)
-static __device__ __forceinline__ void qmh_cluster_sync() {
-    asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" : : : "memory");
-}
-
-static __device__ __forceinline__ uint32_t qmh_cluster_addr(const void * p, int rank) {
-    uint32_t a;
-    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(a) : "r"(qms_smem_addr(p)), "r"(rank));
-    return a;
-}
-
-static __device__ __forceinline__ float qmh_cluster_load(uint32_t addr) {
-    float v;
-    asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(addr) : "memory");
-    return v;
-}
-
 static __device__ __forceinline__ void qmh_cp16(char * smem, const char * gmem) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" : : "r"(qms_smem_addr(smem)), "l"(gmem) : "memory");
 }
@@ -177,21 +158,11 @@ static __device__ __forceinline__ void qmh_cp16(char * smem, const char * gmem) 
 // an output holds both; a block's tile is NW * 8 pairs (a multiple of 32, F too: a run of 32 pairs, whose sum the
 // prepared layout holds, is four warps of one block). The tile's finisher writes silu(gate) * up rounded to f16 into
 // p.glu_out (ggml-ext.h's prepared layout; the run sums where p.glu_sums) and no f32 outputs.
-//
-// Clusters (C > 1; launched as clusters of C blocks, qmh_launch_as): no stream-K. Cluster i takes row tile i, its
-// block of rank c the c-th of C near-equal parts of the tile's stages (every part at least one stage: qmh_cluster_ok),
-// and the C parts' sums meet in shared memory: each block leaves its own there, and after a cluster barrier warp w of
-// block w % C adds the C blocks' sums of warp w's rows in part (K) order, through distributed shared memory, and
-// stores them. No workspace, counter or global round trip: the stream-K hand-off took ~2 us after the last item on
-// the 5,120-row GDN/attention output (docs/benchmarks.md, thirty-second session), where all three segments of a tile
-// end at once. The grid has one wave only if the GPU holds every cluster at once (an H100 at one block an SM: 30
-// clusters of 4, tools/cluster_probe.cu); more are correct, only slower.
-template <ggml_type type, int NT, int RT, int NW, int STAGES, int U, int MINB, bool GLU = false, bool WG = false,
-          int C = 1>
+template <ggml_type type, int NT, int RT, int NW, int STAGES, int U, int MINB, bool GLU = false, bool WG = false>
 static __global__ void __launch_bounds__(NW * WARP_SIZE, MINB)
 qmm_half_shared(const qmh_args p) {
     using shape = qmh_shape<NT, RT, NW>;
-    static_assert(!GLU || (type == GGML_TYPE_Q4_K && RT == 1 && NW % 4 == 0 && C == 1),
+    static_assert(!GLU || (type == GGML_TYPE_Q4_K && RT == 1 && NW % 4 == 0),
                   "the GLU form: Q4_K (16-byte aligned units), one 16-row tile a warp, whole runs of 32 pairs");
     constexpr int RW      = shape::warp_rows;
     constexpr int ub      = qmh_type<type>::bytes;     // bytes of a K unit in a row
@@ -214,10 +185,7 @@ qmm_half_shared(const qmh_args p) {
     const int n_tiles  = (p.M + shape::rows - 1) / shape::rows;
     const int items = n_tiles * n_stages;        // (< 2^31: at most QMH_MAX_TILES tiles)
     const int P = gridDim.x;
-    const int j0 = C > 1 ? (int) (blockIdx.x / C) * n_stages + (int) (blockIdx.x % C) * n_stages / C
-                         : (int) qmh_first_item(blockIdx.x, items, P);
-    const int j1 = C > 1 ? (int) (blockIdx.x / C) * n_stages + (int) (blockIdx.x % C + 1) * n_stages / C
-                         : (int) qmh_first_item(blockIdx.x + 1, items, P);
+    const int j0 = (int) qmh_first_item(blockIdx.x, items, P), j1 = (int) qmh_first_item(blockIdx.x + 1, items, P);
     const int64_t row_bytes = (int64_t) p.nb * ub, total = row_bytes * p.M;
     const int unit_act_bytes = qmh_act_bytes(p.npad);
     const int stage_bytes    = w_bytes + U * unit_act_bytes;
@@ -350,14 +318,9 @@ qmm_half_shared(const qmh_args p) {
         for (int uu = 0; uu < stage_units(st); ++uu) {
             const qmh_cols_half<NT> x = {(const half *) (stage + w_bytes + uu * unit_act_bytes)};
             if constexpr (WG) {   // Hopper's wgmma (qmatmul_wgmma.cuh; qmh_launch: QMH_WG_MIN_TILES)
-                static_assert(type == GGML_TYPE_Q4_K && RT == 1 && NW >= 4, "wgmma: Q4_K, a warpgroup at least");
-                // the warps of whole warpgroups; the rest (NW % 4) by mma.sync: the same bits
-                if (NW % 4 == 0 || warp < NW / 4 * 4) {
-                    const char * const r2[2] = {rows[0][0], rows[0][1]};
-                    qmh_unit_q4_k_wg<NT>(r2, qms_smem_addr(x.q), p.npad, t4, warp / 4, acc[0]);
-                } else {
-                    qmh_unit_q4_k<NT, RT>(rows, x, t4, acc);
-                }
+                static_assert(type == GGML_TYPE_Q4_K && RT == 1 && NW % 4 == 0, "wgmma: Q4_K, whole warpgroups");
+                const char * const r2[2] = {rows[0][0], rows[0][1]};
+                qmh_unit_q4_k_wg<NT>(r2, qms_smem_addr(x.q), p.npad, t4, warp / 4, acc[0]);
             } else if constexpr (type == GGML_TYPE_Q4_K) {
                 qmh_unit_q4_k<NT, RT>(rows, x, t4, acc);
             } else if constexpr (type == GGML_TYPE_Q6_K) {
@@ -513,45 +476,6 @@ qmm_half_shared(const qmh_args p) {
                 store_acc();
             }
         };
-        // where a thread's partial sum (r, t, i) lies in a block's sums
-        auto at = [&](int r, int t, int i) { return (((warp * RT + r) * NT + t) * 4 + i) * WARP_SIZE + lane; };
-        if constexpr (C > 1) {   // the cluster's hand-off (this block's only segment ends here)
-            const int rank = (int) (blockIdx.x % C);
-            float * const mine = (float *) qmh_smem;   // (over the stages: every warp is done with them after the barrier)
-            __syncthreads();
-            each_output([&](int r, int t, int i) { mine[at(r, t, i)] = acc[r][t][i]; });
-            qmh_cluster_sync();
-            QMH_TRACE_AT(6);
-            if (warp % C == rank) {   // warp w's rows: the C parts' sums in K order, SEG parts' loads in flight at once
-                constexpr int fit = 64 / (RT * NT * 4);
-                constexpr int SEG = fit < 1 ? 1 : fit > C ? C : fit;
-#pragma unroll
-                for (int c = 0; c < C; c += SEG) {
-                    float part[SEG][RT][NT][4];
-#pragma unroll
-                    for (int k = 0; k < SEG; ++k) {
-                        if (c + k < C) {
-                            const uint32_t from = qmh_cluster_addr(mine, c + k);
-                            each_output([&](int r, int t, int i) {
-                                part[k][r][t][i] = qmh_cluster_load(from + 4 * at(r, t, i));
-                            });
-                        }
-                    }
-#pragma unroll
-                    for (int k = 0; k < SEG; ++k) {
-                        if (c + k < C) {
-                            each_output([&](int r, int t, int i) {
-                                acc[r][t][i] = c + k == 0 ? part[k][r][t][i] : __fadd_rn(acc[r][t][i], part[k][r][t][i]);
-                            });
-                        }
-                    }
-                }
-                QMH_TRACE_AT(8);
-                store();
-            }
-            qmh_cluster_sync();   // (no block leaves while the others may still read its sums)
-            continue;
-        }
         if (pb0 == pb1) {   // the whole tile is this block's
             store();
             continue;
@@ -559,6 +483,7 @@ qmm_half_shared(const qmh_args p) {
         // a block's partial sums: those of the tile its run starts in, the only one where it can be a later segment
         // (a tile that starts before a block's first item is the tile of that item)
         auto slot = [&](int pb) -> float * { return p.ws + (size_t) pb * shape::frag; };
+        auto at = [&](int r, int t, int i) { return (((warp * RT + r) * NT + t) * 4 + i) * WARP_SIZE + lane; };
         if (blockIdx.x != pb0) {   // a later segment: its sums for the tile's first block, counted
             float * mine = slot(blockIdx.x);
             each_output([&](int r, int t, int i) {
@@ -636,18 +561,11 @@ template <ggml_type type, int NT, int RT, int NW, int STAGES, int U> constexpr s
 // 9-48 columns than 8), else 8; Q6_K one unit, 16 warps and one block per SM for matrices of QMH_Q6_K_NARROW_ROWS rows
 // or more (the LM head), else 6 warps and two blocks per SM (the FFN down: 3-6% faster at 9-48 columns than 8 warps,
 // 2-5% than 16 warps at one block); BF16 8 warps, one unit, one block per SM (two stages of 256 rows of 512-byte
-// units would not fit). Q4_K matrices of at most QMH_Q4_K_CLUSTER_ROWS rows (the 27B's 5,120-row GDN/attention output)
-// run as clusters of 4 blocks of 11 warps (qmh_cluster_ok): 30 row tiles of 176 rows, each tile's 12 stages 3 a block,
-// the 30 clusters of 4 an H100 holds at one block an SM; with 8 warps a stream-K grid of 120 blocks cut every tile
-// over 3 blocks that end at once, and its hand-off through global memory was ~2 us of a ~15 us call
-// (docs/benchmarks.md, thirty-second and thirty-sixth sessions). Chosen by type, M and K only: never by N.
+// units would not fit). Chosen by type and M only: never by N.
 #define QMH_RUN_RT     1
 #define QMH_RUN_STAGES 2
 #define QMH_Q4_K_WIDE_ROWS   24576
 #define QMH_Q6_K_NARROW_ROWS 32768
-#define QMH_Q4_K_CLUSTER_ROWS 5760
-#define QMH_CLUSTER_WARPS     12
-#define QMH_CLUSTER_SIZE      4
 
 template <ggml_type type> constexpr int qmh_run_units() {
     return type == GGML_TYPE_Q4_K ? 2 : 1;
@@ -655,52 +573,39 @@ template <ggml_type type> constexpr int qmh_run_units() {
 
 template <int V> using qmh_int = std::integral_constant<int, V>;
 
-// f(warps, blocks per SM, cluster size) (as qmh_int constants) of the shape for M rows and K: the one place that maps
-// type, M and K to it (the cluster form where every block of a tile gets a stage: qmh_cluster_ok; never the GLU form)
-// (PYDFLASH_QMATMUL_CLUSTER=0: the 8-warp stream-K shape instead, for an A/B; read once a process)
-template <ggml_type type> static bool qmh_cluster_ok(int M, int K) {
-    static const bool on = getenv("PYDFLASH_QMATMUL_CLUSTER") == nullptr || atoi(getenv("PYDFLASH_QMATMUL_CLUSTER")) != 0;
-    return on && type == GGML_TYPE_Q4_K && M <= QMH_Q4_K_CLUSTER_ROWS &&
-           K / QMM_UNIT >= QMH_CLUSTER_SIZE * qmh_run_units<type>();
-}
-
-template <ggml_type type, bool GLU = false, typename F> static auto qmh_with_shape(int M, int K, F && f) {
+// f(warps, blocks per SM) (as qmh_int constants) of the shape for M rows: the one place that maps type and M to it
+template <ggml_type type, typename F> static auto qmh_with_shape(int M, F && f) {
     if constexpr (type == GGML_TYPE_Q6_K) {
         if (M < QMH_Q6_K_NARROW_ROWS) {
-            return f(qmh_int<6>{}, qmh_int<2>{}, qmh_int<1>{});
+            return f(qmh_int<6>{}, qmh_int<2>{});
         }
-        return f(qmh_int<16>{}, qmh_int<1>{}, qmh_int<1>{});
+        return f(qmh_int<16>{}, qmh_int<1>{});
     } else if constexpr (type == GGML_TYPE_Q4_K) {
         if (M >= QMH_Q4_K_WIDE_ROWS) {
-            return f(qmh_int<12>{}, qmh_int<1>{}, qmh_int<1>{});
+            return f(qmh_int<12>{}, qmh_int<1>{});
         }
-        if constexpr (!GLU) {
-            if (qmh_cluster_ok<type>(M, K)) {
-                return f(qmh_int<QMH_CLUSTER_WARPS>{}, qmh_int<1>{}, qmh_int<QMH_CLUSTER_SIZE>{});
-            }
-        }
-        return f(qmh_int<8>{}, qmh_int<1>{}, qmh_int<1>{});
+        return f(qmh_int<8>{}, qmh_int<1>{});
     } else {
-        return f(qmh_int<8>{}, qmh_int<1>{}, qmh_int<1>{});
+        return f(qmh_int<8>{}, qmh_int<1>{});
     }
 }
 
-template <ggml_type type> static int qmh_run_warps(int M, int K) {
-    return qmh_with_shape<type>(M, K, [](auto nw, auto, auto) { return decltype(nw)::value; });
+template <ggml_type type> static int qmh_run_warps(int M) {
+    return qmh_with_shape<type>(M, [](auto nw, auto) { return decltype(nw)::value; });
 }
 
 // Row tiles of the f16 kernel for M rows (at most QMH_MAX_TILES)
-template <ggml_type type> static int qmh_tiles(int M, int K) {
-    const int rows = QMM_MMA_ROWS * QMH_RUN_RT * qmh_run_warps<type>(M, K);
+template <ggml_type type> static int qmh_tiles(int M) {
+    const int rows = QMM_MMA_ROWS * QMH_RUN_RT * qmh_run_warps<type>(M);
     return (M + rows - 1) / rows;
 }
 
 // Blocks of a shape that an SM holds at once (at most its MINB): the occupancy of its widest instantiation (6 column
 // tiles, the most shared memory), so the same for every N. A cut tile's first block waits for the others' count
 // (qmm_half_shared), so every block of a grid must be resident at once.
-template <ggml_type type, int NW, int MINB, bool GLU, int C = 1> static int qmh_occupancy(int device) {
+template <ggml_type type, int NW, int MINB, bool GLU> static int qmh_occupancy(int device) {
     constexpr int U = qmh_run_units<type>();
-    constexpr auto kernel = qmm_half_shared<type, 6, QMH_RUN_RT, NW, QMH_RUN_STAGES, U, MINB, GLU, false, C>;
+    constexpr auto kernel = qmm_half_shared<type, 6, QMH_RUN_RT, NW, QMH_RUN_STAGES, U, MINB, GLU>;
     constexpr size_t smem = qmh_smem_bytes<type, 6, QMH_RUN_RT, NW, QMH_RUN_STAGES, U>();
     static int blocks[GGML_CUDA_MAX_DEVICES] = {};
     if (blocks[device] == 0) {
@@ -713,9 +618,9 @@ template <ggml_type type, int NW, int MINB, bool GLU, int C = 1> static int qmh_
     return blocks[device];
 }
 
-template <ggml_type type, bool GLU = false> static int qmh_per_sm(int M, int K, int device) {
-    return qmh_with_shape<type, GLU>(M, K, [&](auto nw, auto minb, auto c) {
-        return qmh_occupancy<type, decltype(nw)::value, decltype(minb)::value, GLU, decltype(c)::value>(device);
+template <ggml_type type, bool GLU = false> static int qmh_per_sm(int M, int device) {
+    return qmh_with_shape<type>(M, [&](auto nw, auto minb) {
+        return qmh_occupancy<type, decltype(nw)::value, decltype(minb)::value, GLU>(device);
     });
 }
 
@@ -734,15 +639,12 @@ static int qmh_grid_of(int64_t items, int64_t slots) {   // (slots: the blocks t
 
 template <ggml_type type> static int qmh_grid(int M, int K, int n_sm, int per_sm) {
     constexpr int U = qmh_run_units<type>();
-    if (qmh_cluster_ok<type>(M, K)) {   // (the cluster form: a cluster a tile)
-        return qmh_tiles<type>(M, K) * QMH_CLUSTER_SIZE;
-    }
-    return qmh_grid_of((int64_t) qmh_tiles<type>(M, K) * ((K / QMM_UNIT + U - 1) / U), (int64_t) n_sm * per_sm);
+    return qmh_grid_of((int64_t) qmh_tiles<type>(M) * ((K / QMM_UNIT + U - 1) / U), (int64_t) n_sm * per_sm);
 }
 
-// Workspace floats for nt column tiles and a grid of P blocks (none for the cluster form)
-template <ggml_type type> static size_t qmh_ws_floats(int nt, int P, int M, int K) {
-    return qmh_cluster_ok<type>(M, K) ? 0 : (size_t) P * qmh_run_warps<type>(M, K) * QMH_RUN_RT * nt * 4 * WARP_SIZE;
+// Workspace floats for nt column tiles and a grid of P blocks
+template <ggml_type type> static size_t qmh_ws_floats(int nt, int P, int M) {
+    return (size_t) P * qmh_run_warps<type>(M) * QMH_RUN_RT * nt * 4 * WARP_SIZE;
 }
 
 // Every column-tile count launches with the shared memory of the widest (6 column tiles), so that an SM holds no
@@ -751,10 +653,11 @@ template <ggml_type type> static size_t qmh_ws_floats(int nt, int P, int M, int 
 // previous call's last ones, and ran ~40% slower on the SMs that held two while others idled (the 8-warp Q4_K shape
 // at 1-16 columns, H100: GDN input 31.8 / 37.4 us at 2 / 16 columns against 24.2 / 26.2 without early launches;
 // docs/benchmarks.md, thirty-first session). Checked once per instantiation and device.
-template <ggml_type type, int NT, int NW, int MINB, bool GLU, bool WG, int C>
-static void qmh_launch_as(const qmh_args & p, int device, int P, cudaStream_t stream) {
+template <ggml_type type, int NT, int NW, int MINB, bool GLU, bool WG> static void qmh_launch_as(const qmh_args & p,
+                                                                                            int device, int P,
+                                                                                            cudaStream_t stream) {
     constexpr int U = qmh_run_units<type>();
-    constexpr auto kernel = qmm_half_shared<type, NT, QMH_RUN_RT, NW, QMH_RUN_STAGES, U, MINB, GLU, WG, C>;
+    constexpr auto kernel = qmm_half_shared<type, NT, QMH_RUN_RT, NW, QMH_RUN_STAGES, U, MINB, GLU, WG>;
     constexpr size_t smem = qmh_smem_bytes<type, 6, QMH_RUN_RT, NW, QMH_RUN_STAGES, U>();
     static_assert(qmh_smem_bytes<type, NT, QMH_RUN_RT, NW, QMH_RUN_STAGES, U>() <= smem, "the widest shape's stages");
     static bool checked[GGML_CUDA_MAX_DEVICES] = {};
@@ -762,39 +665,14 @@ static void qmh_launch_as(const qmh_args & p, int device, int P, cudaStream_t st
     if (!checked[device]) {
         int n = 0;
         CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, NW * WARP_SIZE, smem));
-        const int planned = qmh_occupancy<type, NW, MINB, GLU, C>(device);
+        const int planned = qmh_occupancy<type, NW, MINB, GLU>(device);
         if (n != planned) {
             GGML_ABORT("ggml_qmatmul: an SM holds %d blocks of the f16 kernel at %d column tiles%s, its grid is planned "
                        "for %d", n, NT, WG ? " (wgmma)" : "", planned);
         }
         checked[device] = true;
     }
-    const ggml_cuda_kernel_launch_params params(dim3(P), dim3(WARP_SIZE, NW), smem, stream);
-    if constexpr (C == 1) {
-        ggml_cuda_kernel_launch(kernel, params, p);
-    } else {   // clusters of C blocks (and launched early where ggml_cuda_kernel_launch would)
-        cudaLaunchAttribute attrs[2] = {};
-        attrs[0].id = cudaLaunchAttributeClusterDimension;
-        attrs[0].val.clusterDim.x = C;
-        attrs[0].val.clusterDim.y = 1;
-        attrs[0].val.clusterDim.z = 1;
-        cudaLaunchConfig_t cfg = {};
-        cfg.gridDim = params.block_nums;
-        cfg.blockDim = params.block_dims;
-        cfg.dynamicSmemBytes = params.shmem;
-        cfg.stream = stream;
-        cfg.attrs = attrs;
-        cfg.numAttrs = 1;
-#if defined(GGML_CUDA_USE_PDL)
-        static const bool pdl = getenv("GGML_CUDA_PDL") == nullptr || atoi(getenv("GGML_CUDA_PDL")) != 0;
-        if (pdl && ggml_cuda_kernel_can_use_pdl(reinterpret_cast<const void *>(kernel))) {
-            attrs[1].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-            attrs[1].val.programmaticStreamSerializationAllowed = 1;
-            cfg.numAttrs = 2;
-        }
-#endif
-        CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, p));
-    }
+    ggml_cuda_kernel_launch(kernel, ggml_cuda_kernel_launch_params(dim3(P), dim3(WARP_SIZE, NW), smem, stream), p);
 }
 
 // Q4_K from QMH_WG_MIN_TILES column tiles on takes its MMAs as wgmma (qmatmul_wgmma.cuh) where the build has them
@@ -803,30 +681,30 @@ static void qmh_launch_as(const qmh_args & p, int device, int P, cudaStream_t st
 // gate/up (level), slower below (docs/benchmarks.md, thirty-first and thirty-third sessions)
 #define QMH_WG_MIN_TILES 5
 
-template <ggml_type type, int NT, int NW, int MINB, bool GLU, int C>
-static void qmh_launch(const qmh_args & p, int device, int P, cudaStream_t stream) {
+template <ggml_type type, int NT, int NW, int MINB, bool GLU> static void qmh_launch(const qmh_args & p, int device,
+                                                                                     int P, cudaStream_t stream) {
 #ifdef GGML_EXT_WGMMA
-    if constexpr (type == GGML_TYPE_Q4_K && NT >= QMH_WG_MIN_TILES && NW >= 4) {
+    if constexpr (type == GGML_TYPE_Q4_K && NT >= QMH_WG_MIN_TILES && NW % 4 == 0) {
         // (the device runs the sm_90a code: not a later GPU running other code of the build)
         if (ggml_cuda_highest_compiled_arch(ggml_cuda_info().devices[device].cc) == GGML_CUDA_CC_HOPPER) {
-            qmh_launch_as<type, NT, NW, MINB, GLU, true, C>(p, device, P, stream);
+            qmh_launch_as<type, NT, NW, MINB, GLU, true>(p, device, P, stream);
             return;
         }
     }
 #endif
-    qmh_launch_as<type, NT, NW, MINB, GLU, false, C>(p, device, P, stream);
+    qmh_launch_as<type, NT, NW, MINB, GLU, false>(p, device, P, stream);
 }
 
 template <ggml_type type, int NT, bool GLU> static void qmh_launch(const qmh_args & p, int device, int P,
                                                                    cudaStream_t stream) {
-    qmh_with_shape<type, GLU>(p.M, p.K, [&](auto nw, auto minb, auto c) {
-        qmh_launch<type, NT, decltype(nw)::value, decltype(minb)::value, GLU, decltype(c)::value>(p, device, P, stream);
+    qmh_with_shape<type>(p.M, [&](auto nw, auto minb) {
+        qmh_launch<type, NT, decltype(nw)::value, decltype(minb)::value, GLU>(p, device, P, stream);
     });
 }
 
 // W * X (Q4_K, Q6_K or BF16, K a multiple of 256) through the f16 kernel: p.x in qmatmul_half.cuh's layout (bf16 for
-// BF16), p.npad = 8 nt, p.ws of qmh_ws_floats<type>(nt, P, M, K) floats, P = qmh_grid<type>(M, K, SMs,
-// qmh_per_sm<type, GLU>(M, K)). GLU (p.glu_out set; Q4_K, 8 or 12 warps): the GLU form of qmm_half_shared.
+// BF16), p.npad = 8 nt, p.ws of qmh_ws_floats<type>(nt, P, M) floats, P = qmh_grid<type>(M, K, SMs,
+// qmh_per_sm<type, GLU>(M)). GLU (p.glu_out set; Q4_K, 8 or 12 warps): the GLU form of qmm_half_shared.
 template <ggml_type type, bool GLU = false> static void qmh_run(const qmh_args & p, int device, int P, cudaStream_t stream) {
     switch (p.npad / 8) {
         case 1: qmh_launch<type, 1, GLU>(p, device, P, stream); break;
