@@ -2,7 +2,7 @@
 // (cudaOccupancyMaxActiveClusters) for the f16 kernel's block shapes, and whether a grid of that many clusters
 // really starts at once (each block writes its start time and SM; a grid that fits starts within ~1-2 us and ends
 // after one spin). For a cut-tile hand-off through distributed shared memory in the f16 kernel (qmatmul_shared.cuh;
-// docs/benchmarks.md, thirty-sixth session: 30 clusters of 4, 39 of 3, 66 of 2 on an H100 or H200).
+// docs/benchmarks.md, thirty-sixth session: 30 clusters of 4, 39 of 3, 66 of 2 on an H100 80GB HBM3).
 //
 //   nvcc -O2 -arch=sm_90a -o /tmp/cluster_probe tools/cluster_probe.cu && /tmp/cluster_probe
 #include <cstdio>
