@@ -451,6 +451,16 @@ static bool qmm_early_launch() {
     return on;
 }
 
+// Whether the f16 kernel hands a cut tile's partial sums over in tagged words (qmatmul_shared.cuh, qmh_handoff) or
+// through a workspace and a count. PYDFLASH_QMATMUL_HANDOFF=0 takes the count (for an A/B; read once).
+static bool qmm_tagged_handoff() {
+    static const bool on = [] {
+        const char * e = getenv("PYDFLASH_QMATMUL_HANDOFF");
+        return e == nullptr || atoi(e) != 0;
+    }();
+    return on;
+}
+
 // The activations quantised (or rounded to f16) into yq/yds in `layout`: gated with up, normed with norm, as
 // ggml_qmatmul_fused asks (qmm_quantize_x, qmm_quantize_x_rms)
 static void qmm_prepare_x(ggml_backend_cuda_context & ctx, const ggml_tensor * x, const ggml_tensor * dst, int K, int N,
@@ -490,13 +500,15 @@ static void qmatmul_half(ggml_backend_cuda_context & ctx, const ggml_tensor * w,
         qmm_prepare_x(ctx, x, dst, K, N, npad, type == GGML_TYPE_BF16 ? QMM_X_BF16 : QMM_X_F16, (int8_t *) xh.get(),
                       nullptr);
     }
-    ggml_cuda_pool_alloc<float> ws(ctx.pool(), qmh_ws_floats<type>(nt, P, M));
+    const bool tagged = qmm_tagged_handoff();
+    GGML_ASSERT(qmh_ws_floats<type>(nt, P, M) <= QMH_HANDOFF_WORDS);
+    ggml_cuda_pool_alloc<float> ws(ctx.pool(), tagged ? 1 : qmh_ws_floats<type>(nt, P, M));
     const ggml_tensor * add = dst->src[3];   // ggml_qmatmul_fused: added as the outputs are stored
     const qmh_args p = {(const char *) w->data, prepared ? (const half *) x->data : (const half *) xh.get(),
                         GLU ? nullptr : (float *) dst->data, K / QMM_UNIT, K, M, N, npad,
                         GLU ? 0 : (int) (dst->nb[1] / sizeof(float)), add ? (const float *) add->data : nullptr,
                         add ? (int) (add->nb[1] / sizeof(float)) : 0, ws.get(), qmm_early_launch(),
-                        GLU ? (half *) dst->data : nullptr, GLU ? M / 2 : 0, GLU && dst->op_params[4] != 0};
+                        GLU ? (half *) dst->data : nullptr, GLU ? M / 2 : 0, GLU && dst->op_params[4] != 0, tagged};
     qmh_run<type, GLU>(p, ctx.device, P, ctx.stream());
 }
 

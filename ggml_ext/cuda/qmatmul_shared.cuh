@@ -104,6 +104,7 @@ struct qmh_args {
     half * glu_out;         // the GLU form (qmm_half_shared): silu(gate) * up, prepared; else null
     int F;                  // the GLU form: gate rows 0..F-1, up rows F..2F-1 (M = 2F)
     bool glu_sums;          // the GLU form: the run sums written (else zeros: a Q6_K reader never reads them)
+    bool tagged;            // a cut tile's hand-off through qmh_handoff (else ws and the counters)
 };
 
 // Segments counted per row tile: zero between calls (each tile's finisher puts its count back). One array per
@@ -144,6 +145,35 @@ static __device__ __forceinline__ int qmh_load_acquire(const int * counter) {
     int v;
     asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(v) : "l"(counter) : "memory");
     return v;
+}
+
+// A cut tile's hand-off through tagged words (p.tagged): qmh_handoff is all zeros between calls; a later segment's
+// warp stores each partial sum as its bits XOR QMH_TAG (never zero: a sum with the tag's bits, a NaN payload no
+// arithmetic here makes, goes as the canonical NaN), one relaxed store a word, with no fence and no count; the
+// finisher's warp waits on one lane for one word of its partner warp, then reads all of its words, each one a value
+// once it is not zero, and puts the zeros back. One lane a warp polls (every thread polling its own words crowded the
+// L2 and was slower: docs/benchmarks.md, thirty-second session). Capacity: P * frag words (host-checked).
+#define QMH_HANDOFF_WORDS (1 << 21)
+#define QMH_TAG 0x7FC0DEADu
+static __device__ uint32_t qmh_handoff[QMH_HANDOFF_WORDS];
+
+static __device__ __forceinline__ void qmh_put_word(uint32_t * at, uint32_t u) {
+    asm volatile("st.relaxed.gpu.global.b32 [%0], %1;" : : "l"(at), "r"(u) : "memory");
+}
+
+static __device__ __forceinline__ uint32_t qmh_get_word(const uint32_t * at) {
+    uint32_t u;
+    asm volatile("ld.relaxed.gpu.global.b32 %0, [%1];" : "=r"(u) : "l"(at) : "memory");
+    return u;
+}
+
+static __device__ __forceinline__ uint32_t qmh_tag(float v) {
+    const uint32_t u = __float_as_uint(v);
+    return (u == QMH_TAG ? 0x7FFFFFFFu : u) ^ QMH_TAG;
+}
+
+static __device__ __forceinline__ float qmh_untag(uint32_t w) {
+    return __uint_as_float(w ^ QMH_TAG);
 }
 
 static __device__ __forceinline__ void qmh_cp16(char * smem, const char * gmem) {
@@ -484,6 +514,16 @@ qmm_half_shared(const qmh_args p) {
         // (a tile that starts before a block's first item is the tile of that item)
         auto slot = [&](int pb) -> float * { return p.ws + (size_t) pb * shape::frag; };
         auto at = [&](int r, int t, int i) { return (((warp * RT + r) * NT + t) * 4 + i) * WARP_SIZE + lane; };
+        auto tagged_slot = [&](int pb) { return qmh_handoff + (size_t) pb * shape::frag; };
+        if (blockIdx.x != pb0 && p.tagged) {   // a later segment: its sums, tagged, for the finisher's warp
+            uint32_t * mine = tagged_slot(blockIdx.x);
+            each_output([&](int r, int t, int i) {
+                qmh_put_word(mine + at(r, t, i), qmh_tag(acc[r][t][i]));
+                acc[r][t][i] = 0.0f;
+            });
+            QMH_TRACE_AT(6);
+            continue;
+        }
         if (blockIdx.x != pb0) {   // a later segment: its sums for the tile's first block, counted
             float * mine = slot(blockIdx.x);
             each_output([&](int r, int t, int i) {
@@ -507,6 +547,57 @@ qmm_half_shared(const qmh_args p) {
         // The block never waits on a block that waits on it (waits point to later blocks only), and every block of
         // the grid is resident at once (qmh_grid: no more blocks than the SMs hold; earlier kernels end, and the
         // next one launches early only once all of ours are running).
+        constexpr int regs = 65536 / (NW * WARP_SIZE * MINB);   // a thread's registers (an H100 SM's 64 K)
+        constexpr int fit = (regs >= 255 ? 48 : regs >= 168 ? 24 : 12) / (RT * NT * 4);   // segments' values
+        constexpr int SEG = fit > 4 ? 4 : fit;
+        if (p.tagged) {
+            // SEGT segments' words at once, at most 2 (the output's tiles: 3 segments; more spilled), where not even
+            // one segment's fit one 16x8 accumulator's 4 at a time
+            constexpr int SEGT = SEG < 1 ? 1 : SEG > 2 ? 2 : SEG, TT = SEG < 1 ? 1 : NT;
+            for (int pb = pb0 + 1; pb <= pb1; pb += SEGT) {
+                const int nseg = min(SEGT, pb1 - pb + 1);
+                if (lane == 0) {   // the last word each partner warp's lane 0 stored
+                    for (int k = 0; k < nseg; ++k) {
+                        while (qmh_get_word(tagged_slot(pb + k) + at(RT - 1, NT - 1, 3)) == 0) {
+                        }
+                    }
+                }
+                __syncwarp();
+                QMH_TRACE_AT(7);
+#pragma unroll
+                for (int t0 = 0; t0 < NT; t0 += TT) {
+                    uint32_t part[SEGT][RT][TT][4];
+                    auto each_part = [&](auto && f) {
+#pragma unroll
+                        for (int k = 0; k < SEGT; ++k) {
+                            if (k < nseg) {
+                                each_output_in(t0, t0 + TT, [&](int r, int t, int i) { f(k, r, t, i, part[k][r][t - t0][i]); });
+                            }
+                        }
+                    };
+                    each_part([&](int k, int r, int t, int i, uint32_t & w) { w = qmh_get_word(tagged_slot(pb + k) + at(r, t, i)); });
+                    for (;;) {   // (as a rule once: a warp's words were stored together)
+                        bool empty = false;
+                        each_part([&](int, int, int, int, uint32_t & w) { empty |= w == 0; });
+                        if (!__any_sync(0xFFFFFFFFu, empty)) {
+                            break;
+                        }
+                        each_part([&](int k, int r, int t, int i, uint32_t & w) {
+                            if (w == 0) {
+                                w = qmh_get_word(tagged_slot(pb + k) + at(r, t, i));
+                            }
+                        });
+                    }
+                    each_part([&](int k, int r, int t, int i, uint32_t & w) {
+                        acc[r][t][i] = __fadd_rn(acc[r][t][i], qmh_untag(w));
+                        qmh_put_word(tagged_slot(pb + k) + at(r, t, i), 0u);
+                    });
+                }
+            }
+            QMH_TRACE_AT(8);
+            store();
+            continue;
+        }
         if (lane == 0 && warp == 0) {
             while (qmh_load_acquire(&qmh_counters[tile]) != pb1 - pb0) {
             }
@@ -514,9 +605,6 @@ qmm_half_shared(const qmh_args p) {
         }
         __syncthreads();   // (the other segments' sums, stored before their blocks counted, are visible to all)
         QMH_TRACE_AT(7);
-        constexpr int regs = 65536 / (NW * WARP_SIZE * MINB);   // a thread's registers (an H100 SM's 64 K)
-        constexpr int fit = (regs >= 255 ? 48 : regs >= 168 ? 24 : 12) / (RT * NT * 4);   // segments' values
-        constexpr int SEG = fit > 4 ? 4 : fit;
         if constexpr (SEG <= 1) {   // (each value added as it comes: no registers for a segment's values)
             for (int pb = pb0 + 1; pb <= pb1; ++pb) {
                 const float * from = slot(pb);
