@@ -451,12 +451,13 @@ static bool qmm_early_launch() {
     return on;
 }
 
-// Whether the f16 kernel hands a cut tile's partial sums over in tagged words (qmatmul_shared.cuh, qmh_handoff) or
-// through a workspace and a count. PYDFLASH_QMATMUL_HANDOFF=0 takes the count (for an A/B; read once).
+// Whether the f16 kernel hands a cut tile's partial sums over in tagged words (qmatmul_shared.cuh, qmh_handoff; the
+// kernel's TAG instantiations) or through a workspace and a count. PYDFLASH_QMATMUL_HANDOFF=1 takes the tagged
+// words: opt-in until measured on a GPU (docs/benchmarks.md, thirty-seventh session; read once).
 static bool qmm_tagged_handoff() {
     static const bool on = [] {
         const char * e = getenv("PYDFLASH_QMATMUL_HANDOFF");
-        return e == nullptr || atoi(e) != 0;
+        return e != nullptr && atoi(e) != 0;
     }();
     return on;
 }

@@ -104,7 +104,7 @@ struct qmh_args {
     half * glu_out;         // the GLU form (qmm_half_shared): silu(gate) * up, prepared; else null
     int F;                  // the GLU form: gate rows 0..F-1, up rows F..2F-1 (M = 2F)
     bool glu_sums;          // the GLU form: the run sums written (else zeros: a Q6_K reader never reads them)
-    bool tagged;            // a cut tile's hand-off through qmh_handoff (else ws and the counters)
+    bool tagged;            // a cut tile's hand-off through qmh_handoff (the kernel's TAG; else ws and the counters)
 };
 
 // Segments counted per row tile: zero between calls (each tile's finisher puts its count back). One array per
@@ -188,7 +188,8 @@ static __device__ __forceinline__ void qmh_cp16(char * smem, const char * gmem) 
 // an output holds both; a block's tile is NW * 8 pairs (a multiple of 32, F too: a run of 32 pairs, whose sum the
 // prepared layout holds, is four warps of one block). The tile's finisher writes silu(gate) * up rounded to f16 into
 // p.glu_out (ggml-ext.h's prepared layout; the run sums where p.glu_sums) and no f32 outputs.
-template <ggml_type type, int NT, int RT, int NW, int STAGES, int U, int MINB, bool GLU = false, bool WG = false>
+template <ggml_type type, int NT, int RT, int NW, int STAGES, int U, int MINB, bool GLU = false, bool WG = false,
+          bool TAG = false>
 static __global__ void __launch_bounds__(NW * WARP_SIZE, MINB)
 qmm_half_shared(const qmh_args p) {
     using shape = qmh_shape<NT, RT, NW>;
@@ -515,24 +516,23 @@ qmm_half_shared(const qmh_args p) {
         auto slot = [&](int pb) -> float * { return p.ws + (size_t) pb * shape::frag; };
         auto at = [&](int r, int t, int i) { return (((warp * RT + r) * NT + t) * 4 + i) * WARP_SIZE + lane; };
         auto tagged_slot = [&](int pb) { return qmh_handoff + (size_t) pb * shape::frag; };
-        if (blockIdx.x != pb0 && p.tagged) {   // a later segment: its sums, tagged, for the finisher's warp
-            uint32_t * mine = tagged_slot(blockIdx.x);
-            each_output([&](int r, int t, int i) {
-                qmh_put_word(mine + at(r, t, i), qmh_tag(acc[r][t][i]));
-                acc[r][t][i] = 0.0f;
-            });
-            QMH_TRACE_AT(6);
-            continue;
-        }
-        if (blockIdx.x != pb0) {   // a later segment: its sums for the tile's first block, counted
-            float * mine = slot(blockIdx.x);
-            each_output([&](int r, int t, int i) {
-                mine[at(r, t, i)] = acc[r][t][i];
-                acc[r][t][i] = 0.0f;
-            });
-            __syncthreads();
-            if (lane == 0 && warp == 0) {
-                qmh_count_release(&qmh_counters[tile]);
+        if (blockIdx.x != pb0) {   // a later segment: its sums for the tile's first block
+            if constexpr (TAG) {   // tagged, for the finisher's warp
+                uint32_t * mine = tagged_slot(blockIdx.x);
+                each_output([&](int r, int t, int i) {
+                    qmh_put_word(mine + at(r, t, i), qmh_tag(acc[r][t][i]));
+                    acc[r][t][i] = 0.0f;
+                });
+            } else {   // into the workspace, counted
+                float * mine = slot(blockIdx.x);
+                each_output([&](int r, int t, int i) {
+                    mine[at(r, t, i)] = acc[r][t][i];
+                    acc[r][t][i] = 0.0f;
+                });
+                __syncthreads();
+                if (lane == 0 && warp == 0) {
+                    qmh_count_release(&qmh_counters[tile]);
+                }
             }
             QMH_TRACE_AT(6);
             continue;
@@ -550,7 +550,7 @@ qmm_half_shared(const qmh_args p) {
         constexpr int regs = 65536 / (NW * WARP_SIZE * MINB);   // a thread's registers (an H100 SM's 64 K)
         constexpr int fit = (regs >= 255 ? 48 : regs >= 168 ? 24 : 12) / (RT * NT * 4);   // segments' values
         constexpr int SEG = fit > 4 ? 4 : fit;
-        if (p.tagged) {
+        if constexpr (TAG) {
             // SEGT segments' words at once, at most 2 (the output's tiles: 3 segments; more spilled), where not even
             // one segment's fit one 16x8 accumulator's 4 at a time
             constexpr int SEGT = SEG < 1 ? 1 : SEG > 2 ? 2 : SEG, TT = SEG < 1 ? 1 : NT;
@@ -741,11 +741,10 @@ template <ggml_type type> static size_t qmh_ws_floats(int nt, int P, int M) {
 // previous call's last ones, and ran ~40% slower on the SMs that held two while others idled (the 8-warp Q4_K shape
 // at 1-16 columns, H100: GDN input 31.8 / 37.4 us at 2 / 16 columns against 24.2 / 26.2 without early launches;
 // docs/benchmarks.md, thirty-first session). Checked once per instantiation and device.
-template <ggml_type type, int NT, int NW, int MINB, bool GLU, bool WG> static void qmh_launch_as(const qmh_args & p,
-                                                                                            int device, int P,
-                                                                                            cudaStream_t stream) {
+template <ggml_type type, int NT, int NW, int MINB, bool GLU, bool WG, bool TAG>
+static void qmh_launch_as(const qmh_args & p, int device, int P, cudaStream_t stream) {
     constexpr int U = qmh_run_units<type>();
-    constexpr auto kernel = qmm_half_shared<type, NT, QMH_RUN_RT, NW, QMH_RUN_STAGES, U, MINB, GLU, WG>;
+    constexpr auto kernel = qmm_half_shared<type, NT, QMH_RUN_RT, NW, QMH_RUN_STAGES, U, MINB, GLU, WG, TAG>;
     constexpr size_t smem = qmh_smem_bytes<type, 6, QMH_RUN_RT, NW, QMH_RUN_STAGES, U>();
     static_assert(qmh_smem_bytes<type, NT, QMH_RUN_RT, NW, QMH_RUN_STAGES, U>() <= smem, "the widest shape's stages");
     static bool checked[GGML_CUDA_MAX_DEVICES] = {};
@@ -775,12 +774,14 @@ template <ggml_type type, int NT, int NW, int MINB, bool GLU> static void qmh_la
     if constexpr (type == GGML_TYPE_Q4_K && NT >= QMH_WG_MIN_TILES && NW % 4 == 0) {
         // (the device runs the sm_90a code: not a later GPU running other code of the build)
         if (ggml_cuda_highest_compiled_arch(ggml_cuda_info().devices[device].cc) == GGML_CUDA_CC_HOPPER) {
-            qmh_launch_as<type, NT, NW, MINB, GLU, true>(p, device, P, stream);
+            p.tagged ? qmh_launch_as<type, NT, NW, MINB, GLU, true, true>(p, device, P, stream)
+                     : qmh_launch_as<type, NT, NW, MINB, GLU, true, false>(p, device, P, stream);
             return;
         }
     }
 #endif
-    qmh_launch_as<type, NT, NW, MINB, GLU, false>(p, device, P, stream);
+    p.tagged ? qmh_launch_as<type, NT, NW, MINB, GLU, false, true>(p, device, P, stream)
+             : qmh_launch_as<type, NT, NW, MINB, GLU, false, false>(p, device, P, stream);
 }
 
 template <ggml_type type, int NT, bool GLU> static void qmh_launch(const qmh_args & p, int device, int P,
