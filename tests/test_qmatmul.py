@@ -477,12 +477,13 @@ def f16_products_in_order(seed: int) -> dict[str, np.ndarray]:
 
 
 @pytest.mark.cuda
-def test_qmatmul_f16_kernel_tagged_handoff_gives_the_counted_bits(tmp_path, monkeypatch):
+def test_qmatmul_f16_kernel_tagged_handoff_gives_the_counted_bits(tmp_path):
     """The tagged hand-off (its switch read once a process: a child process) adds the same partial sums in the same
     order as the count: every product bit for bit, with calls of other shapes and column counts between."""
     backend = ggml.Backend("cuda")
     f16_kernel_or_skip(backend)
-    monkeypatch.delenv("PYDFLASH_QMATMUL_HANDOFF", raising=False)
+    if os.environ.get("PYDFLASH_QMATMUL_HANDOFF", "0") not in ("", "0"):
+        pytest.skip("this process hands off in tagged words already: the counted bits need one that does not")
     counted = f16_products_in_order(7)
     out = tmp_path / "tagged.npz"
     code = ("import sys, numpy as np; sys.path.insert(0, sys.argv[1]); import test_qmatmul as t; "

@@ -147,12 +147,13 @@ static __device__ __forceinline__ int qmh_load_acquire(const int * counter) {
     return v;
 }
 
-// A cut tile's hand-off through tagged words (p.tagged): qmh_handoff is all zeros between calls; a later segment's
-// warp stores each partial sum as its bits XOR QMH_TAG (never zero: a sum with the tag's bits, a NaN payload no
-// arithmetic here makes, goes as the canonical NaN), one relaxed store a word, with no fence and no count; the
-// finisher's warp waits on one lane for one word of its partner warp, then reads all of its words, each one a value
-// once it is not zero, and puts the zeros back. One lane a warp polls (every thread polling its own words crowded the
-// L2 and was slower: docs/benchmarks.md, thirty-second session). Capacity: P * frag words (host-checked).
+// A cut tile's hand-off through tagged words (the kernel's TAG, opt-in: qmatmul.cu's qmm_tagged_handoff):
+// qmh_handoff is all zeros between calls; a later segment's warp stores each partial sum as its bits XOR QMH_TAG
+// (never zero: a sum with the tag's bits, a NaN payload no arithmetic here makes, goes as the canonical NaN), one
+// relaxed store a word, with no fence, barrier or count; the finisher's warp waits on one lane for one word of its
+// partner warp, then reads all of its words, each one a value once it is not zero, and puts the zeros back. One lane
+// a warp polls (every thread polling its own words crowded the L2 and was slower: docs/benchmarks.md, thirty-second
+// session). Calls on one device must not overlap, as for the counters above. Capacity: P * frag words (host-checked).
 #define QMH_HANDOFF_WORDS (1 << 21)
 #define QMH_TAG 0x7FC0DEADu
 static __device__ uint32_t qmh_handoff[QMH_HANDOFF_WORDS];
@@ -538,8 +539,8 @@ qmm_half_shared(const qmh_args p) {
             continue;
         }
         // the tile's first segment: this block finishes the tile. Its other segments start the runs of the blocks
-        // after it (done early), while this one ends its run: wait for their count (at once, as a rule), then add
-        // their sums to ours in segment (K) order. The loads of SEG segments are all asked for before the first of
+        // after it (done early), while this one ends its run: wait for their count (at once, as a rule; TAG: each
+        // warp for its partner warps' words), then add their sums to ours in segment (K) order. The loads of SEG segments are all asked for before the first of
         // their additions (one L2 round trip for them: a segment's loads, then its adds, was one trip each, ~0.5 us
         // a segment on the H100; output by output, a 5,120-row matrix cut over ~8 blocks a tile took ~40 us), SEG
         // as many as a thread's registers hold beside the rest (more spilled in the 16-warp LM head's whole run, which
