@@ -502,15 +502,15 @@ static void qmatmul_half(ggml_backend_cuda_context & ctx, const ggml_tensor * w,
                       nullptr);
     }
     const bool tagged = qmm_tagged_handoff();
-    GGML_ASSERT(qmh_ws_floats<type>(nt, P, M) <= QMH_HANDOFF_WORDS);
+    GGML_ASSERT(!tagged || qmh_ws_floats<type>(nt, P, M) <= QMH_HANDOFF_WORDS);
     ggml_cuda_pool_alloc<float> ws(ctx.pool(), tagged ? 1 : qmh_ws_floats<type>(nt, P, M));
     const ggml_tensor * add = dst->src[3];   // ggml_qmatmul_fused: added as the outputs are stored
     const qmh_args p = {(const char *) w->data, prepared ? (const half *) x->data : (const half *) xh.get(),
                         GLU ? nullptr : (float *) dst->data, K / QMM_UNIT, K, M, N, npad,
                         GLU ? 0 : (int) (dst->nb[1] / sizeof(float)), add ? (const float *) add->data : nullptr,
                         add ? (int) (add->nb[1] / sizeof(float)) : 0, ws.get(), qmm_early_launch(),
-                        GLU ? (half *) dst->data : nullptr, GLU ? M / 2 : 0, GLU && dst->op_params[4] != 0, tagged};
-    qmh_run<type, GLU>(p, ctx.device, P, ctx.stream());
+                        GLU ? (half *) dst->data : nullptr, GLU ? M / 2 : 0, GLU && dst->op_params[4] != 0};
+    tagged ? qmh_run_tagged<type, GLU>(p, ctx.device, P, ctx.stream()) : qmh_run<type, GLU>(p, ctx.device, P, ctx.stream());
 }
 
 // ggml_qmatmul_swiglu_prepared (Q4_K) and ggml_qmatmul_prepared (Q4_K, Q6_K): the f16 kernel only

@@ -99,12 +99,11 @@ struct qmh_args {
     int nb, K, M, N, npad, stride_col_dst;
     const float * add;      // ggml_qmatmul_fused's added tensor, or null
     int stride_col_add;
-    float * ws;             // partial sums: qmh_ws_floats
+    float * ws;             // partial sums: qmh_ws_floats (the counted hand-off; TAG: qmh_handoff instead)
     bool early_launch;      // let the next kernel launch once every block has computed its items
     half * glu_out;         // the GLU form (qmm_half_shared): silu(gate) * up, prepared; else null
     int F;                  // the GLU form: gate rows 0..F-1, up rows F..2F-1 (M = 2F)
     bool glu_sums;          // the GLU form: the run sums written (else zeros: a Q6_K reader never reads them)
-    bool tagged;            // a cut tile's hand-off through qmh_handoff (the kernel's TAG; else ws and the counters)
 };
 
 // Segments counted per row tile: zero between calls (each tile's finisher puts its count back). One array per
@@ -769,40 +768,44 @@ static void qmh_launch_as(const qmh_args & p, int device, int P, cudaStream_t st
 // gate/up (level), slower below (docs/benchmarks.md, thirty-first and thirty-third sessions)
 #define QMH_WG_MIN_TILES 5
 
-template <ggml_type type, int NT, int NW, int MINB, bool GLU> static void qmh_launch(const qmh_args & p, int device,
-                                                                                     int P, cudaStream_t stream) {
+template <ggml_type type, int NT, int NW, int MINB, bool GLU, bool TAG>
+static void qmh_launch(const qmh_args & p, int device, int P, cudaStream_t stream) {
 #ifdef GGML_EXT_WGMMA
     if constexpr (type == GGML_TYPE_Q4_K && NT >= QMH_WG_MIN_TILES && NW % 4 == 0) {
         // (the device runs the sm_90a code: not a later GPU running other code of the build)
         if (ggml_cuda_highest_compiled_arch(ggml_cuda_info().devices[device].cc) == GGML_CUDA_CC_HOPPER) {
-            p.tagged ? qmh_launch_as<type, NT, NW, MINB, GLU, true, true>(p, device, P, stream)
-                     : qmh_launch_as<type, NT, NW, MINB, GLU, true, false>(p, device, P, stream);
+            qmh_launch_as<type, NT, NW, MINB, GLU, true, TAG>(p, device, P, stream);
             return;
         }
     }
 #endif
-    p.tagged ? qmh_launch_as<type, NT, NW, MINB, GLU, false, true>(p, device, P, stream)
-             : qmh_launch_as<type, NT, NW, MINB, GLU, false, false>(p, device, P, stream);
+    qmh_launch_as<type, NT, NW, MINB, GLU, false, TAG>(p, device, P, stream);
 }
 
-template <ggml_type type, int NT, bool GLU> static void qmh_launch(const qmh_args & p, int device, int P,
-                                                                   cudaStream_t stream) {
+template <ggml_type type, int NT, bool GLU, bool TAG> static void qmh_launch(const qmh_args & p, int device, int P,
+                                                                             cudaStream_t stream) {
     qmh_with_shape<type>(p.M, [&](auto nw, auto minb) {
-        qmh_launch<type, NT, decltype(nw)::value, decltype(minb)::value, GLU>(p, device, P, stream);
+        qmh_launch<type, NT, decltype(nw)::value, decltype(minb)::value, GLU, TAG>(p, device, P, stream);
     });
 }
 
 // W * X (Q4_K, Q6_K or BF16, K a multiple of 256) through the f16 kernel: p.x in qmatmul_half.cuh's layout (bf16 for
 // BF16), p.npad = 8 nt, p.ws of qmh_ws_floats<type>(nt, P, M) floats, P = qmh_grid<type>(M, K, SMs,
-// qmh_per_sm<type, GLU>(M)). GLU (p.glu_out set; Q4_K, 8 or 12 warps): the GLU form of qmm_half_shared.
-template <ggml_type type, bool GLU = false> static void qmh_run(const qmh_args & p, int device, int P, cudaStream_t stream) {
+// qmh_per_sm<type, GLU>(M)). GLU (p.glu_out set; Q4_K, 8 or 12 warps): the GLU form of qmm_half_shared. TAG: the
+// tagged hand-off's instantiations (p.ws unused), which ggml_qmatmul takes through qmh_run_tagged.
+template <ggml_type type, bool GLU = false, bool TAG = false>
+static void qmh_run(const qmh_args & p, int device, int P, cudaStream_t stream) {
     switch (p.npad / 8) {
-        case 1: qmh_launch<type, 1, GLU>(p, device, P, stream); break;
-        case 2: qmh_launch<type, 2, GLU>(p, device, P, stream); break;
-        case 3: qmh_launch<type, 3, GLU>(p, device, P, stream); break;
-        case 4: qmh_launch<type, 4, GLU>(p, device, P, stream); break;
-        case 5: qmh_launch<type, 5, GLU>(p, device, P, stream); break;
-        case 6: qmh_launch<type, 6, GLU>(p, device, P, stream); break;
+        case 1: qmh_launch<type, 1, GLU, TAG>(p, device, P, stream); break;
+        case 2: qmh_launch<type, 2, GLU, TAG>(p, device, P, stream); break;
+        case 3: qmh_launch<type, 3, GLU, TAG>(p, device, P, stream); break;
+        case 4: qmh_launch<type, 4, GLU, TAG>(p, device, P, stream); break;
+        case 5: qmh_launch<type, 5, GLU, TAG>(p, device, P, stream); break;
+        case 6: qmh_launch<type, 6, GLU, TAG>(p, device, P, stream); break;
         default: GGML_ABORT("ggml_qmatmul: %d column tiles", p.npad / 8);
     }
 }
+
+// qmh_run<type, GLU, true>, compiled in qmatmul_tagged.cu (beside qmatmul.cu, so that a build compiles the two sets of
+// instantiations in parallel): Q4_K plain and GLU, Q6_K and BF16 plain
+template <ggml_type type, bool GLU> void qmh_run_tagged(const qmh_args & p, int device, int P, cudaStream_t stream);
