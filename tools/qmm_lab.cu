@@ -19,8 +19,8 @@
 // stage in 3 or 4 stages;
 // QMM_LAB_TAG=1 the run shape (and with QMM_LAB_WG its wgmma form) with a cut tile's partial sums handed over in
 // tagged words (qmm_half_shared's TAG; traced: "counted" is then a later segment's stores, "count seen" the
-// finisher's first wait over); QMM_LAB_WG=1 (Q4_K; built with -arch=sm_90a) the run shape with its MMAs as wgmma at every column count
-// (qmatmul_wgmma.cuh; checked for the run's bits); QMM_LAB_RT2=1 the run shape's block rows as two 16-row tiles a
+// finisher's first wait over); QMM_LAB_WG=1 (Q4_K; built with -arch=sm_90a) the run shape with its MMAs as wgmma
+// at every column count (qmatmul_wgmma.cuh; checked for the run's bits); QMM_LAB_RT2=1 the run shape's block rows as two 16-row tiles a
 // warp in half the warps (the same cut: a column's bits are the run shape's, checked). With QMM_LAB_ADD=1 the shape
 // ggml_qmatmul runs is also timed with a residual added as its outputs are stored (checked: the sum of the plain
 // result and the residual, bit for bit). QMM_LAB_GLU=1 also times that shape's GLU form (Q4_K matrices of 2F rows, F a multiple of

@@ -440,14 +440,17 @@ static int qmm_auto_staged(ggml_type type, int nt, int M) {
     }
 }
 
+// An A/B switch from the environment: `name` unset is `dflt`, else on unless it reads as 0
+static bool qmm_env_switch(const char * name, bool dflt) {
+    const char * e = getenv(name);
+    return e == nullptr ? dflt : atoi(e) != 0;
+}
+
 // Whether the preparation kernels and the f16 kernel let the kernel after them launch early (programmatic dependent
 // launch: its blocks take their place and ask for what does not depend on us, then wait for our end).
 // PYDFLASH_EARLY_LAUNCH=0 turns it off (for an A/B; read once).
 static bool qmm_early_launch() {
-    static const bool on = [] {
-        const char * e = getenv("PYDFLASH_EARLY_LAUNCH");
-        return e == nullptr || atoi(e) != 0;
-    }();
+    static const bool on = qmm_env_switch("PYDFLASH_EARLY_LAUNCH", true);
     return on;
 }
 
@@ -455,10 +458,7 @@ static bool qmm_early_launch() {
 // kernel's TAG instantiations) or through a workspace and a count. PYDFLASH_QMATMUL_HANDOFF=1 takes the tagged
 // words: opt-in until measured on a GPU (docs/benchmarks.md, thirty-seventh session; read once).
 static bool qmm_tagged_handoff() {
-    static const bool on = [] {
-        const char * e = getenv("PYDFLASH_QMATMUL_HANDOFF");
-        return e != nullptr && atoi(e) != 0;
-    }();
+    static const bool on = qmm_env_switch("PYDFLASH_QMATMUL_HANDOFF", false);
     return on;
 }
 
@@ -502,8 +502,12 @@ static void qmatmul_half(ggml_backend_cuda_context & ctx, const ggml_tensor * w,
                       nullptr);
     }
     const bool tagged = qmm_tagged_handoff();
-    GGML_ASSERT(!tagged || qmh_ws_floats<type>(nt, P, M) <= QMH_HANDOFF_WORDS);
-    ggml_cuda_pool_alloc<float> ws(ctx.pool(), tagged ? 1 : qmh_ws_floats<type>(nt, P, M));
+    ggml_cuda_pool_alloc<float> ws(ctx.pool());   // (the counted hand-off's; the tagged one's is qmh_handoff)
+    if (tagged) {
+        GGML_ASSERT(qmh_ws_floats<type>(nt, P, M) <= QMH_HANDOFF_WORDS);
+    } else {
+        ws.alloc(qmh_ws_floats<type>(nt, P, M));
+    }
     const ggml_tensor * add = dst->src[3];   // ggml_qmatmul_fused: added as the outputs are stored
     const qmh_args p = {(const char *) w->data, prepared ? (const half *) x->data : (const half *) xh.get(),
                         GLU ? nullptr : (float *) dst->data, K / QMM_UNIT, K, M, N, npad,

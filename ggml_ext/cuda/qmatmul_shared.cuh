@@ -539,11 +539,12 @@ qmm_half_shared(const qmh_args p) {
         }
         // the tile's first segment: this block finishes the tile. Its other segments start the runs of the blocks
         // after it (done early), while this one ends its run: wait for their count (at once, as a rule; TAG: each
-        // warp for its partner warps' words), then add their sums to ours in segment (K) order. The loads of SEG segments are all asked for before the first of
-        // their additions (one L2 round trip for them: a segment's loads, then its adds, was one trip each, ~0.5 us
-        // a segment on the H100; output by output, a 5,120-row matrix cut over ~8 blocks a tile took ~40 us), SEG
-        // as many as a thread's registers hold beside the rest (more spilled in the 16-warp LM head's whole run, which
-        // was then 20% slower from 3 column tiles on; its tiles are cut in two at most).
+        // warp for its partner warps' words), then add their sums to ours in segment (K) order. The loads of SEG
+        // segments are all asked for before the first of their additions (one L2 round trip for them: a segment's
+        // loads, then its adds, was one trip each, ~0.5 us a segment on the H100; output by output, a 5,120-row matrix
+        // cut over ~8 blocks a tile took ~40 us), SEG as many as a thread's registers hold beside the rest (more
+        // spilled in the 16-warp LM head's whole run, which was then 20% slower from 3 column tiles on; its tiles are
+        // cut in two at most).
         // The block never waits on a block that waits on it (waits point to later blocks only), and every block of
         // the grid is resident at once (qmh_grid: no more blocks than the SMs hold; earlier kernels end, and the
         // next one launches early only once all of ours are running).
@@ -556,9 +557,11 @@ qmm_half_shared(const qmh_args p) {
             constexpr int SEGT = SEG < 1 ? 1 : SEG > 2 ? 2 : SEG, TT = SEG < 1 ? 1 : NT;
             for (int pb = pb0 + 1; pb <= pb1; pb += SEGT) {
                 const int nseg = min(SEGT, pb1 - pb + 1);
+                // this thread's word of output (r, t, i) in the k-th segment of the batch
+                auto word_at = [&](int k, int r, int t, int i) { return tagged_slot(pb + k) + at(r, t, i); };
                 if (lane == 0) {   // the last word each partner warp's lane 0 stored
                     for (int k = 0; k < nseg; ++k) {
-                        while (qmh_get_word(tagged_slot(pb + k) + at(RT - 1, NT - 1, 3)) == 0) {
+                        while (qmh_get_word(word_at(k, RT - 1, NT - 1, 3)) == 0) {
                         }
                     }
                 }
@@ -575,7 +578,7 @@ qmm_half_shared(const qmh_args p) {
                             }
                         }
                     };
-                    each_part([&](int k, int r, int t, int i, uint32_t & w) { w = qmh_get_word(tagged_slot(pb + k) + at(r, t, i)); });
+                    each_part([&](int k, int r, int t, int i, uint32_t & w) { w = qmh_get_word(word_at(k, r, t, i)); });
                     for (;;) {   // (as a rule once: a warp's words were stored together)
                         bool empty = false;
                         each_part([&](int, int, int, int, uint32_t & w) { empty |= w == 0; });
@@ -584,13 +587,13 @@ qmm_half_shared(const qmh_args p) {
                         }
                         each_part([&](int k, int r, int t, int i, uint32_t & w) {
                             if (w == 0) {
-                                w = qmh_get_word(tagged_slot(pb + k) + at(r, t, i));
+                                w = qmh_get_word(word_at(k, r, t, i));
                             }
                         });
                     }
                     each_part([&](int k, int r, int t, int i, uint32_t & w) {
                         acc[r][t][i] = __fadd_rn(acc[r][t][i], qmh_untag(w));
-                        qmh_put_word(tagged_slot(pb + k) + at(r, t, i), 0u);
+                        qmh_put_word(word_at(k, r, t, i), 0u);
                     });
                 }
             }
