@@ -18,6 +18,7 @@ beside the test command's packages).
 """
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import json
 import re
@@ -86,6 +87,8 @@ def write_training_prompts(path: Path) -> int:
 
 
 def main() -> int:
+    # no options: anything on the command line (even --help) stops here, before .device is wiped
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     device = ROOT / ".device"
     shutil.rmtree(device, ignore_errors=True)
     archive = fetch_ggml.locate_archive()
