@@ -22,8 +22,7 @@
 // PYDFLASH_FA_SPLIT=0 leaves every f16 attention to upstream's kernels (read at each call, so a benchmark can
 // compare the two in one process).
 static bool fa_split_f16_enabled() {
-    const char * env = getenv("PYDFLASH_FA_SPLIT");
-    return env == nullptr || atoi(env) != 0;
+    return ggml_ext_env_switch("PYDFLASH_FA_SPLIT", true);
 }
 
 bool ggml_ext_cuda_fattn_f16_applies(const ggml_tensor * dst) {

@@ -4,6 +4,8 @@
 
 #include "common.cuh"
 
+#include <cstdlib>
+
 void ggml_ext_cuda_compute_forward(ggml_backend_cuda_context & ctx, ggml_tensor * dst);
 bool ggml_ext_cuda_supports_op(int device, const ggml_tensor * op);
 
@@ -15,6 +17,13 @@ template <auto KERNEL> static void ggml_ext_cuda_allow_smem(size_t smem, int dev
         CUDA_CHECK(cudaFuncSetAttribute(KERNEL, cudaFuncAttributeMaxDynamicSharedMemorySize, (int) smem));
         allowed[device] = smem;
     }
+}
+
+// An on/off switch from the environment (PYDFLASH_*, for A/B runs): `name` unset is `dflt`, else on unless it reads
+// as 0
+static inline bool ggml_ext_env_switch(const char * name, bool dflt) {
+    const char * e = getenv(name);
+    return e == nullptr ? dflt : atoi(e) != 0;
 }
 
 // whether a pointer allows 16-byte loads and stores

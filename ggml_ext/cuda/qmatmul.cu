@@ -440,17 +440,11 @@ static int qmm_auto_staged(ggml_type type, int nt, int M) {
     }
 }
 
-// An A/B switch from the environment: `name` unset is `dflt`, else on unless it reads as 0
-static bool qmm_env_switch(const char * name, bool dflt) {
-    const char * e = getenv(name);
-    return e == nullptr ? dflt : atoi(e) != 0;
-}
-
 // Whether the preparation kernels and the f16 kernel let the kernel after them launch early (programmatic dependent
 // launch: its blocks take their place and ask for what does not depend on us, then wait for our end).
 // PYDFLASH_EARLY_LAUNCH=0 turns it off (for an A/B; read once).
 static bool qmm_early_launch() {
-    static const bool on = qmm_env_switch("PYDFLASH_EARLY_LAUNCH", true);
+    static const bool on = ggml_ext_env_switch("PYDFLASH_EARLY_LAUNCH", true);
     return on;
 }
 
@@ -458,7 +452,7 @@ static bool qmm_early_launch() {
 // kernel's TAG instantiations) or through a workspace and a count. PYDFLASH_QMATMUL_HANDOFF=1 takes the tagged
 // words: opt-in until measured on a GPU (docs/benchmarks.md, thirty-seventh session; read once).
 static bool qmm_tagged_handoff() {
-    static const bool on = qmm_env_switch("PYDFLASH_QMATMUL_HANDOFF", false);
+    static const bool on = ggml_ext_env_switch("PYDFLASH_QMATMUL_HANDOFF", false);
     return on;
 }
 

@@ -461,7 +461,7 @@ k_tq3_0_fattn_mma(const fa_split_params p) {
 // Tensor cores (Ampere and newer) on the current device, unless PYDFLASH_TQ3_FA_SCALAR=1 asks for the scalar
 // kernel (to compare the two on one machine).
 static bool tq3_0_fa_use_mma() {
-    static const bool scalar = getenv("PYDFLASH_TQ3_FA_SCALAR") != nullptr && atoi(getenv("PYDFLASH_TQ3_FA_SCALAR")) != 0;
+    static const bool scalar = ggml_ext_env_switch("PYDFLASH_TQ3_FA_SCALAR", false);
     return !scalar && ampere_mma_available(ggml_cuda_info().devices[ggml_cuda_get_device()].cc);
 }
 
