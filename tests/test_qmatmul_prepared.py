@@ -337,11 +337,13 @@ def test_a_shared_preparation_gives_the_f16_kernel_its_own_bits(rng, wtype):
 def test_qmatmul_prepare_on_cuda_is_the_layout_with_a_warps_sums(rng):
     """ggml.qmatmul_prepare on CUDA: x's columns rounded into the layout to the bit, each run's sum added in a warp
     butterfly's order (qmm_quantize_block; the f16 kernel's GLU form follows the same order), padding columns zero;
-    values over six decades, where the order of f32 additions can show."""
+    values over six decades, where the order of f32 additions can show. K = 6,144 at 48 columns is more warps of one
+    value a lane than an H100 or H200 holds at once, so the preparation takes two values a lane there (the same
+    bits by design); at 1, 9 and 23 columns one."""
     backend = ggml.Backend("cuda")
     if not ggml.qmatmul_streams(backend._dev):
         pytest.skip(f"{backend.name} has no f16 qmatmul kernel (Hopper and later)")
-    K = 1536
+    K = 6144
     orders_differ = False
     for n in (1, 9, 23, 48):
         x = (rng.standard_normal((n, K)) * 10.0 ** rng.uniform(-4, 2, (n, K))).astype(np.float32)

@@ -184,105 +184,185 @@ enum qmm_x_layout {
     QMM_X_BF16,     // the same in bf16, without the sums (the BF16 weights' unit)
 };
 
-// One 32-value block of a column as the kernels read it: lane `lane` of a warp holds value v of block kb. Int8:
-// scale d = amax/127 rounded to f16 as q8_1 does, q = round(v/d), and (d, d * sum q); f16: round_f16(v), and the sum
-// of the rounded values in f32 (a butterfly: every lane the same bits) rounded to f16.
-static __device__ __forceinline__ void qmm_quantize_block(float v, int lane, int col, int kb, int K, int npad,
-                                                          qmm_x_layout layout, int8_t * __restrict__ yq,
-                                                          float2 * __restrict__ yds) {
+// A 32-value block's values held VPL to a lane by LG = 32 / VPL lanes (a lane group): lane p of the group holds the
+// values of "virtual lanes" p, p + LG, ..., p + (VPL - 1) LG. qmm_block_reduce combines them as the butterfly over 32
+// lanes of one value each does (offsets 16, 8, ..., 1; its result the same in every lane): the steps of offset >= LG
+// pair values within a lane, the rest are shuffles within the group. So a float sum has the same bits whatever VPL.
+template <int VPL, typename T, typename Op>
+static __device__ __forceinline__ T qmm_block_reduce(T (&s)[VPL], Op op) {
+    constexpr int LG = WARP_SIZE / VPL;
+#pragma unroll
+    for (int o = WARP_SIZE / 2; o >= LG; o >>= 1) {   // virtual lane p + LG i pairs with p + LG (i ^ o / LG)
+        T t[VPL];
+#pragma unroll
+        for (int i = 0; i < VPL; ++i) {
+            t[i] = op(s[i], s[i ^ (o / LG)]);
+        }
+#pragma unroll
+        for (int i = 0; i < VPL; ++i) {
+            s[i] = t[i];
+        }
+    }
+    T r = s[0];   // (every s[i] now the same bits: a + b == b + a)
+#pragma unroll
+    for (int o = LG / 2; o > 0; o >>= 1) {
+        r = op(r, __shfl_xor_sync(0xffffffff, r, o, WARP_SIZE));
+    }
+    return r;
+}
+
+// One 32-value block of a column as the kernels read it, held as qmm_block_reduce says (lane p of its group: value
+// v[i] at position p + LG i of block kb; `store`: whether the group's block exists, every lane reaching the shuffles
+// either way). Int8: scale d = amax/127 rounded to f16 as q8_1 does, q = round(v/d), and (d, d * sum q); f16:
+// round_f16(v), and the sum of the rounded values in f32 (the butterfly's order) rounded to f16.
+template <int VPL>
+static __device__ __forceinline__ void qmm_quantize_block(const float (&v)[VPL], int p, int col, int kb, int K,
+                                                          int npad, qmm_x_layout layout, bool store,
+                                                          int8_t * __restrict__ yq, float2 * __restrict__ yds) {
+    constexpr int LG = WARP_SIZE / VPL;
     if (layout == QMM_X_BF16) {
         nv_bfloat16 * unit = (nv_bfloat16 *) yq + (size_t) (kb / 8) * npad * QMH_HALF_PITCH;
-        unit[GGML_EXT_QMATMUL_HALF_AT(QK8_1 * (kb % 8) + lane, col, npad)] = __float2bfloat16_rn(v);
+#pragma unroll
+        for (int i = 0; i < VPL; ++i) {
+            if (store) {
+                unit[GGML_EXT_QMATMUL_HALF_AT(QK8_1 * (kb % 8) + p + LG * i, col, npad)] = __float2bfloat16_rn(v[i]);
+            }
+        }
         return;
     }
     if (layout == QMM_X_F16) {
-        const half h = __float2half_rn(v);
-        float sum = __half2float(h);
+        half h[VPL];
+        float s[VPL];
 #pragma unroll
-        for (int offset = WARP_SIZE / 2; offset > 0; offset >>= 1) {
-            sum += __shfl_xor_sync(0xffffffff, sum, offset, WARP_SIZE);
+        for (int i = 0; i < VPL; ++i) {
+            h[i] = __float2half_rn(v[i]);
+            s[i] = __half2float(h[i]);
+        }
+        const float sum = qmm_block_reduce<VPL>(s, [](float a, float b) { return a + b; });
+        if (!store) {
+            return;
         }
         half * unit = (half *) yq + (size_t) (kb / 8) * npad * QMH_HALF_PITCH;
-        unit[GGML_EXT_QMATMUL_HALF_AT(QK8_1 * (kb % 8) + lane, col, npad)] = h;
-        if (lane == 0) {
+#pragma unroll
+        for (int i = 0; i < VPL; ++i) {
+            unit[GGML_EXT_QMATMUL_HALF_AT(QK8_1 * (kb % 8) + p + LG * i, col, npad)] = h[i];
+        }
+        if (p == 0) {
             unit[GGML_EXT_QMATMUL_HALF_AT(QMM_UNIT + kb % 8, col, npad)] = __float2half_rn(sum);
             unit[GGML_EXT_QMATMUL_HALF_ZERO_AT(kb % 8, col, npad)] = __float2half_rn(0.0f);   // (wgmma's k 8-15)
         }
         return;
     }
-    float amax = fabsf(v);
+    float a[VPL];
 #pragma unroll
-    for (int offset = WARP_SIZE / 2; offset > 0; offset >>= 1) {
-        amax = fmaxf(amax, __shfl_xor_sync(0xffffffff, amax, offset, WARP_SIZE));
+    for (int i = 0; i < VPL; ++i) {
+        a[i] = fabsf(v[i]);
     }
+    const float amax = qmm_block_reduce<VPL>(a, [](float x, float y) { return fmaxf(x, y); });
     const float d = amax / 127.0f;
-    const int q = amax == 0.0f ? 0 : (int) roundf(v / d);
-    int sum = q;
+    int q[VPL], qs[VPL];
 #pragma unroll
-    for (int offset = WARP_SIZE / 2; offset > 0; offset >>= 1) {
-        sum += __shfl_xor_sync(0xffffffff, sum, offset, WARP_SIZE);
+    for (int i = 0; i < VPL; ++i) {
+        q[i] = amax == 0.0f ? 0 : (int) roundf(v[i] / d);
+        qs[i] = q[i];
     }
-    const size_t at = layout == QMM_X_HALVES
-        ? ((size_t) (kb / 4) * npad + col) * (QMM_UNIT / 2) + QK8_1 * ((kb % 4 + col) % 4) + lane
-        : (size_t) col * K + kb * QK8_1 + lane;
-    yq[at] = (int8_t) q;
-    if (lane == 0) {
+    const int sum = qmm_block_reduce<VPL>(qs, [](int x, int y) { return x + y; });
+    if (!store) {
+        return;
+    }
+#pragma unroll
+    for (int i = 0; i < VPL; ++i) {
+        const int l = p + LG * i;
+        const size_t at = layout == QMM_X_HALVES
+            ? ((size_t) (kb / 4) * npad + col) * (QMM_UNIT / 2) + QK8_1 * ((kb % 4 + col) % 4) + l
+            : (size_t) col * K + kb * QK8_1 + l;
+        yq[at] = (int8_t) q[i];
+    }
+    if (p == 0) {
         const float dh = __half2float(__float2half_rn(d));
         yds[(size_t) kb * npad + col] = make_float2(dh, __fmul_rn(dh, (float) sum));
     }
 }
 
-// ggml_qmatmul_fused's up, RMS-normed in groups of G values (G a multiple of 32; norm: f32 [G]): a warp sums the
-// squares of its value's group itself, G/32 a lane in order, then a butterfly, so every warp of a group finds the
-// same factor whatever N is; value = (up * factor) * norm, ggml's rms_norm then mul.
+// ggml_qmatmul_fused's up, RMS-normed in groups of G values (G a multiple of 32; norm: f32 [G]): the factor of the
+// group holding k0 (its first value), the sum of its squares found by the 32 virtual lanes of a lane group
+// (qmm_block_reduce), each summing G/32 values in order, so every group of every warp finds the same factor whatever
+// N and VPL are; value = (up * factor) * norm, ggml's rms_norm then mul.
+template <int VPL>
+static __device__ __forceinline__ float qmm_group_factor(const float * __restrict__ upc, int G, float eps, int k0,
+                                                         int p) {
+    constexpr int LG = WARP_SIZE / VPL;
+    float s[VPL];
+#pragma unroll
+    for (int i = 0; i < VPL; ++i) {
+        s[i] = 0.0f;
+#pragma unroll 4
+        for (int j = p + LG * i; j < G; j += WARP_SIZE) {   // (unrolled: a head of 128 values asked for at once)
+            s[i] += upc[k0 + j] * upc[k0 + j];
+        }
+    }
+    return rsqrtf(qmm_block_reduce<VPL>(s, [](float a, float b) { return a + b; }) / (float) G + eps);
+}
+
 static __device__ __forceinline__ float qmm_group_normed(const float * __restrict__ upc, const float * __restrict__ norm,
                                                          int G, float eps, int k, int lane) {
     const int k0 = k - k % G;
-    float s = 0.0f;
-#pragma unroll 4
-    for (int i = lane; i < G; i += WARP_SIZE) {   // (unrolled: a head of 128 values asked for at once)
-        s += upc[k0 + i] * upc[k0 + i];
-    }
-#pragma unroll
-    for (int offset = WARP_SIZE / 2; offset > 0; offset >>= 1) {
-        s += __shfl_xor_sync(0xffffffff, s, offset, WARP_SIZE);
-    }
-    const float factor = rsqrtf(s / (float) G + eps);
-    return __fmul_rn(__fmul_rn(upc[k], factor), norm[k - k0]);
+    return __fmul_rn(__fmul_rn(upc[k], qmm_group_factor<1>(upc, G, eps, k0, lane)), norm[k - k0]);
 }
 
-// The activations: one warp per column and 32 values. With up the gated values (qmm_gated); with a norm as well,
-// up's groups normed first (qmm_group_normed). (A warp per four such blocks, fewer and fuller CUDA blocks, was
-// slower: H100, twenty-first session.)
+// The activations: a warp per VPL 32-value blocks of a column, a lane group per block (qmm_block_reduce), VPL values a
+// lane. With up the gated values (qmm_gated); with a norm as well, up's groups normed first (qmm_group_factor). The
+// same bits for every VPL (qmm_prep_values chooses it). (A
+// warp per four blocks one after another, fewer and fuller CUDA blocks, was slower: H100, twenty-first session; and
+// so were a few CUDA blocks an SM, each warp several blocks' loads at once: thirty-fifth session.)
+template <int VPL>
 static __global__ void qmm_quantize_x(const float * __restrict__ x, const float * __restrict__ up,
                                       const float * __restrict__ norm, int G, float eps, int gate,
                                       int8_t * __restrict__ yq, float2 * __restrict__ yds, int K, int N, int npad,
                                       int64_t stride_col_x, int64_t stride_col_up, qmm_x_layout layout,
                                       bool early_launch) {
+    constexpr int LG = WARP_SIZE / VPL;
     if (early_launch) {
         ggml_cuda_pdl_lc();   // the product after it may start (its blocks wait for us before reading yq)
     }
     const int warp = blockIdx.x * (blockDim.x / WARP_SIZE) + threadIdx.x / WARP_SIZE;
-    const int lane = threadIdx.x % WARP_SIZE;
-    const int blocks_per_col = K / QK8_1;
-    if (warp >= blocks_per_col * npad) {
+    const int lane = threadIdx.x % WARP_SIZE, p = lane % LG;
+    const int blocks_per_col = K / QK8_1, n_blocks = blocks_per_col * npad;
+    if (VPL * warp >= n_blocks) {
         return;
     }
-    const int col = warp / blocks_per_col;
-    const int kb  = warp % blocks_per_col;
+    const int b = VPL * warp + lane / LG;   // this lane group's block
+    const bool live = b < n_blocks;
+    const int col = live ? b / blocks_per_col : 0;
+    const int kb  = live ? b % blocks_per_col : 0;
     ggml_cuda_pdl_sync();   // x is the previous kernel's output: with programmatic dependent launch, wait for it
-    float v = 0.0f;
-    if (col < N) {
-        const int k = kb * QK8_1 + lane;
-        if (up != nullptr) {
-            const float * upc = up + col * stride_col_up;
-            const float u = norm != nullptr ? qmm_group_normed(upc, norm, G, eps, k, lane) : upc[k];
-            v = qmm_gated(x[col * stride_col_x + k], u, gate);
-        } else {
-            v = x[col * stride_col_x + k];
+    // (a lane group without a value, past the last block or in a padding column, reads column 0's and drops them,
+    // so that every lane of the warp reaches the shuffles; a warp of none reads nothing)
+    const bool has = live && col < N;
+    const float * xc = x + (has ? col : 0) * stride_col_x;
+    float v[VPL];
+    if (!__any_sync(0xffffffff, has)) {
+#pragma unroll
+        for (int i = 0; i < VPL; ++i) {
+            v[i] = 0.0f;
+        }
+    } else if (up != nullptr) {
+        const float * upc = up + (has ? col : 0) * stride_col_up;
+        const int k0 = kb * QK8_1 - kb * QK8_1 % max(G, 1);
+        const float factor = norm != nullptr ? qmm_group_factor<VPL>(upc, G, eps, k0, p) : 1.0f;
+#pragma unroll
+        for (int i = 0; i < VPL; ++i) {
+            const int k = kb * QK8_1 + p + LG * i;
+            const float u = norm != nullptr ? __fmul_rn(__fmul_rn(upc[k], factor), norm[k - k0]) : upc[k];
+            v[i] = has ? qmm_gated(xc[k], u, gate) : 0.0f;
+        }
+    } else {
+#pragma unroll
+        for (int i = 0; i < VPL; ++i) {
+            v[i] = has ? xc[kb * QK8_1 + p + LG * i] : 0.0f;
         }
     }
-    qmm_quantize_block(v, lane, col, kb, K, npad, layout, yq, yds);
+    qmm_quantize_block<VPL>(v, p, col, kb, K, npad, layout, live, yq, yds);
 }
 
 // ggml_qmatmul_rms_norm: a column's factor 1 / sqrt(mean(x^2) + eps), computed by a whole CUDA block of
@@ -351,8 +431,8 @@ static __global__ void qmm_quantize_x_rms(const float * __restrict__ x, const fl
     if (kb >= K / QK8_1) {
         return;
     }
-    const float v = live ? __fmul_rn(__fmul_rn(xk, scale), w) : 0.0f;
-    qmm_quantize_block(v, lane, col, kb, K, npad, layout, yq, yds);
+    const float v[1] = {live ? __fmul_rn(__fmul_rn(xk, scale), w) : 0.0f};
+    qmm_quantize_block<1>(v, lane, col, kb, K, npad, layout, true, yq, yds);
 }
 
 // The normed activations as floats, [K, N] contiguous (grid: N columns), for the vector kernel of older GPUs.
@@ -456,6 +536,17 @@ static bool qmm_tagged_handoff() {
     return on;
 }
 
+// Values a lane of qmm_quantize_x holds: two where one a lane would be more warps than the GPU holds at once (64 an
+// SM at its 28 registers), so that a second, partial wave does not hold the product up (output 5120x6144 at 48
+// columns: 9,216 warps against an H100's 8,448; hold 112 measured 0.7 us off there), else one (fewer warps each
+// doing more is slower while they all fit: the 1-column product's preparation would change too). The same bits
+// either way. PYDFLASH_QMATMUL_PREP_PAIRS=0 keeps one a lane (an A/B; read once).
+static int qmm_prep_values(int n_blocks, int device) {
+    static const bool pairs = ggml_ext_env_switch("PYDFLASH_QMATMUL_PREP_PAIRS", true);
+    constexpr int warps_per_sm = 64;
+    return pairs && n_blocks > warps_per_sm * ggml_cuda_info().devices[device].nsm ? 2 : 1;
+}
+
 // The activations quantised (or rounded to f16) into yq/yds in `layout`: gated with up, normed with norm, as
 // ggml_qmatmul_fused asks (qmm_quantize_x, qmm_quantize_x_rms)
 static void qmm_prepare_x(ggml_backend_cuda_context & ctx, const ggml_tensor * x, const ggml_tensor * dst, int K, int N,
@@ -471,8 +562,11 @@ static void qmm_prepare_x(ggml_backend_cuda_context & ctx, const ggml_tensor * x
         return;
     }
     const ggml_tensor * unorm = qmm_up_norm(dst);
-    const int n_warps = npad * (K / QK8_1);
-    ggml_cuda_kernel_launch(qmm_quantize_x, ggml_cuda_kernel_launch_params(dim3((n_warps + 7) / 8), dim3(8 * WARP_SIZE), 0, stream),
+    const int n_blocks = npad * (K / QK8_1);
+    const int vpl = qmm_prep_values(n_blocks, ctx.device);
+    const int n_warps = (n_blocks + vpl - 1) / vpl;
+    const auto kernel = vpl == 2 ? qmm_quantize_x<2> : qmm_quantize_x<1>;
+    ggml_cuda_kernel_launch(kernel, ggml_cuda_kernel_launch_params(dim3((n_warps + 7) / 8), dim3(8 * WARP_SIZE), 0, stream),
                             (const float *) x->data, up ? (const float *) up->data : nullptr,
                             unorm ? (const float *) unorm->data : nullptr, unorm ? (int) ggml_nelements(unorm) : 0,
                             qmm_norm_eps(dst), dst->op_params[2], yq, yds, K, N, npad, stride_col_x,
