@@ -17,10 +17,8 @@
 // QMM_LAB_WARPS=1 also times tiles of 8 and 6 warps at two blocks an SM and of 12 and 10 at one, QMM_LAB_STAGES=1
 // tiles of 6, 8 and 12 warps with three stages at one block an SM, QMM_LAB_UNITS1=1 8-warp tiles of one K unit a
 // stage in 3 or 4 stages;
-// QMM_LAB_TAG=1 the run shape (and with QMM_LAB_WG its wgmma form) with a cut tile's partial sums handed over in
-// tagged words (qmm_half_shared's TAG; traced: "counted" is then a later segment's stores, "count seen" the
-// finisher's first wait over); QMM_LAB_WG=1 (Q4_K; built with -arch=sm_90a) the run shape with its MMAs as wgmma
-// at every column count (qmatmul_wgmma.cuh; checked for the run's bits); QMM_LAB_RT2=1 the run shape's block rows as two 16-row tiles a
+// QMM_LAB_WG=1 (Q4_K; built with -arch=sm_90a) the run shape with its MMAs as wgmma at every column count
+// (qmatmul_wgmma.cuh; checked for the run's bits); QMM_LAB_RT2=1 the run shape's block rows as two 16-row tiles a
 // warp in half the warps (the same cut: a column's bits are the run shape's, checked). With QMM_LAB_ADD=1 the shape
 // ggml_qmatmul runs is also timed with a residual added as its outputs are stored (checked: the sum of the plain
 // result and the residual, bit for bit). QMM_LAB_GLU=1 also times that shape's GLU form (Q4_K matrices of 2F rows, F a multiple of
@@ -405,8 +403,7 @@ static __global__ void prefetch_first_stages(const char * W, int64_t row_bytes, 
 
 // --- Several columns: the f16 kernel of qmatmul_shared.cuh against the best of the others -------------------
 
-template <ggml_type type, int NT, int RT, int NW, int S, int U, int MB, bool GLU = false, bool WG = false,
-          bool TAG = false>
+template <ggml_type type, int NT, int RT, int NW, int S, int U, int MB, bool GLU = false, bool WG = false>
 static void shared_launch(const qmh_args & a, int P, cudaStream_t st) {
     constexpr size_t smem = qmh_smem_bytes<type, NT, RT, NW, S, U>();
     if (smem > QMM_LAB_SMEM_OPTIN) {
@@ -415,21 +412,21 @@ static void shared_launch(const qmh_args & a, int P, cudaStream_t st) {
     }
     static bool set = false;
     if (!set) {
-        CK(cudaFuncSetAttribute(qmm_half_shared<type, NT, RT, NW, S, U, MB, GLU, WG, TAG>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int) smem));
+        CK(cudaFuncSetAttribute(qmm_half_shared<type, NT, RT, NW, S, U, MB, GLU, WG>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int) smem));
         set = true;
     }
-    qmm_half_shared<type, NT, RT, NW, S, U, MB, GLU, WG, TAG><<<P, dim3(WARP_SIZE, NW), smem, st>>>(a);
+    qmm_half_shared<type, NT, RT, NW, S, U, MB, GLU, WG><<<P, dim3(WARP_SIZE, NW), smem, st>>>(a);
 }
 
-template <ggml_type type, int RT, int NW, int S, int U, int MB, bool GLU = false, bool WG = false, bool TAG = false>
+template <ggml_type type, int RT, int NW, int S, int U, int MB, bool GLU = false, bool WG = false>
 static void shared_any(const qmh_args & a, int P, cudaStream_t st) {
     switch (a.npad / 8) {
-        case 1: shared_launch<type, 1, RT, NW, S, U, MB, GLU, WG, TAG>(a, P, st); break;
-        case 2: shared_launch<type, 2, RT, NW, S, U, MB, GLU, WG, TAG>(a, P, st); break;
-        case 3: shared_launch<type, 3, RT, NW, S, U, MB, GLU, WG, TAG>(a, P, st); break;
-        case 4: shared_launch<type, 4, RT, NW, S, U, MB, GLU, WG, TAG>(a, P, st); break;
-        case 5: shared_launch<type, 5, RT, NW, S, U, MB, GLU, WG, TAG>(a, P, st); break;
-        default: shared_launch<type, 6, RT, NW, S, U, MB, GLU, WG, TAG>(a, P, st); break;
+        case 1: shared_launch<type, 1, RT, NW, S, U, MB, GLU, WG>(a, P, st); break;
+        case 2: shared_launch<type, 2, RT, NW, S, U, MB, GLU, WG>(a, P, st); break;
+        case 3: shared_launch<type, 3, RT, NW, S, U, MB, GLU, WG>(a, P, st); break;
+        case 4: shared_launch<type, 4, RT, NW, S, U, MB, GLU, WG>(a, P, st); break;
+        case 5: shared_launch<type, 5, RT, NW, S, U, MB, GLU, WG>(a, P, st); break;
+        default: shared_launch<type, 6, RT, NW, S, U, MB, GLU, WG>(a, P, st); break;
     }
 }
 
@@ -541,8 +538,7 @@ template <ggml_type type> static void run_shared(const shape & sh, const std::ve
                        exact ? "= the sum, bit for bit" : "DIFFERS from the sum");
                 CK(cudaFree(radd));
             }
-            if (v == 0 || strstr(name, "tagged") != nullptr) {   // one call traced, after another on a different
-                                                                  // weight copy (as in the timed graph)
+            if (v == 0) {   // one call traced, after another on a different weight copy (as in the timed graph)
                 constexpr int E = QMH_TRACE_EVENTS;
                 std::vector<unsigned long long> tr(E * 1024, 0);
                 CK(cudaMemcpyToSymbol(qmh_trace, tr.data(), tr.size() * 8));
@@ -615,20 +611,6 @@ template <ggml_type type> static void run_shared(const shape & sh, const std::ve
                     variant(run_name, MB, 16 * NW, RU, [&](const qmh_args & a, int P) {
                         shared_any<type, 1, NW, QMH_RUN_STAGES, RU, MB, false, true>(a, P, st);
                     });
-                }
-            }
-            if (getenv("QMM_LAB_TAG") != nullptr) {   // the run shape with its cut tiles handed over in tagged words
-                snprintf(run_name, sizeof run_name, "tagged w%d", NW);
-                variant(run_name, MB, 16 * NW, RU, [&](const qmh_args & a, int P) {
-                    shared_any<type, 1, NW, QMH_RUN_STAGES, RU, MB, false, false, true>(a, P, st);
-                });
-                if constexpr (type == GGML_TYPE_Q4_K && NW % 4 == 0) {
-                    if (getenv("QMM_LAB_WG") != nullptr) {
-                        snprintf(run_name, sizeof run_name, "wg tagged w%d", NW);
-                        variant(run_name, MB, 16 * NW, RU, [&](const qmh_args & a, int P) {
-                            shared_any<type, 1, NW, QMH_RUN_STAGES, RU, MB, false, true, true>(a, P, st);
-                        });
-                    }
                 }
             }
             if (getenv("QMM_LAB_PREFETCH") != nullptr) {   // launched as ggml_ext launches it, each call early

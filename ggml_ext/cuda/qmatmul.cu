@@ -312,9 +312,9 @@ static __device__ __forceinline__ float qmm_group_normed(const float * __restric
 
 // The activations: a warp per VPL 32-value blocks of a column, a lane group per block (qmm_block_reduce), VPL values a
 // lane. With up the gated values (qmm_gated); with a norm as well, up's groups normed first (qmm_group_factor). The
-// same bits for every VPL (qmm_prep_values chooses it). (A
-// warp per four blocks one after another, fewer and fuller CUDA blocks, was slower: H100, twenty-first session; and
-// so were a few CUDA blocks an SM, each warp several blocks' loads at once: thirty-fifth session.)
+// same bits for every VPL (qmm_prep_values chooses it). (A warp per four blocks one after another, fewer and fuller
+// CUDA blocks, was slower: H100, twenty-first session; and so were a few CUDA blocks an SM, each warp several blocks'
+// loads at once: thirty-fifth session.)
 template <int VPL>
 static __global__ void qmm_quantize_x(const float * __restrict__ x, const float * __restrict__ up,
                                       const float * __restrict__ norm, int G, float eps, int gate,
@@ -528,23 +528,13 @@ static bool qmm_early_launch() {
     return on;
 }
 
-// Whether the f16 kernel hands a cut tile's partial sums over in tagged words (qmatmul_shared.cuh, qmh_handoff; the
-// kernel's TAG instantiations) or through a workspace and a count. PYDFLASH_QMATMUL_HANDOFF=1 takes the tagged
-// words: opt-in until measured on a GPU (docs/benchmarks.md, thirty-seventh session; read once).
-static bool qmm_tagged_handoff() {
-    static const bool on = ggml_ext_env_switch("PYDFLASH_QMATMUL_HANDOFF", false);
-    return on;
-}
-
 // Values a lane of qmm_quantize_x holds: two where one a lane would be more warps than the GPU holds at once (64 an
-// SM at its 28 registers), so that a second, partial wave does not hold the product up (output 5120x6144 at 48
-// columns: 9,216 warps against an H100's 8,448; hold 112 measured 0.7 us off there), else one (fewer warps each
-// doing more is slower while they all fit: the 1-column product's preparation would change too). The same bits
-// either way. PYDFLASH_QMATMUL_PREP_PAIRS=0 keeps one a lane (an A/B; read once).
+// SM at its 28 registers), so that no second, partial wave holds the product up (the 5120x6144 output at 48 columns:
+// 9,216 warps against an H100's 8,448; 19.2 us against 20.0, H100, docs/benchmarks.md, thirty-ninth session), else
+// one (two everywhere bought the 27B's verify nothing: hold 112). The same bits either way.
 static int qmm_prep_values(int n_blocks, int device) {
-    static const bool pairs = ggml_ext_env_switch("PYDFLASH_QMATMUL_PREP_PAIRS", true);
     constexpr int warps_per_sm = 64;
-    return pairs && n_blocks > warps_per_sm * ggml_cuda_info().devices[device].nsm ? 2 : 1;
+    return n_blocks > warps_per_sm * ggml_cuda_info().devices[device].nsm ? 2 : 1;
 }
 
 // The activations quantised (or rounded to f16) into yq/yds in `layout`: gated with up, normed with norm, as
@@ -589,20 +579,14 @@ static void qmatmul_half(ggml_backend_cuda_context & ctx, const ggml_tensor * w,
         qmm_prepare_x(ctx, x, dst, K, N, npad, type == GGML_TYPE_BF16 ? QMM_X_BF16 : QMM_X_F16, (int8_t *) xh.get(),
                       nullptr);
     }
-    const bool tagged = qmm_tagged_handoff();
-    ggml_cuda_pool_alloc<float> ws(ctx.pool());   // (the counted hand-off's; the tagged one's is qmh_handoff)
-    if (tagged) {
-        GGML_ASSERT(qmh_ws_floats<type>(nt, P, M) <= QMH_HANDOFF_WORDS);
-    } else {
-        ws.alloc(qmh_ws_floats<type>(nt, P, M));
-    }
+    ggml_cuda_pool_alloc<float> ws(ctx.pool(), qmh_ws_floats<type>(nt, P, M));
     const ggml_tensor * add = dst->src[3];   // ggml_qmatmul_fused: added as the outputs are stored
     const qmh_args p = {(const char *) w->data, prepared ? (const half *) x->data : (const half *) xh.get(),
                         GLU ? nullptr : (float *) dst->data, K / QMM_UNIT, K, M, N, npad,
                         GLU ? 0 : (int) (dst->nb[1] / sizeof(float)), add ? (const float *) add->data : nullptr,
                         add ? (int) (add->nb[1] / sizeof(float)) : 0, ws.get(), qmm_early_launch(),
                         GLU ? (half *) dst->data : nullptr, GLU ? M / 2 : 0, GLU && dst->op_params[4] != 0};
-    tagged ? qmh_run_tagged<type, GLU>(p, ctx.device, P, ctx.stream()) : qmh_run<type, GLU>(p, ctx.device, P, ctx.stream());
+    qmh_run<type, GLU>(p, ctx.device, P, ctx.stream());
 }
 
 // ggml_qmatmul_swiglu_prepared (Q4_K) and ggml_qmatmul_prepared (Q4_K, Q6_K): the f16 kernel only

@@ -99,7 +99,7 @@ struct qmh_args {
     int nb, K, M, N, npad, stride_col_dst;
     const float * add;      // ggml_qmatmul_fused's added tensor, or null
     int stride_col_add;
-    float * ws;             // partial sums: qmh_ws_floats (the counted hand-off; TAG: qmh_handoff instead)
+    float * ws;             // partial sums: qmh_ws_floats
     bool early_launch;      // let the next kernel launch once every block has computed its items
     half * glu_out;         // the GLU form (qmm_half_shared): silu(gate) * up, prepared; else null
     int F;                  // the GLU form: gate rows 0..F-1, up rows F..2F-1 (M = 2F)
@@ -146,36 +146,6 @@ static __device__ __forceinline__ int qmh_load_acquire(const int * counter) {
     return v;
 }
 
-// A cut tile's hand-off through tagged words (the kernel's TAG, opt-in: qmatmul.cu's qmm_tagged_handoff):
-// qmh_handoff is all zeros between calls; a later segment's warp stores each partial sum as its bits XOR QMH_TAG
-// (never zero: a sum with the tag's bits, a NaN payload no arithmetic here makes, goes as the canonical NaN), one
-// relaxed store a word, with no fence, barrier or count; the finisher's warp waits on one lane for one word of its
-// partner warp, then reads all of its words, each one a value once it is not zero, and puts the zeros back. One lane
-// a warp polls (every thread polling its own words crowded the L2 and was slower: docs/benchmarks.md, thirty-second
-// session). Calls on one device must not overlap, as for the counters above. Capacity: P * frag words (host-checked).
-#define QMH_HANDOFF_WORDS (1 << 21)
-#define QMH_TAG 0x7FC0DEADu
-static __device__ uint32_t qmh_handoff[QMH_HANDOFF_WORDS];
-
-static __device__ __forceinline__ void qmh_put_word(uint32_t * at, uint32_t u) {
-    asm volatile("st.relaxed.gpu.global.b32 [%0], %1;" : : "l"(at), "r"(u) : "memory");
-}
-
-static __device__ __forceinline__ uint32_t qmh_get_word(const uint32_t * at) {
-    uint32_t u;
-    asm volatile("ld.relaxed.gpu.global.b32 %0, [%1];" : "=r"(u) : "l"(at) : "memory");
-    return u;
-}
-
-static __device__ __forceinline__ uint32_t qmh_tag(float v) {
-    const uint32_t u = __float_as_uint(v);
-    return (u == QMH_TAG ? 0x7FFFFFFFu : u) ^ QMH_TAG;
-}
-
-static __device__ __forceinline__ float qmh_untag(uint32_t w) {
-    return __uint_as_float(w ^ QMH_TAG);
-}
-
 static __device__ __forceinline__ void qmh_cp16(char * smem, const char * gmem) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" : : "r"(qms_smem_addr(smem)), "l"(gmem) : "memory");
 }
@@ -188,8 +158,7 @@ static __device__ __forceinline__ void qmh_cp16(char * smem, const char * gmem) 
 // an output holds both; a block's tile is NW * 8 pairs (a multiple of 32, F too: a run of 32 pairs, whose sum the
 // prepared layout holds, is four warps of one block). The tile's finisher writes silu(gate) * up rounded to f16 into
 // p.glu_out (ggml-ext.h's prepared layout; the run sums where p.glu_sums) and no f32 outputs.
-template <ggml_type type, int NT, int RT, int NW, int STAGES, int U, int MINB, bool GLU = false, bool WG = false,
-          bool TAG = false>
+template <ggml_type type, int NT, int RT, int NW, int STAGES, int U, int MINB, bool GLU = false, bool WG = false>
 static __global__ void __launch_bounds__(NW * WARP_SIZE, MINB)
 qmm_half_shared(const qmh_args p) {
     using shape = qmh_shape<NT, RT, NW>;
@@ -515,92 +484,29 @@ qmm_half_shared(const qmh_args p) {
         // (a tile that starts before a block's first item is the tile of that item)
         auto slot = [&](int pb) -> float * { return p.ws + (size_t) pb * shape::frag; };
         auto at = [&](int r, int t, int i) { return (((warp * RT + r) * NT + t) * 4 + i) * WARP_SIZE + lane; };
-        auto tagged_slot = [&](int pb) { return qmh_handoff + (size_t) pb * shape::frag; };
-        if (blockIdx.x != pb0) {   // a later segment: its sums for the tile's first block
-            if constexpr (TAG) {   // tagged, for the finisher's warp
-                uint32_t * mine = tagged_slot(blockIdx.x);
-                each_output([&](int r, int t, int i) {
-                    qmh_put_word(mine + at(r, t, i), qmh_tag(acc[r][t][i]));
-                    acc[r][t][i] = 0.0f;
-                });
-            } else {   // into the workspace, counted
-                float * mine = slot(blockIdx.x);
-                each_output([&](int r, int t, int i) {
-                    mine[at(r, t, i)] = acc[r][t][i];
-                    acc[r][t][i] = 0.0f;
-                });
-                __syncthreads();
-                if (lane == 0 && warp == 0) {
-                    qmh_count_release(&qmh_counters[tile]);
-                }
+        if (blockIdx.x != pb0) {   // a later segment: its sums for the tile's first block, counted
+            float * mine = slot(blockIdx.x);
+            each_output([&](int r, int t, int i) {
+                mine[at(r, t, i)] = acc[r][t][i];
+                acc[r][t][i] = 0.0f;
+            });
+            __syncthreads();
+            if (lane == 0 && warp == 0) {
+                qmh_count_release(&qmh_counters[tile]);
             }
             QMH_TRACE_AT(6);
             continue;
         }
         // the tile's first segment: this block finishes the tile. Its other segments start the runs of the blocks
-        // after it (done early), while this one ends its run: wait for their count (at once, as a rule; TAG: each
-        // warp for its partner warps' words), then add their sums to ours in segment (K) order. The loads of SEG
-        // segments are all asked for before the first of their additions (one L2 round trip for them: a segment's
-        // loads, then its adds, was one trip each, ~0.5 us a segment on the H100; output by output, a 5,120-row matrix
-        // cut over ~8 blocks a tile took ~40 us), SEG as many as a thread's registers hold beside the rest (more
-        // spilled in the 16-warp LM head's whole run, which was then 20% slower from 3 column tiles on; its tiles are
-        // cut in two at most).
+        // after it (done early), while this one ends its run: wait for their count (at once, as a rule), then add
+        // their sums to ours in segment (K) order. The loads of SEG segments are all asked for before the first of
+        // their additions (one L2 round trip for them: a segment's loads, then its adds, was one trip each, ~0.5 us
+        // a segment on the H100; output by output, a 5,120-row matrix cut over ~8 blocks a tile took ~40 us), SEG
+        // as many as a thread's registers hold beside the rest (more spilled in the 16-warp LM head's whole run, which
+        // was then 20% slower from 3 column tiles on; its tiles are cut in two at most).
         // The block never waits on a block that waits on it (waits point to later blocks only), and every block of
         // the grid is resident at once (qmh_grid: no more blocks than the SMs hold; earlier kernels end, and the
         // next one launches early only once all of ours are running).
-        constexpr int regs = 65536 / (NW * WARP_SIZE * MINB);   // a thread's registers (an H100 SM's 64 K)
-        constexpr int fit = (regs >= 255 ? 48 : regs >= 168 ? 24 : 12) / (RT * NT * 4);   // segments' values
-        constexpr int SEG = fit > 4 ? 4 : fit;
-        if constexpr (TAG) {
-            // SEGT segments' words at once, at most 2 (the output's tiles: 3 segments; more spilled), where not even
-            // one segment's fit one 16x8 accumulator's 4 at a time
-            constexpr int SEGT = SEG < 1 ? 1 : SEG > 2 ? 2 : SEG, TT = SEG < 1 ? 1 : NT;
-            for (int pb = pb0 + 1; pb <= pb1; pb += SEGT) {
-                const int nseg = min(SEGT, pb1 - pb + 1);
-                // this thread's word of output (r, t, i) in the k-th segment of the batch
-                auto word_at = [&](int k, int r, int t, int i) { return tagged_slot(pb + k) + at(r, t, i); };
-                if (lane == 0) {   // the last word each partner warp's lane 0 stored
-                    for (int k = 0; k < nseg; ++k) {
-                        while (qmh_get_word(word_at(k, RT - 1, NT - 1, 3)) == 0) {
-                        }
-                    }
-                }
-                __syncwarp();
-                QMH_TRACE_AT(7);
-#pragma unroll
-                for (int t0 = 0; t0 < NT; t0 += TT) {
-                    uint32_t part[SEGT][RT][TT][4];
-                    auto each_part = [&](auto && f) {
-#pragma unroll
-                        for (int k = 0; k < SEGT; ++k) {
-                            if (k < nseg) {
-                                each_output_in(t0, t0 + TT, [&](int r, int t, int i) { f(k, r, t, i, part[k][r][t - t0][i]); });
-                            }
-                        }
-                    };
-                    each_part([&](int k, int r, int t, int i, uint32_t & w) { w = qmh_get_word(word_at(k, r, t, i)); });
-                    for (;;) {   // (as a rule once: a warp's words were stored together)
-                        bool empty = false;
-                        each_part([&](int, int, int, int, uint32_t & w) { empty |= w == 0; });
-                        if (!__any_sync(0xFFFFFFFFu, empty)) {
-                            break;
-                        }
-                        each_part([&](int k, int r, int t, int i, uint32_t & w) {
-                            if (w == 0) {
-                                w = qmh_get_word(word_at(k, r, t, i));
-                            }
-                        });
-                    }
-                    each_part([&](int k, int r, int t, int i, uint32_t & w) {
-                        acc[r][t][i] = __fadd_rn(acc[r][t][i], qmh_untag(w));
-                        qmh_put_word(word_at(k, r, t, i), 0u);
-                    });
-                }
-            }
-            QMH_TRACE_AT(8);
-            store();
-            continue;
-        }
         if (lane == 0 && warp == 0) {
             while (qmh_load_acquire(&qmh_counters[tile]) != pb1 - pb0) {
             }
@@ -608,6 +514,9 @@ qmm_half_shared(const qmh_args p) {
         }
         __syncthreads();   // (the other segments' sums, stored before their blocks counted, are visible to all)
         QMH_TRACE_AT(7);
+        constexpr int regs = 65536 / (NW * WARP_SIZE * MINB);   // a thread's registers (an H100 SM's 64 K)
+        constexpr int fit = (regs >= 255 ? 48 : regs >= 168 ? 24 : 12) / (RT * NT * 4);   // segments' values
+        constexpr int SEG = fit > 4 ? 4 : fit;
         if constexpr (SEG <= 1) {   // (each value added as it comes: no registers for a segment's values)
             for (int pb = pb0 + 1; pb <= pb1; ++pb) {
                 const float * from = slot(pb);
@@ -744,10 +653,11 @@ template <ggml_type type> static size_t qmh_ws_floats(int nt, int P, int M) {
 // previous call's last ones, and ran ~40% slower on the SMs that held two while others idled (the 8-warp Q4_K shape
 // at 1-16 columns, H100: GDN input 31.8 / 37.4 us at 2 / 16 columns against 24.2 / 26.2 without early launches;
 // docs/benchmarks.md, thirty-first session). Checked once per instantiation and device.
-template <ggml_type type, int NT, int NW, int MINB, bool GLU, bool WG, bool TAG>
-static void qmh_launch_as(const qmh_args & p, int device, int P, cudaStream_t stream) {
+template <ggml_type type, int NT, int NW, int MINB, bool GLU, bool WG> static void qmh_launch_as(const qmh_args & p,
+                                                                                            int device, int P,
+                                                                                            cudaStream_t stream) {
     constexpr int U = qmh_run_units<type>();
-    constexpr auto kernel = qmm_half_shared<type, NT, QMH_RUN_RT, NW, QMH_RUN_STAGES, U, MINB, GLU, WG, TAG>;
+    constexpr auto kernel = qmm_half_shared<type, NT, QMH_RUN_RT, NW, QMH_RUN_STAGES, U, MINB, GLU, WG>;
     constexpr size_t smem = qmh_smem_bytes<type, 6, QMH_RUN_RT, NW, QMH_RUN_STAGES, U>();
     static_assert(qmh_smem_bytes<type, NT, QMH_RUN_RT, NW, QMH_RUN_STAGES, U>() <= smem, "the widest shape's stages");
     static bool checked[GGML_CUDA_MAX_DEVICES] = {};
@@ -771,44 +681,38 @@ static void qmh_launch_as(const qmh_args & p, int device, int P, cudaStream_t st
 // gate/up (level), slower below (docs/benchmarks.md, thirty-first and thirty-third sessions)
 #define QMH_WG_MIN_TILES 5
 
-template <ggml_type type, int NT, int NW, int MINB, bool GLU, bool TAG>
-static void qmh_launch(const qmh_args & p, int device, int P, cudaStream_t stream) {
+template <ggml_type type, int NT, int NW, int MINB, bool GLU> static void qmh_launch(const qmh_args & p, int device,
+                                                                                     int P, cudaStream_t stream) {
 #ifdef GGML_EXT_WGMMA
     if constexpr (type == GGML_TYPE_Q4_K && NT >= QMH_WG_MIN_TILES && NW % 4 == 0) {
         // (the device runs the sm_90a code: not a later GPU running other code of the build)
         if (ggml_cuda_highest_compiled_arch(ggml_cuda_info().devices[device].cc) == GGML_CUDA_CC_HOPPER) {
-            qmh_launch_as<type, NT, NW, MINB, GLU, true, TAG>(p, device, P, stream);
+            qmh_launch_as<type, NT, NW, MINB, GLU, true>(p, device, P, stream);
             return;
         }
     }
 #endif
-    qmh_launch_as<type, NT, NW, MINB, GLU, false, TAG>(p, device, P, stream);
+    qmh_launch_as<type, NT, NW, MINB, GLU, false>(p, device, P, stream);
 }
 
-template <ggml_type type, int NT, bool GLU, bool TAG> static void qmh_launch(const qmh_args & p, int device, int P,
-                                                                             cudaStream_t stream) {
+template <ggml_type type, int NT, bool GLU> static void qmh_launch(const qmh_args & p, int device, int P,
+                                                                   cudaStream_t stream) {
     qmh_with_shape<type>(p.M, [&](auto nw, auto minb) {
-        qmh_launch<type, NT, decltype(nw)::value, decltype(minb)::value, GLU, TAG>(p, device, P, stream);
+        qmh_launch<type, NT, decltype(nw)::value, decltype(minb)::value, GLU>(p, device, P, stream);
     });
 }
 
 // W * X (Q4_K, Q6_K or BF16, K a multiple of 256) through the f16 kernel: p.x in qmatmul_half.cuh's layout (bf16 for
 // BF16), p.npad = 8 nt, p.ws of qmh_ws_floats<type>(nt, P, M) floats, P = qmh_grid<type>(M, K, SMs,
-// qmh_per_sm<type, GLU>(M)). GLU (p.glu_out set; Q4_K, 8 or 12 warps): the GLU form of qmm_half_shared. TAG: the
-// tagged hand-off's instantiations (p.ws unused), which ggml_qmatmul takes through qmh_run_tagged.
-template <ggml_type type, bool GLU = false, bool TAG = false>
-static void qmh_run(const qmh_args & p, int device, int P, cudaStream_t stream) {
+// qmh_per_sm<type, GLU>(M)). GLU (p.glu_out set; Q4_K, 8 or 12 warps): the GLU form of qmm_half_shared.
+template <ggml_type type, bool GLU = false> static void qmh_run(const qmh_args & p, int device, int P, cudaStream_t stream) {
     switch (p.npad / 8) {
-        case 1: qmh_launch<type, 1, GLU, TAG>(p, device, P, stream); break;
-        case 2: qmh_launch<type, 2, GLU, TAG>(p, device, P, stream); break;
-        case 3: qmh_launch<type, 3, GLU, TAG>(p, device, P, stream); break;
-        case 4: qmh_launch<type, 4, GLU, TAG>(p, device, P, stream); break;
-        case 5: qmh_launch<type, 5, GLU, TAG>(p, device, P, stream); break;
-        case 6: qmh_launch<type, 6, GLU, TAG>(p, device, P, stream); break;
+        case 1: qmh_launch<type, 1, GLU>(p, device, P, stream); break;
+        case 2: qmh_launch<type, 2, GLU>(p, device, P, stream); break;
+        case 3: qmh_launch<type, 3, GLU>(p, device, P, stream); break;
+        case 4: qmh_launch<type, 4, GLU>(p, device, P, stream); break;
+        case 5: qmh_launch<type, 5, GLU>(p, device, P, stream); break;
+        case 6: qmh_launch<type, 6, GLU>(p, device, P, stream); break;
         default: GGML_ABORT("ggml_qmatmul: %d column tiles", p.npad / 8);
     }
 }
-
-// qmh_run<type, GLU, true>, compiled in qmatmul_tagged.cu (beside qmatmul.cu, so that a build compiles the two sets of
-// instantiations in parallel): Q4_K plain and GLU, Q6_K and BF16 plain
-template <ggml_type type, bool GLU> void qmh_run_tagged(const qmh_args & p, int device, int P, cudaStream_t stream);
