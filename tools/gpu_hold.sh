@@ -7,6 +7,9 @@
 # Usage, in the repo root on the GPU machine, with .device and .whl carried (tools/prepare_gpu_carry.py) and JOB
 # (a bash file, carried too if it is ignored):
 #   tools/gpu_hold.sh start JOB     copy the tree to /tmp/src, start the build, the models and JOB
+#     PREBUILT=.device/pyd_cuda.tgz   (carried) install the package tools/build_cuda_here.sh built instead of building
+#                                     it here (~6 minutes of a cold machine); llama-bench, which needs that build, too
+#                                     is then skipped, and SKIP=models skips the models as gpu_run.sh's SKIP does
 #   tools/gpu_hold.sh wait SECONDS  print JOB's log once it ends, or after SECONDS
 # JOB runs from /tmp with PYTHONPATH and LD_LIBRARY_PATH set to the build, and can use:
 #   $src (the tree), $data (q27.gguf, d27, ...), $llama_bench, pytest_cuda ARGS..., wait_models (models and
@@ -18,6 +21,11 @@ start)
     job=$(realpath "$2")
     rm -rf /tmp/src "$hold" && mkdir -p /tmp/src "$hold" && cp -a . /tmp/src/ && cp "$job" "$hold/job.sh"
     cd /tmp/src
+    if [ -n "${PREBUILT:-}" ]; then   # (the build phase stamped done: gpu_run.sh goes on to the wheels and models)
+        rm -rf /tmp/pydflash-gpu/pyd && mkdir -p /tmp/pydflash-gpu/pyd && tar xzf "$PREBUILT" -C /tmp/pydflash-gpu/pyd
+        touch /tmp/pydflash-gpu/build.done
+        export SKIP="${SKIP:-} llama_bench"
+    fi
     STATE=/tmp/pydflash-gpu setsid nohup bash -c "ONLY=none tools/gpu_run.sh .whl .device/ggml-src .device/llama \
         .device/pylibs 1750" > "$hold/gpu_run.log" 2>&1 < /dev/null &
     setsid nohup bash "$0" run > "$hold/job.log" 2>&1 < /dev/null &
@@ -27,15 +35,18 @@ run)   # (the background part of start)
     export state=/tmp/pydflash-gpu
     export src=/tmp/src data=$state/data llama_bench=/tmp/src/build/cp312-cp312-linux_x86_64/bin/llama-bench
     export PYTHONPATH=$state/pyd:$state/site:$src/.device/pylibs LD_LIBRARY_PATH=$state/pyd/pydflash/lib
+    # (a PREBUILT package's libraries find cuBLAS in the machine's toolkit, not where they were linked)
+    LD_LIBRARY_PATH+=:/usr/local/cuda/lib64:/usr/local/cuda/targets/x86_64-linux/lib
     export PYTHONUNBUFFERED=1
     # (chat's and the server's tests have no CUDA case and import clients the GPU image lacks: pexpect, openai,
     # anthropic; ignored, so that a whole tests/ directory collects)
     pytest_cuda() { python3 -m pytest -q -p no:cacheprovider --rootdir "$src" -c "$src/pyproject.toml" -m cuda \
         --ignore="$src/tests/test_chat.py" --ignore="$src/tests/test_server_api.py" \
         --ignore="$src/tests/test_server_demo.py" --ignore="$src/tests/test_server_tools.py" "$@"; }
-    wait_models() { while [ ! -e "$state/models.done" ] || [ ! -e "$state/llama_bench.done" ]; do sleep 5; done; }
+    wait_models() { while [ ! -e "$state/models.done" ] || { [[ " ${SKIP:-} " != *" llama_bench "* ]] &&
+                                                                [ ! -e "$state/llama_bench.done" ]; }; do sleep 5; done; }
     export -f pytest_cuda wait_models
-    while [ ! -e "$state/build.done" ]; do
+    while [ ! -e "$state/build.done" ] || [ ! -e "$state/wheels.done" ]; do   # (PREBUILT: build.done comes first)
         grep -q "rc=[1-9]" "$hold/gpu_run.log" 2>/dev/null && { echo "the build failed:"; tail -30 "$hold/gpu_run.log"; exit 1; }
         sleep 5
     done
