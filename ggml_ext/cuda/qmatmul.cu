@@ -528,13 +528,26 @@ static bool qmm_early_launch() {
     return on;
 }
 
-// Values a lane of qmm_quantize_x holds: two where one a lane would be more warps than the GPU holds at once (64 an
-// SM at its 28 registers), so that no second, partial wave holds the product up (the 5120x6144 output at 48 columns:
-// 9,216 warps against an H100's 8,448; 19.2 us against 20.0, H100, docs/benchmarks.md, thirty-ninth session), else
-// one (two everywhere bought the 27B's verify nothing: hold 112). The same bits either way.
+#define QMM_QUANT_WARPS 8   // warps a CUDA block of qmm_quantize_x
+
+// Warps of qmm_quantize_x (one value a lane) the GPU holds at once, as its registers and block size allow (an H100:
+// 64 an SM, 8,448); once per device
+static int qmm_prep_resident_warps(int device) {
+    static int warps[GGML_CUDA_MAX_DEVICES] = {};
+    if (warps[device] == 0) {
+        int blocks = 0;
+        CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, qmm_quantize_x<1>, QMM_QUANT_WARPS * WARP_SIZE, 0));
+        warps[device] = blocks * QMM_QUANT_WARPS * ggml_cuda_info().devices[device].nsm;
+    }
+    return warps[device];
+}
+
+// Values a lane of qmm_quantize_x holds: two where one a lane would be more warps than the GPU holds at once, so that
+// no second, partial wave holds the product up (the 5120x6144 output at 48 columns: 9,216 warps against an H100's
+// 8,448; 19.2 us against 20.0, H100, docs/benchmarks.md, thirty-ninth session), else one (two everywhere bought the
+// 27B's verify nothing: hold 112). The same bits either way.
 static int qmm_prep_values(int n_blocks, int device) {
-    constexpr int warps_per_sm = 64;
-    return n_blocks > warps_per_sm * ggml_cuda_info().devices[device].nsm ? 2 : 1;
+    return n_blocks > qmm_prep_resident_warps(device) ? 2 : 1;
 }
 
 // The activations quantised (or rounded to f16) into yq/yds in `layout`: gated with up, normed with norm, as
@@ -556,7 +569,8 @@ static void qmm_prepare_x(ggml_backend_cuda_context & ctx, const ggml_tensor * x
     const int vpl = qmm_prep_values(n_blocks, ctx.device);
     const int n_warps = (n_blocks + vpl - 1) / vpl;
     const auto kernel = vpl == 2 ? qmm_quantize_x<2> : qmm_quantize_x<1>;
-    ggml_cuda_kernel_launch(kernel, ggml_cuda_kernel_launch_params(dim3((n_warps + 7) / 8), dim3(8 * WARP_SIZE), 0, stream),
+    ggml_cuda_kernel_launch(kernel, ggml_cuda_kernel_launch_params(dim3((n_warps + QMM_QUANT_WARPS - 1) / QMM_QUANT_WARPS),
+                                                                     dim3(QMM_QUANT_WARPS * WARP_SIZE), 0, stream),
                             (const float *) x->data, up ? (const float *) up->data : nullptr,
                             unorm ? (const float *) unorm->data : nullptr, unorm ? (int) ggml_nelements(unorm) : 0,
                             qmm_norm_eps(dst), dst->op_params[2], yq, yds, K, N, npad, stride_col_x,
